@@ -1,0 +1,20 @@
+# The two commands a fresh clone needs:  make demo  and  make test.
+.PHONY: setup demo test test-fast up lint bench
+
+setup:
+	@bash scripts/setup.sh
+
+demo: setup
+	@.venv/bin/carryover demo $(ARGS)
+
+test: setup
+	@.venv/bin/python -m pytest $(ARGS)
+
+test-fast: setup
+	@.venv/bin/python -m pytest --fast $(ARGS)
+
+up: setup
+	@PATH="$(CURDIR)/.venv/bin:$$PATH" .venv/bin/honcho start
+
+lint:
+	@.venv/bin/ruff check .

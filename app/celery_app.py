@@ -1,0 +1,61 @@
+"""The one Celery app. Routing lives here, in configuration, never at call sites.
+
+Queues: ``rollout`` (sibling agent runs), ``groups`` (chord callbacks: own queue so they
+never wait behind long siblings), ``trainer`` (one update at a time, ``--pool solo``).
+Workers find their Redis through ``$REDIS_URL`` or the config named by
+``$CARRYOVER_CONFIG`` (default: the embedded server).
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+
+from app.config import service_config
+from app.state.connection import resolve_redis_url
+
+
+def make_celery() -> Celery:
+    url = resolve_redis_url(service_config())
+    celery = Celery(
+        "carryover",
+        broker=url,
+        backend=url,
+        include=["workers.rollout.tasks", "workers.trainer.tasks"],
+    )
+    celery.conf.update(
+        # JSON only: nothing a worker receives can execute code when decoded.
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        result_accept_content=["json"],
+        task_routes={
+            "workers.rollout.tasks.run_rollout": {"queue": "rollout"},
+            "workers.rollout.tasks.finish_group": {"queue": "groups"},
+            "workers.trainer.tasks.*": {"queue": "trainer"},
+        },
+        task_default_queue="rollout",
+        # At-least-once delivery of agent runs: a task is acknowledged only when it
+        # returns, and requeued when its worker process dies. Siblings and callbacks are
+        # idempotent (see workers.rollout.tasks), so a rerun changes nothing downstream.
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            # Agents may run for hours; redelivery of a live task on timeout would start a
+            # second agent. Lost workers are found through acks_late + the restore scan.
+            "visibility_timeout": int(os.environ.get("CARRYOVER_VISIBILITY_TIMEOUT", 43200)),
+            "unacked_restore_interval": 1,
+            "unacked_restore_throttle": 1,
+        },
+        result_expires=3600,
+        worker_hijack_root_logger=False,
+        worker_send_task_events=True,
+        task_send_sent_event=True,
+    )
+    return celery
+
+
+celery_app = make_celery()

@@ -1,0 +1,171 @@
+"""The ``carryover`` command line.
+
+Errors are turned into exit codes here and nowhere else: 2 for invalid configuration or
+usage, 1 for a part that is down or a run that failed. Heavy imports (torch, verl) never
+happen at import time of this module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from app.config import ConfigError, load_config, to_yaml
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=os.environ.get("CARRYOVER_CONFIG"),
+                   help="YAML config file (sections not given come from config/default.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="a.b.c=value",
+                   help="overrides, as verl users type them")
+
+
+def _load(args: argparse.Namespace) -> Any:
+    return load_config(args.config, args.overrides)
+
+
+def _export_config_env(args: argparse.Namespace) -> None:
+    """Child processes (workers, gateway) read the same config through the environment."""
+    import json
+
+    if args.config:
+        os.environ["CARRYOVER_CONFIG"] = os.path.abspath(args.config)
+    if args.overrides:
+        os.environ["CARRYOVER_OVERRIDES"] = json.dumps(args.overrides)
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    cfg = _load(args)
+    sys.stdout.write(to_yaml(cfg))
+    atbs = cfg.agentlightning.async_rollout.async_train_batch_size
+    print(f"# effective agentlightning.async_rollout.async_train_batch_size = {atbs}",
+          file=sys.stderr)
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from app.services.health import check_all, format_table
+
+    cfg = _load(args)
+    _export_config_env(args)
+    rows = check_all(cfg)
+    print(format_table(rows))
+    down = [r.part for r in rows if not r.ok]
+    if down:
+        print(f"down: {', '.join(down)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Replace this process with the role's real command (so signals reach it directly)."""
+    from app.services.commands import command_for
+
+    cfg = _load(args)
+    _export_config_env(args)
+    cmd = command_for(cfg, args.role)
+    if cmd.idle_reason:
+        print(f"{args.role}: nothing to start ({cmd.idle_reason}); idling", flush=True)
+        signal.sigwait({signal.SIGINT, signal.SIGTERM})
+        return 0
+    os.environ.update(cmd.env)
+    os.execv(cmd.argv[0], cmd.argv)
+    return 1  # not reached
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from app.services.supervisor import Supervisor
+
+    cfg = _load(args)
+    _export_config_env(args)
+    with Supervisor(cfg) as sup:
+        sup.start(progress=lambda role: print(f"  {role} ready", flush=True))
+        print("all parts up; Ctrl-C stops them", flush=True)
+        try:
+            while all(p.poll() is None for p in sup.procs.values()):
+                time.sleep(1)
+            dead = [r for r, p in sup.procs.items() if p.poll() is not None]
+            print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("stopping", flush=True)
+            return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from app.driver.loop import run_training
+
+    cfg = _load(args)
+    _export_config_env(args)
+    return run_training(cfg, resume=args.resume)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from app.demo import run_demo
+
+    _export_config_env(args)
+    return run_demo(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="carryover", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p_config = sub.add_parser("config", help="configuration tools")
+    config_sub = p_config.add_subparsers(dest="config_command", required=True)
+    p_show = config_sub.add_parser("show", help="print the effective configuration")
+    _add_config_args(p_show)
+    p_show.set_defaults(func=cmd_config_show)
+
+    p_status = sub.add_parser("status", help="check every part of the stack")
+    _add_config_args(p_status)
+    p_status.set_defaults(func=cmd_status)
+
+    from app.services.commands import ROLES
+
+    p_serve = sub.add_parser("serve", help="run one role in the foreground (Procfile lines)")
+    p_serve.add_argument("role", choices=ROLES)
+    _add_config_args(p_serve)
+    p_serve.set_defaults(func=cmd_serve)
+
+    p_up = sub.add_parser("up", help="start every role, stop them all on Ctrl-C")
+    _add_config_args(p_up)
+    p_up.set_defaults(func=cmd_up)
+
+    p_train = sub.add_parser("train", help="run the training driver against a running stack")
+    _add_config_args(p_train)
+    p_train.add_argument("--resume", metavar="RUN_ID", help="continue an earlier run")
+    p_train.set_defaults(func=cmd_train)
+
+    p_demo = sub.add_parser("demo", help="start the stack, train the demo agent, stop the stack")
+    _add_config_args(p_demo)
+    mode = p_demo.add_mutually_exclusive_group()
+    mode.add_argument("--sync", action="store_true", help="synchronous baseline")
+    mode.add_argument("--compare", action="store_true", help="run sync and async, side by side")
+    p_demo.add_argument("--steps", type=int, help="optimizer steps (trainer.total_steps)")
+    p_demo.set_defaults(func=cmd_demo)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        for line in exc.problems:
+            print(f"config error: {line}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""Load a run's configuration: defaults <- file <- ``a.b.c=value`` overrides.
+
+Invariant: a config returned by :func:`load_config` has passed every rule in
+``app.config.validate``, holds no unknown key, has its derived values filled in, and is
+read-only.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+
+from app.config.errors import ConfigError
+from app.config.validate import FREE_FORM_SECTIONS, validate
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "default.yaml"
+
+
+def _flat_keys(node: Any, prefix: str = "") -> dict[str, Any]:
+    """Every leaf key of a nested mapping as a dotted path (free-form sections are leaves)."""
+    out: dict[str, Any] = {}
+    if isinstance(node, dict):
+        for key, value in node.items():
+            path = f"{prefix}.{key}" if prefix else str(key)
+            if isinstance(value, dict) and path not in FREE_FORM_SECTIONS:
+                out.update(_flat_keys(value, path))
+            else:
+                out[path] = value
+    return out
+
+
+def _unknown_key_problems(given: dict[str, Any], known: Iterable[str], source: str) -> list[str]:
+    known = set(known)
+    sections = {k.rsplit(".", 1)[0] for k in known if "." in k} | set(FREE_FORM_SECTIONS)
+    problems = []
+    for key in _flat_keys(given):
+        if key in known or any(key.startswith(s + ".") for s in FREE_FORM_SECTIONS):
+            continue
+        if key in sections:  # a section given a scalar, e.g. `data: 3`
+            problems.append(f"{key}: is a section, not a value ({source})")
+            continue
+        hint = difflib.get_close_matches(key, sorted(known | sections), n=1, cutoff=0.6)
+        suggestion = f"; did you mean '{hint[0]}'?" if hint else ""
+        problems.append(f"{key}: unknown key ({source}){suggestion}")
+    return problems
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"--config {path}: cannot read file ({exc.strerror})"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([f"--config {path}:{where}: not valid YAML ({problem})"]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"--config {path}: top level must be a mapping of sections"])
+    return data
+
+
+def _parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """``a.b.c=value`` strings to a nested dict; values parsed as YAML scalars like verl/Hydra."""
+    nested: dict[str, Any] = {}
+    problems = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip().lstrip("+")
+        if not sep or not key or any(not part for part in key.split(".")):
+            problems.append(f"{item}: override must look like a.b.c=value")
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError:
+            value = raw
+        node = nested
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                problems.append(f"{item}: conflicts with another override of {part}")
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    return nested, problems
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Sequence[str] = (),
+    *,
+    base: dict[str, Any] | None = None,
+) -> DictConfig:
+    """Build, validate and freeze a configuration.
+
+    ``base`` (a plain dict) replaces the file when given: a run's stored config is reloaded
+    this way so workers see exactly what the driver validated.
+    """
+    defaults = _read_yaml(DEFAULT_CONFIG_PATH)
+    known = _flat_keys(defaults).keys()
+    problems: list[str] = []
+
+    user = base if base is not None else (_read_yaml(Path(path)) if path else {})
+    problems += _unknown_key_problems(user, known, str(path) if path else "config")
+    cli, override_problems = _parse_overrides(overrides)
+    problems += override_problems
+    problems += _unknown_key_problems(cli, known, "command line")
+    if problems:
+        raise ConfigError(problems)
+
+    merged = OmegaConf.merge(OmegaConf.create(defaults), OmegaConf.create(user),
+                             OmegaConf.create(cli))
+    plain: dict[str, Any] = OmegaConf.to_container(merged, resolve=True)  # type: ignore[assignment]
+    _fill_derived(plain)
+    problems = validate(plain)
+    if problems:
+        raise ConfigError(problems)
+    cfg = OmegaConf.create(plain)
+    OmegaConf.set_readonly(cfg, True)
+    return cfg
+
+
+def _fill_derived(cfg: dict[str, Any]) -> None:
+    """Documented defaults that depend on other keys."""
+    async_cfg = cfg["agentlightning"]["async_rollout"]
+    tbs = cfg["data"]["train_batch_size"]
+    if async_cfg.get("async_train_batch_size") is None and isinstance(tbs, int):
+        # The seed's recommended starting point: B_async = 2 * B_train.
+        async_cfg["async_train_batch_size"] = 2 * tbs
+
+
+def service_config() -> DictConfig:
+    """The config every long-running process reads: ``$CARRYOVER_CONFIG`` (a file) plus
+    ``$CARRYOVER_OVERRIDES`` (a JSON list of a.b.c=value), over the defaults."""
+    import json
+    import os
+
+    raw = os.environ.get("CARRYOVER_OVERRIDES", "")
+    try:
+        overrides = json.loads(raw) if raw.strip() else []
+    except json.JSONDecodeError:
+        raise ConfigError([f"$CARRYOVER_OVERRIDES: value {raw!r} must be a JSON list of "
+                           "a.b.c=value strings"]) from None
+    return load_config(os.environ.get("CARRYOVER_CONFIG") or None, overrides)
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)

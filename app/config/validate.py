@@ -1,0 +1,246 @@
+"""Validation rules for a merged configuration.
+
+Each rule yields lines of the form ``key: value <value> <rule>`` so a user sees what to
+change. All problems are collected, none stops the others from being found.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from typing import Any
+
+# Sections whose content is handed to user code unchecked.
+FREE_FORM_SECTIONS = ("agent",)
+
+ROLLOUT_IS_MODES = (None, "token", "sequence")
+ROLLOUT_RS_MODES = (None, "token", "sequence", "geometric")
+ADV_ESTIMATORS = ("grpo", "rloo")
+GROUP_ESTIMATORS = ("grpo", "rloo")
+BACKENDS = ("python", "process", "kubernetes")
+ON_FAILURE = ("requeue", "zero_reward")
+DEVICES = ("auto", "cpu", "cuda")
+LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+WANDB_MODES = ("offline", "online", "disabled")
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
+DTYPES = ("float32", "bfloat16", "float16", "auto")
+KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+
+
+def _get(cfg: dict[str, Any], key: str) -> Any:
+    node: Any = cfg
+    for part in key.split("."):
+        node = node[part]
+    return node
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _fmt(v: Any) -> str:
+    return "null" if v is None else repr(v)
+
+
+Check = Callable[[Any], str | None]
+
+
+def positive_int(v: Any) -> str | None:
+    return None if _is_int(v) and v > 0 else "must be a positive integer"
+
+
+def non_negative_int(v: Any) -> str | None:
+    return None if _is_int(v) and v >= 0 else "must be an integer >= 0"
+
+
+def positive_num(v: Any) -> str | None:
+    return None if _is_num(v) and v > 0 else "must be a positive number"
+
+
+def non_negative_num(v: Any) -> str | None:
+    return None if _is_num(v) and v >= 0 else "must be a number >= 0"
+
+
+def boolean(v: Any) -> str | None:
+    return None if isinstance(v, bool) else "must be true or false"
+
+
+def string(v: Any) -> str | None:
+    return None if isinstance(v, str) and v else "must be a non-empty string"
+
+
+def port(v: Any) -> str | None:
+    return None if _is_int(v) and 0 < v < 65536 else "must be a port number 1-65535"
+
+
+def url(v: Any) -> str | None:
+    ok = isinstance(v, str) and re.match(r"^(https?|rediss?|unix)://\S+$", v)
+    return None if ok else "must be a URL like http://host:port"
+
+
+def one_of(*choices: Any) -> Check:
+    def check(v: Any) -> str | None:
+        if v in choices:
+            return None
+        shown = ", ".join(_fmt(c) for c in choices)
+        return f"must be one of {shown}"
+
+    return check
+
+
+def optional(check: Check) -> Check:
+    def wrapped(v: Any) -> str | None:
+        return None if v is None else check(v)
+
+    return wrapped
+
+
+def url_list(v: Any) -> str | None:
+    if not isinstance(v, list) or not v:
+        return "must be a non-empty list of URLs"
+    bad = [u for u in v if url(u)]
+    return f"has entries that are not URLs: {bad}" if bad else None
+
+
+def agent_ref(v: Any) -> str | None:
+    if isinstance(v, str) and v.strip():
+        return None
+    return "must name the agent (module:function or a command)"
+
+
+RULES: dict[str, Check] = {
+    "data.train_batch_size": positive_int,
+    "data.train_files": string,
+    "data.shuffle": boolean,
+    "data.seed": non_negative_int,
+    "actor_rollout_ref.model.path": string,
+    "actor_rollout_ref.rollout.n": positive_int,
+    "actor_rollout_ref.rollout.temperature": positive_num,
+    "actor_rollout_ref.rollout.max_tokens": positive_int,
+    "actor_rollout_ref.actor.lr": positive_num,
+    "actor_rollout_ref.actor.weight_decay": non_negative_num,
+    "actor_rollout_ref.actor.ppo_epochs": positive_int,
+    "actor_rollout_ref.actor.ppo_mini_batch_size": non_negative_int,
+    "actor_rollout_ref.actor.clip_ratio": positive_num,
+    "actor_rollout_ref.actor.grad_clip": positive_num,
+    "actor_rollout_ref.actor.loss_agg_mode": one_of(*LOSS_AGG),
+    "actor_rollout_ref.actor.entropy_coeff": non_negative_num,
+    "actor_rollout_ref.actor.use_kl_loss": boolean,
+    "actor_rollout_ref.actor.kl_loss_coef": non_negative_num,
+    "actor_rollout_ref.actor.kl_loss_type": one_of(*KL_TYPES),
+    "agentlightning.async_rollout.enabled": boolean,
+    "agentlightning.async_rollout.async_train_batch_size": positive_int,
+    "agentlightning.async_rollout.max_carry_over_age_steps": optional(positive_int),
+    "algorithm.adv_estimator": one_of(*ADV_ESTIMATORS),
+    "algorithm.norm_adv_by_std_in_grpo": boolean,
+    "algorithm.rollout_correction.rollout_is": one_of(*ROLLOUT_IS_MODES),
+    "algorithm.rollout_correction.rollout_is_threshold": optional(positive_num),
+    "algorithm.rollout_correction.rollout_rs": one_of(*ROLLOUT_RS_MODES),
+    "algorithm.rollout_correction.rollout_rs_threshold": optional(positive_num),
+    "redis.url": optional(url),
+    "redis.host": string,
+    "redis.port": port,
+    "redis.dir": string,
+    "redis.password": optional(string),
+    "inference.urls": url_list,
+    "inference.host": string,
+    "inference.port": port,
+    "inference.served_model_name": string,
+    "inference.dtype": one_of(*DTYPES),
+    "inference.max_model_len": positive_int,
+    "inference.kv_cache_memory_bytes": positive_int,
+    "inference.logprobs_mode": one_of(*LOGPROBS_MODES),
+    "inference.startup_timeout_s": positive_num,
+    "gateway.host": string,
+    "gateway.port": port,
+    "gateway.url": url,
+    "gateway.workers": positive_int,
+    "gateway.admin_token": optional(string),
+    "gateway.lease_ttl_s": positive_num,
+    "gateway.drain_timeout_s": non_negative_num,
+    "gateway.hold": boolean,
+    "gateway.hold_timeout_s": positive_num,
+    "gateway.retry_after_s": positive_num,
+    "gateway.max_body_bytes": positive_int,
+    "gateway.max_concurrent_per_rollout": positive_int,
+    "gateway.upstream_timeout_s": positive_num,
+    "controller.backend": one_of(*BACKENDS),
+    "controller.agent": agent_ref,
+    "controller.rollout_timeout_s": positive_num,
+    "controller.max_attempts": positive_int,
+    "controller.on_failure": one_of(*ON_FAILURE),
+    "trainer.total_steps": positive_int,
+    "trainer.device": one_of(*DEVICES),
+    "trainer.save_freq": positive_int,
+    "trainer.weights_dir": string,
+    "trainer.keep_weight_versions": positive_int,
+    "trainer.checkpoint_dir": string,
+    "trainer.probe_tolerance": positive_num,
+    "trainer.step_timeout_s": positive_num,
+    "logging.dir": string,
+    "logging.wandb_project": string,
+    "logging.wandb_mode": one_of(*WANDB_MODES),
+    "logging.console": boolean,
+    "services.flower_port": port,
+    "services.rollout_concurrency": positive_int,
+}
+
+
+def _cross_rules(cfg: dict[str, Any]) -> list[str]:
+    problems = []
+    tbs = _get(cfg, "data.train_batch_size")
+    async_cfg = cfg["agentlightning"]["async_rollout"]
+    atbs = async_cfg["async_train_batch_size"]
+    if async_cfg["enabled"] is True and _is_int(tbs) and _is_int(atbs) and atbs <= tbs:
+        problems.append(
+            f"agentlightning.async_rollout.async_train_batch_size: value {atbs} must be strictly "
+            f"greater than data.train_batch_size ({tbs}) when async_rollout.enabled is true "
+            f"(a good start is 2 x train_batch_size = {2 * tbs})"
+        )
+    n = _get(cfg, "actor_rollout_ref.rollout.n")
+    est = _get(cfg, "algorithm.adv_estimator")
+    if est in GROUP_ESTIMATORS and _is_int(n) and n < 2:
+        problems.append(
+            f"actor_rollout_ref.rollout.n: value {n} must be >= 2 for the group-relative "
+            f"estimator algorithm.adv_estimator={est}"
+        )
+    rc = cfg["algorithm"]["rollout_correction"]
+    if rc["rollout_is"] is not None and rc["rollout_is_threshold"] is None:
+        problems.append(
+            f"algorithm.rollout_correction.rollout_is_threshold: value null must be a positive "
+            f"number when rollout_is is {rc['rollout_is']!r}"
+        )
+    if rc["rollout_rs"] is not None and rc["rollout_rs_threshold"] is None:
+        problems.append(
+            "algorithm.rollout_correction.rollout_rs_threshold: value null must be a positive "
+            f"number when rollout_rs is {rc['rollout_rs']!r}"
+        )
+    backend = _get(cfg, "controller.backend")
+    agent = _get(cfg, "controller.agent")
+    if backend == "python" and isinstance(agent, str) and not re.match(
+        r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", agent
+    ):
+        problems.append(
+            f"controller.agent: value {agent!r} must be module:function when "
+            f"controller.backend is 'python'"
+        )
+    if not isinstance(cfg.get("agent"), dict):
+        problems.append(f"agent: value {_fmt(cfg.get('agent'))} must be a mapping")
+    return problems
+
+
+def validate(cfg: dict[str, Any]) -> list[str]:
+    """Every problem in ``cfg`` (a merged plain dict), one line each; empty when valid."""
+    problems = []
+    for key, check in RULES.items():
+        value = _get(cfg, key)
+        rule = check(value)
+        if rule:
+            problems.append(f"{key}: value {_fmt(value)} {rule}")
+    problems += _cross_rules(cfg)
+    return problems

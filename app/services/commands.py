@@ -1,0 +1,133 @@
+"""The command line of every process role, built from the configuration.
+
+One source for the Procfile's ``carryover serve ROLE`` lines, the demo's supervisor and the
+tests, so a role always starts the same way. Roles are listed in start order; stopping
+goes in reverse (driver first, Redis last).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from app.config.loader import REPO_ROOT
+from app.state.connection import is_external
+
+ROLES = ("redis", "inference", "gateway", "groups", "rollout", "trainer", "flower")
+
+
+@dataclass(frozen=True)
+class Command:
+    role: str
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+    # A role with nothing to run (external Redis) still has a Procfile line; it idles.
+    idle_reason: str | None = None
+
+
+def _bin(venv: str, name: str) -> str:
+    path = REPO_ROOT / venv / "bin" / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    return found or str(path)
+
+
+def project_bin(name: str) -> str:
+    """An executable of the project environment (the one running this code, else .venv)."""
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else _bin(".venv", name)
+
+
+def redis_command(cfg: Any) -> Command:
+    if is_external(cfg):
+        return Command("redis", [], idle_reason="external Redis ($REDIS_URL or redis.url)")
+    data_dir = (REPO_ROOT / cfg.redis.dir).resolve()
+    data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [
+        project_bin("redis-server"),
+        "--bind", cfg.redis.host,
+        "--port", str(cfg.redis.port),
+        "--dir", str(data_dir),
+        # AOF: every write is logged and fsynced each second, so a Redis restart keeps
+        # the run's groups, leases and captures.
+        "--appendonly", "yes",
+        "--appendfsync", "everysec",
+        "--save", "",
+        "--protected-mode", "yes",
+    ]
+    password = cfg.redis.password or os.environ.get("REDIS_PASSWORD")
+    if password:
+        argv += ["--requirepass", password]
+    return Command("redis", argv)
+
+
+def inference_command(cfg: Any) -> Command:
+    inf = cfg.inference
+    model = (REPO_ROOT / cfg.actor_rollout_ref.model.path).resolve()
+    argv = [
+        _bin(".venv-vllm", "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--served-model-name", inf.served_model_name,
+        "--host", inf.host,
+        "--port", str(inf.port),
+        "--dtype", inf.dtype,
+        "--max-model-len", str(inf.max_model_len),
+        "--kv-cache-memory-bytes", str(inf.kv_cache_memory_bytes),
+        "--logprobs-mode", inf.logprobs_mode,
+        "--enforce-eager",
+        "--disable-uvicorn-access-log",
+    ]
+    # Dev mode exposes /collective_rpc (weight reload) and /reset_prefix_cache.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    return Command("inference", argv, env)
+
+
+def gateway_command(cfg: Any) -> Command:
+    argv = [
+        project_bin("gunicorn"),
+        "-c", str(REPO_ROOT / "gateway" / "gunicorn.conf.py"),
+        "gateway:create_app()",
+    ]
+    return Command("gateway", argv)
+
+
+def worker_command(cfg: Any, role: str) -> Command:
+    base = [project_bin("celery"), "-A", "app", "worker", "-E", "--loglevel", "INFO"]
+    if role == "rollout":
+        # Threads: a rollout slot mostly waits on an agent (HTTP, a subprocess), so
+        # slots are cheap and many fit on two cores.
+        extra = ["-Q", "rollout", "-n", "rollout@%h", "--pool", "threads",
+                 "-c", str(cfg.services.rollout_concurrency)]
+    elif role == "groups":
+        extra = ["-Q", "groups", "-n", "groups@%h", "--pool", "threads", "-c", "2"]
+    elif role == "trainer":
+        # solo: the model and optimizer stay resident in this one process.
+        extra = ["-Q", "trainer", "-n", "trainer@%h", "--pool", "solo"]
+    else:
+        raise ValueError(f"not a worker role: {role}")
+    return Command(role, base + extra)
+
+
+def flower_command(cfg: Any) -> Command:
+    argv = [project_bin("celery"), "-A", "app", "flower", "--address=127.0.0.1",
+            f"--port={cfg.services.flower_port}"]
+    return Command("flower", argv, {"FLOWER_UNAUTHENTICATED_API": "true"})
+
+
+def command_for(cfg: Any, role: str) -> Command:
+    if role == "redis":
+        return redis_command(cfg)
+    if role == "inference":
+        return inference_command(cfg)
+    if role == "gateway":
+        return gateway_command(cfg)
+    if role in ("rollout", "groups", "trainer"):
+        return worker_command(cfg, role)
+    if role == "flower":
+        return flower_command(cfg)
+    raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)}")

@@ -1,0 +1,113 @@
+"""Health checks of every part of the stack, used by ``carryover status`` and the supervisor.
+
+Each check returns a :class:`PartStatus`; none raises. The checks use plain HTTP and Redis
+calls with short timeouts so a down part is reported, not waited on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import requests
+
+from app.state.connection import connect, redact, resolve_redis_url
+
+WORKER_QUEUES = ("rollout", "groups", "trainer")
+
+
+@dataclass
+class PartStatus:
+    part: str
+    ok: bool
+    detail: str
+    version: str = ""
+
+
+def check_redis(cfg: Any, timeout: float = 2.0) -> PartStatus:
+    url = resolve_redis_url(cfg)
+    try:
+        client = connect(url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=None)
+        client.ping()
+        info = client.info("server")
+        persistence = client.config_get("appendonly").get("appendonly", "?")
+        return PartStatus("redis", True, f"{redact(url)} (aof={persistence})",
+                          info.get("redis_version", ""))
+    except Exception as exc:  # noqa: BLE001 - any failure means "down"
+        return PartStatus("redis", False, f"{redact(url)}: {exc}")
+
+
+def check_inference(cfg: Any, timeout: float = 2.0) -> list[PartStatus]:
+    out = []
+    for url in cfg.inference.urls:
+        url = url.rstrip("/")
+        try:
+            requests.get(url + "/health", timeout=timeout).raise_for_status()
+            models = requests.get(url + "/v1/models", timeout=timeout).json()
+            names = [m["id"] for m in models.get("data", [])]
+            version = requests.get(url + "/version", timeout=timeout).json().get("version", "")
+            expected = cfg.inference.served_model_name
+            ok = expected in names
+            detail = f"{url} model={','.join(names)}" + ("" if ok else f" (expected {expected})")
+            out.append(PartStatus("inference", ok, detail, f"vllm {version}"))
+        except Exception as exc:  # noqa: BLE001
+            out.append(PartStatus("inference", False, f"{url}: {exc.__class__.__name__}"))
+    return out
+
+
+def check_gateway(cfg: Any, timeout: float = 2.0) -> PartStatus:
+    url = cfg.gateway.url.rstrip("/")
+    try:
+        body = requests.get(url + "/healthz", timeout=timeout).json()
+        ok = body.get("status") == "ok"
+        detail = f"{url} paused={body.get('paused')} upstreams={body.get('upstreams_healthy')}"
+        return PartStatus("gateway", ok, detail, f"carryover {body.get('version', '')}")
+    except Exception as exc:  # noqa: BLE001
+        return PartStatus("gateway", False, f"{url}: {exc.__class__.__name__}")
+
+
+def check_workers(timeout: float = 2.0) -> list[PartStatus]:
+    import celery
+
+    from app.celery_app import celery_app
+
+    try:
+        replies = celery_app.control.inspect(timeout=timeout).active_queues() or {}
+    except Exception as exc:  # noqa: BLE001
+        return [PartStatus(f"worker:{q}", False, f"inspect failed: {exc}") for q in WORKER_QUEUES]
+    by_queue: dict[str, list[str]] = {q: [] for q in WORKER_QUEUES}
+    for worker, queues in replies.items():
+        for q in queues:
+            by_queue.setdefault(q["name"], []).append(worker)
+    return [
+        PartStatus(f"worker:{q}", bool(by_queue[q]),
+                   ", ".join(sorted(by_queue[q])) or "no worker consumes this queue",
+                   f"celery {celery.__version__}")
+        for q in WORKER_QUEUES
+    ]
+
+
+def check_flower(cfg: Any, timeout: float = 2.0) -> PartStatus:
+    url = f"http://127.0.0.1:{cfg.services.flower_port}"
+    try:
+        import flower
+
+        resp = requests.get(url + "/healthcheck", timeout=timeout)
+        return PartStatus("flower", resp.ok and resp.text.strip() == "OK", url,
+                          f"flower {flower.__version__}")
+    except Exception as exc:  # noqa: BLE001
+        return PartStatus("flower", False, f"{url}: {exc.__class__.__name__}")
+
+
+def check_all(cfg: Any) -> list[PartStatus]:
+    return [check_redis(cfg), *check_inference(cfg), check_gateway(cfg), *check_workers(),
+            check_flower(cfg)]
+
+
+def format_table(rows: list[PartStatus]) -> str:
+    header = ("PART", "STATUS", "VERSION", "DETAIL")
+    lines = [(r.part, "up" if r.ok else "DOWN", r.version, r.detail) for r in rows]
+    widths = [max(len(x[i]) for x in [header, *lines]) for i in range(3)]
+    return "\n".join(
+        "  ".join(col.ljust(w) for col, w in zip(x[:3], widths, strict=True)) + "  " + x[3]
+        for x in [header, *lines])

@@ -1,0 +1,1 @@
+"""Shared state in Redis: key names (keys.py), record schemas (records.py), connections."""

@@ -1,0 +1,56 @@
+"""Which Redis to use, and clients for it.
+
+Precedence: ``$REDIS_URL`` (an external Redis, used as is) > ``redis.url`` in the config >
+the embedded server at ``redis.host:redis.port``. A password comes from the URL, else
+``redis.password``, else ``$REDIS_PASSWORD``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+from urllib.parse import quote
+
+import redis
+
+DEFAULT_EMBEDDED = ("127.0.0.1", 6390)
+
+
+def is_external(cfg: Any | None = None) -> bool:
+    return bool(os.environ.get("REDIS_URL") or (cfg is not None and cfg.redis.url))
+
+
+def resolve_redis_url(cfg: Any | None = None) -> str:
+    url = os.environ.get("REDIS_URL") or (cfg.redis.url if cfg is not None else None)
+    if url:
+        return url
+    host, port = (cfg.redis.host, cfg.redis.port) if cfg is not None else DEFAULT_EMBEDDED
+    password = (cfg.redis.password if cfg is not None else None) or os.environ.get(
+        "REDIS_PASSWORD")
+    auth = f":{quote(password, safe='')}@" if password else ""
+    return f"redis://{auth}{host}:{port}/0"
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced, for logs and status output."""
+    if "@" not in url:
+        return url
+    scheme, rest = url.split("://", 1)
+    return f"{scheme}://***@{rest.split('@', 1)[1]}"
+
+
+def connect(url: str, **kwargs: Any) -> redis.Redis:
+    """A client with string responses and retries on the transient errors a Redis restart
+    causes (the AOF brings the data back; callers just need to ride the gap)."""
+    from redis.backoff import ExponentialBackoff
+    from redis.retry import Retry
+
+    opts: dict[str, Any] = {
+        "decode_responses": True,
+        "health_check_interval": 30,
+        "socket_keepalive": True,
+        "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=20),
+        "retry_on_error": [redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError],
+    }
+    opts.update(kwargs)
+    return redis.Redis.from_url(url, **opts)

@@ -1,0 +1,125 @@
+"""Every Redis key the project uses, in one place.
+
+No other module builds a key string. Each function says who writes the key and who reads
+it, and its type. All keys share the ``co:`` prefix so one Redis can be inspected (or
+flushed in tests) by pattern.
+"""
+
+from __future__ import annotations
+
+PREFIX = "co:"
+
+
+# --- gateway: pause, leases, captures --------------------------------------------------
+
+def paused() -> str:
+    """STRING pause token; set with an expiry by the trainer (pause/resume), read by the
+    gateway's admission script. Its TTL is a watchdog: a trainer that dies mid-update
+    cannot leave the gateway paused for longer than the TTL."""
+    return PREFIX + "gw:paused"
+
+
+def leases() -> str:
+    """ZSET lease id -> expiry (ms since epoch). Written by the gateway's admission script
+    and its lease refresher; read by drain(). Expired members are dead requests."""
+    return PREFIX + "gw:leases"
+
+
+def cancelled() -> str:
+    """SET lease ids that drain() gave up on; the gateway aborts those requests."""
+    return PREFIX + "gw:cancelled"
+
+
+def pause_history() -> str:
+    """LIST recent pause durations in seconds (newest first, capped); the gateway uses
+    them for Retry-After."""
+    return PREFIX + "gw:pause_history"
+
+
+def pause_started() -> str:
+    """STRING epoch seconds when the current pause began (for the remaining-pause estimate)."""
+    return PREFIX + "gw:pause_started"
+
+
+def policy_version() -> str:
+    """STRING int: version of the weights the inference servers hold. Bumped by the trainer
+    after a verified reload; recorded by the gateway on every captured call."""
+    return PREFIX + "policy:version"
+
+
+def rollout(rollout_id: str) -> str:
+    """HASH of a rollout (see records.RolloutRecord). Created by the rollout task before the
+    agent starts; read by the gateway to authenticate and by the trainer."""
+    return PREFIX + "rollout:" + rollout_id
+
+
+def rollout_calls(rollout_id: str) -> str:
+    """LIST of JSON CapturedCall, appended by the gateway per model call; read by the trainer."""
+    return PREFIX + "rollout:" + rollout_id + ":calls"
+
+
+def rollout_inflight(rollout_id: str) -> str:
+    """STRING counter of a rollout's requests now in the gateway (per-rollout concurrency cap)."""
+    return PREFIX + "rollout:" + rollout_id + ":inflight"
+
+
+# --- runs, groups: the collector --------------------------------------------------------
+
+def run(run_id: str) -> str:
+    """HASH of a run (see records.RunRecord). Written by the driver; read by every worker."""
+    return PREFIX + "run:" + run_id
+
+
+def run_active(run_id: str) -> str:
+    """ZSET group id -> dispatch sequence number: groups dispatched and not yet selected
+    or dropped. Written by the driver."""
+    return PREFIX + "run:" + run_id + ":active"
+
+
+def run_ready(run_id: str) -> str:
+    """ZSET group id -> dispatch sequence number: groups whose every sibling finished.
+    Added to (once, guarded by group_done) by the chord callback; moved out by the driver."""
+    return PREFIX + "run:" + run_id + ":ready"
+
+
+def run_wakeup(run_id: str) -> str:
+    """LIST the driver blocks on (BLPOP); the chord callback pushes one item per completion.
+    Only a doorbell: the truth is run_ready."""
+    return PREFIX + "run:" + run_id + ":wakeup"
+
+
+def run_requeue(run_id: str) -> str:
+    """LIST of dataset indices to dispatch again before taking new prompts (dropped groups)."""
+    return PREFIX + "run:" + run_id + ":requeue"
+
+
+def run_step_groups(run_id: str, step: int) -> str:
+    """LIST of group ids selected for optimizer step ``step``; written once by the driver
+    in the same transaction that removes them from run_ready; read by the trainer."""
+    return PREFIX + "run:" + run_id + ":step:" + str(step)
+
+
+def run_metrics(run_id: str) -> str:
+    """LIST of JSON step metrics, appended by the driver (the resumable copy of the JSONL)."""
+    return PREFIX + "run:" + run_id + ":metrics"
+
+
+def group(group_id: str) -> str:
+    """HASH of a prompt group (see records.GroupRecord). Written by the driver at dispatch."""
+    return PREFIX + "group:" + group_id
+
+
+def group_results(group_id: str) -> str:
+    """HASH sibling index -> JSON SiblingResult; HSET by the sibling task (idempotent: a
+    redelivered sibling overwrites its own field)."""
+    return PREFIX + "group:" + group_id + ":results"
+
+
+def group_done(group_id: str) -> str:
+    """STRING set with SET NX by the chord callback: the one-time completion guard."""
+    return PREFIX + "group:" + group_id + ":done"
+
+
+def group_trained(group_id: str) -> str:
+    """STRING set with SET NX by the trainer: a group is used by at most one update."""
+    return PREFIX + "group:" + group_id + ":trained"

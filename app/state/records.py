@@ -1,0 +1,143 @@
+"""Every record stored in Redis or passed between processes, with its writer and reader.
+
+Records are plain dataclasses serialised to JSON (lists) or to flat string hashes. Token
+data (ids, log-probs) lives only in ``CapturedCall``; Celery messages carry ids and the
+small ``SiblingResult``, never tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Self
+
+
+class _HashRecord:
+    """Round-trip through a Redis hash: every field stored as a string (JSON for non-str)."""
+
+    def to_hash(self) -> dict[str, str]:
+        out = {}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            out[f.name] = value if isinstance(value, str) else json.dumps(value)
+        return out
+
+    @classmethod
+    def from_hash(cls, data: dict[str, str]) -> Self:
+        kwargs: dict[str, Any] = {}
+        for f in fields(cls):  # type: ignore[arg-type]
+            if f.name not in data:
+                continue
+            raw = data[f.name]
+            kwargs[f.name] = raw if f.type in ("str", str) else json.loads(raw)
+        return cls(**kwargs)
+
+
+@dataclass
+class RolloutRecord(_HashRecord):
+    """One agent execution (one sibling attempt). Writer: rollout task (created before the
+    agent starts, status updated when it ends). Readers: gateway (auth, status), trainer."""
+
+    rollout_id: str
+    run_id: str
+    group_id: str
+    index: int
+    attempt: int
+    token_sha256: str            # the agent's bearer token, hashed: tokens are never stored
+    status: str = "running"      # running | finished | failed | cancelled
+    created_at: float = 0.0
+
+
+@dataclass
+class CapturedCall:
+    """One model call as the gateway saw it: one training sample per choice. Writer:
+    gateway (RPUSH to keys.rollout_calls). Reader: trainer (batch building)."""
+
+    prompt_ids: list[int]
+    response_ids: list[int]
+    logprobs: list[float | None]   # per response token; None where the engine gave none
+    finish_reason: str | None
+    policy_version: int
+    temperature: float
+    upstream: str
+    started_at: float
+    ended_at: float
+    endpoint: str                  # chat.completions | completions
+    stream: bool = False
+    nonfinite_logprobs: int = 0    # count of non-finite/missing values; >0 -> sample unusable
+
+    def to_json(self) -> str:
+        # json cannot hold inf/nan: such values are stored as null and counted.
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str) -> CapturedCall:
+        return cls(**json.loads(raw))
+
+    @staticmethod
+    def clean_logprobs(values: list[Any]) -> tuple[list[float | None], int]:
+        out: list[float | None] = []
+        bad = 0
+        for v in values:
+            if isinstance(v, (int, float)) and math.isfinite(v) and v > -9999.0:
+                out.append(float(v))
+            else:
+                out.append(None)
+                bad += 1
+        return out, bad
+
+
+@dataclass
+class SiblingResult:
+    """What a sibling task returns and stores (HSET keys.group_results). Writer: rollout
+    task. Readers: chord callback, driver (metrics), trainer (reward)."""
+
+    index: int
+    rollout_id: str
+    status: str                  # ok | failed
+    reward: float | None
+    attempts: int
+    seconds: float               # agent wall time, last attempt
+    paused_seconds: float = 0.0  # gateway pause time inside the attempt (not held against timeout)
+    error: str | None = None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str) -> SiblingResult:
+        return cls(**json.loads(raw))
+
+
+@dataclass
+class GroupRecord(_HashRecord):
+    """A prompt group. Writer: driver at dispatch (status by driver/callback). Readers:
+    rollout tasks (sample, run), chord callback, trainer."""
+
+    group_id: str
+    run_id: str
+    sample_index: int
+    sample: dict = field(default_factory=dict)
+    n: int = 1
+    seq: int = 0                 # dispatch order within the run (oldest first selection)
+    dispatch_step: int = 0       # optimizer steps done when dispatched
+    dispatch_version: int = 0    # policy version when dispatched
+    dispatched_at: float = 0.0
+    status: str = "active"       # active | complete | selected | dropped | cancelled
+    completed_at: float = 0.0
+
+
+@dataclass
+class RunRecord(_HashRecord):
+    """A training run. Writer: driver. Readers: every worker (config), ``--resume``."""
+
+    run_id: str
+    config: dict = field(default_factory=dict)
+    mode: str = "async"          # async | sync
+    step: int = 0                # optimizer steps completed
+    cursor: int = 0              # next position in the epoch's order
+    epoch: int = 0
+    next_seq: int = 0
+    status: str = "running"      # running | finished | failed
+    created_at: float = 0.0

@@ -1,0 +1,57 @@
+"""The Gateway: an OpenAI-compatible proxy in front of the inference servers.
+
+``create_app()`` is the factory gunicorn calls (``gateway:create_app()``); tests build their
+own app with explicit settings. All shared state (pause flag, leases, captures) is in Redis,
+so any number of worker processes and hosts act as one gateway.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Flask
+
+from gateway.settings import GatewaySettings
+
+__version__ = "0.1.0"
+
+
+class GatewayState:
+    """Per-process resources, built once by the factory and kept in ``app.extensions``."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        from app.state.connection import connect
+        from gateway.admission import Admission
+        from gateway.leases import LocalLeases
+        from gateway.upstream import Upstreams
+
+        self.settings = settings
+        self.redis = connect(settings.redis_url, max_connections=512)
+        self.admission = Admission(self.redis, settings.lease_ttl_s,
+                                   settings.max_concurrent_per_rollout)
+        self.leases = LocalLeases(self.admission, refresh_every_s=settings.lease_ttl_s / 3)
+        self.upstreams = Upstreams(list(settings.upstreams))
+
+
+def create_app(settings: GatewaySettings | None = None, cfg: Any | None = None) -> Flask:
+    if settings is None:
+        if cfg is None:
+            from app.config import service_config
+
+            cfg = service_config()
+        settings = GatewaySettings.from_config(cfg)
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.json.sort_keys = False  # type: ignore[attr-defined]
+    app.extensions["carryover"] = GatewayState(settings)
+
+    from gateway.errors import register_error_handlers
+    from gateway.routes.admin import bp as admin_bp
+    from gateway.routes.health import bp as health_bp
+    from gateway.routes.openai import bp as openai_bp
+
+    register_error_handlers(app)
+    app.register_blueprint(health_bp)
+    app.register_blueprint(openai_bp)
+    app.register_blueprint(admin_bp)
+    return app

@@ -1,0 +1,199 @@
+"""Pause, drain and in-flight leases, all in Redis.
+
+Invariants:
+- Admission is one Lua script: it checks the pause flag and takes a lease atomically, so a
+  request is either counted by ``pause()`` or refused; none slips between the two.
+- ``pause()`` sets the flag and counts live leases in one script: the count it returns is
+  exactly the set ``drain()`` then waits for.
+- Every lease has an expiry (refreshed while its request lives), and the pause flag has one
+  too: a dead gateway worker or a dead trainer cannot hold a drain or a pause forever.
+- Times come from the Redis server clock (``TIME``), so gateway hosts with skewed clocks agree.
+
+Used by the gateway (admit/release/refresh) and by the trainer (pause/drain/resume).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis
+
+from app.state import keys
+
+_NOW_MS = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+"""
+
+# KEYS: paused, leases, rollout_inflight, policy_version
+# ARGV: lease_id, ttl_ms, max_per_rollout
+# -> {status, policy_version}: status 1 admitted, 0 paused, -1 rollout over its cap
+ADMIT = _NOW_MS + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return {0, 0} end
+local n = redis.call('INCR', KEYS[3])
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
+if n > tonumber(ARGV[3]) then
+  redis.call('DECR', KEYS[3])
+  return {-1, 0}
+end
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+local v = redis.call('GET', KEYS[4])
+return {1, tonumber(v or '0')}
+"""
+
+# KEYS: leases, rollout_inflight, cancelled   ARGV: lease_id
+RELEASE = """
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+  local n = redis.call('DECR', KEYS[2])
+  if n <= 0 then redis.call('DEL', KEYS[2]) end
+end
+redis.call('SREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+# KEYS: leases   ARGV: ttl_ms, lease ids...  (XX: never resurrect a released lease)
+REFRESH = _NOW_MS + """
+local n = 0
+for i = 2, #ARGV do
+  n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[1]), ARGV[i])
+end
+return n
+"""
+
+# KEYS: paused, pause_started, leases   ARGV: token, pause_ttl_ms
+PAUSE = _NOW_MS + """
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if redis.call('EXISTS', KEYS[2]) == 0 then
+  redis.call('SET', KEYS[2], now, 'PX', ARGV[2])
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+return redis.call('ZCARD', KEYS[3])
+"""
+
+# KEYS: leases   -> live leases after dropping expired ones
+LIVE = _NOW_MS + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+return redis.call('ZCARD', KEYS[1])
+"""
+
+# KEYS: paused, pause_started, pause_history   ARGV: keep
+# -> pause duration in ms (0 if not paused)
+RESUME = _NOW_MS + """
+local started = redis.call('GET', KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2])
+if not started then return 0 end
+local dur = now - tonumber(started)
+redis.call('LPUSH', KEYS[3], dur)
+redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[1]) - 1)
+return dur
+"""
+
+# KEYS: pause_started, pause_history -> {paused_for_ms or -1, median recent duration ms or -1}
+PAUSE_ESTIMATE = _NOW_MS + """
+local started = redis.call('GET', KEYS[1])
+local hist = redis.call('LRANGE', KEYS[2], 0, -1)
+local med = -1
+if #hist > 0 then
+  local xs = {}
+  for i, v in ipairs(hist) do xs[i] = tonumber(v) end
+  table.sort(xs)
+  med = xs[math.floor((#xs + 1) / 2)]
+end
+if not started then return {-1, med} end
+return {now - tonumber(started), med}
+"""
+
+
+@dataclass
+class DrainResult:
+    seconds: float
+    cancelled: int
+
+
+class Admission:
+    """Lease bookkeeping for one Redis. Cheap to build; scripts are registered once."""
+
+    def __init__(self, client: redis.Redis, lease_ttl_s: float = 30.0,
+                 max_per_rollout: int = 8) -> None:
+        self.r = client
+        self.ttl_ms = int(lease_ttl_s * 1000)
+        self.max_per_rollout = max_per_rollout
+        self._admit = client.register_script(ADMIT)
+        self._release = client.register_script(RELEASE)
+        self._refresh = client.register_script(REFRESH)
+        self._pause = client.register_script(PAUSE)
+        self._live = client.register_script(LIVE)
+        self._resume = client.register_script(RESUME)
+        self._estimate = client.register_script(PAUSE_ESTIMATE)
+
+    # --- gateway side -----------------------------------------------------------------
+
+    def admit(self, rollout_id: str) -> tuple[int, str, int]:
+        """-> (status, lease_id, policy_version); status 1 admitted, 0 paused, -1 over cap."""
+        lease_id = f"{rollout_id}|{uuid.uuid4().hex}"
+        status, version = self._admit(
+            keys=[keys.paused(), keys.leases(), keys.rollout_inflight(rollout_id),
+                  keys.policy_version()],
+            args=[lease_id, self.ttl_ms, self.max_per_rollout])
+        return int(status), lease_id, int(version)
+
+    def release(self, lease_id: str) -> None:
+        rollout_id = lease_id.split("|", 1)[0]
+        self._release(keys=[keys.leases(), keys.rollout_inflight(rollout_id), keys.cancelled()],
+                      args=[lease_id])
+
+    def refresh(self, lease_ids: list[str]) -> int:
+        if not lease_ids:
+            return 0
+        return int(self._refresh(keys=[keys.leases()], args=[self.ttl_ms, *lease_ids]))
+
+    def cancelled_among(self, lease_ids: list[str]) -> set[str]:
+        if not lease_ids:
+            return set()
+        flags = self.r.smismember(keys.cancelled(), lease_ids)
+        return {lid for lid, flag in zip(lease_ids, flags, strict=True) if flag}
+
+    def is_paused(self) -> bool:
+        return bool(self.r.exists(keys.paused()))
+
+    def retry_after_s(self, default_s: float) -> float:
+        """Expected remaining pause: median of recent pauses minus time already paused."""
+        paused_for, median = self._estimate(keys=[keys.pause_started(), keys.pause_history()])
+        if int(median) < 0:
+            return default_s
+        remaining = (int(median) - max(int(paused_for), 0)) / 1000.0
+        return max(remaining, 0.2)
+
+    # --- trainer side -----------------------------------------------------------------
+
+    def pause(self, pause_ttl_s: float = 900.0) -> int:
+        """Set the pause flag (expiring after ``pause_ttl_s`` unless resumed) and return the
+        number of requests in flight at that moment."""
+        return int(self._pause(keys=[keys.paused(), keys.pause_started(), keys.leases()],
+                               args=[uuid.uuid4().hex, int(pause_ttl_s * 1000)]))
+
+    def live_leases(self) -> int:
+        return int(self._live(keys=[keys.leases()]))
+
+    def drain(self, timeout_s: float, poll_s: float = 0.01) -> DrainResult:
+        """Wait until no lease is live. Past ``timeout_s`` the remaining requests are marked
+        cancelled (their callers get a retryable error and nothing is captured) and the
+        wait continues only until their gateways let go of them, at most one lease TTL."""
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while self.live_leases() > 0:
+            if time.monotonic() >= deadline:
+                remaining = self.r.zrange(keys.leases(), 0, -1)
+                if remaining:
+                    self.r.sadd(keys.cancelled(), *remaining)
+                    self.r.expire(keys.cancelled(), int(self.ttl_ms / 1000) + 60)
+                return DrainResult(time.monotonic() - start, len(remaining))
+            time.sleep(poll_s)
+        return DrainResult(time.monotonic() - start, 0)
+
+    def resume(self, keep_history: int = 20) -> float:
+        """Clear the pause flag; returns how long the pause lasted (seconds)."""
+        return int(self._resume(keys=[keys.paused(), keys.pause_started(), keys.pause_history()],
+                                args=[keep_history])) / 1000.0

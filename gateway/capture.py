@@ -1,0 +1,135 @@
+"""What the gateway records per model call, and what it strips from the agent's answer.
+
+The gateway always asks the engine for token ids and log-probs (training needs them); the
+agent only sees those fields if it asked for them itself. Pure functions: no IO here.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+from app.state.records import CapturedCall
+
+
+def prepare_upstream_body(body: dict[str, Any], endpoint: str, model: str,
+                          default_max_tokens: int, default_temperature: float) -> dict[str, Any]:
+    """The request sent upstream: the agent's body plus the fields capture needs."""
+    out = dict(body)
+    out["model"] = model
+    out["return_token_ids"] = True
+    if endpoint == "chat.completions":
+        out["logprobs"] = True
+        out.setdefault("top_logprobs", 0)
+        if out.get("top_logprobs") is None:
+            out["top_logprobs"] = 0
+    else:
+        if not isinstance(out.get("logprobs"), int) or isinstance(out.get("logprobs"), bool):
+            out["logprobs"] = 0
+    if out.get("max_tokens") is None and out.get("max_completion_tokens") is None:
+        out["max_tokens"] = default_max_tokens
+    if out.get("temperature") is None:
+        out["temperature"] = default_temperature
+    if out.get("stream"):
+        opts = dict(out.get("stream_options") or {})
+        out["stream_options"] = opts
+    return out
+
+
+def agent_wants(body: dict[str, Any], endpoint: str) -> tuple[bool, bool]:
+    """(wants log-probs, wants token ids) as the agent asked for them."""
+    wants_ids = bool(body.get("return_token_ids"))
+    if endpoint == "chat.completions":
+        return bool(body.get("logprobs")), wants_ids
+    lp = body.get("logprobs")
+    return (lp is not None and lp is not False), wants_ids
+
+
+def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[Any]:
+    lp = choice.get("logprobs") or {}
+    if endpoint == "chat.completions":
+        return [item.get("logprob") for item in (lp.get("content") or [])]
+    return list(lp.get("token_logprobs") or [])
+
+
+def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, temperature: float,
+                        upstream: str, started_at: float, stream: bool = False
+                        ) -> list[CapturedCall]:
+    """One CapturedCall per choice of a complete (non-streamed or reassembled) response."""
+    top_prompt_ids = list(resp.get("prompt_token_ids") or [])
+    calls = []
+    for choice in resp.get("choices") or []:
+        # chat puts the prompt's ids at the top level, completions inside each choice
+        prompt_ids = list(choice.get("prompt_token_ids") or top_prompt_ids)
+        ids = list(choice.get("token_ids") or [])
+        raw = _choice_logprobs(choice, endpoint)
+        logprobs, bad = CapturedCall.clean_logprobs(raw)
+        if len(logprobs) != len(ids):  # a capture that does not line up is unusable
+            bad += abs(len(ids) - len(logprobs)) or 1
+        calls.append(CapturedCall(
+            prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs,
+            finish_reason=choice.get("finish_reason"), policy_version=version,
+            temperature=temperature, upstream=upstream, started_at=started_at,
+            ended_at=time.time(), endpoint=endpoint, stream=stream, nonfinite_logprobs=bad))
+    return calls
+
+
+def strip_for_agent(resp: dict[str, Any], endpoint: str, wants_logprobs: bool,
+                    wants_ids: bool) -> dict[str, Any]:
+    """The OpenAI-shaped answer, without the fields the agent did not ask for."""
+    if wants_logprobs and wants_ids:
+        return resp
+    out = copy.copy(resp)
+    if not wants_ids:
+        out.pop("prompt_token_ids", None)
+    choices = []
+    for choice in resp.get("choices") or []:
+        c = dict(choice)
+        if not wants_ids:
+            c.pop("token_ids", None)
+            c.pop("prompt_token_ids", None)
+        if not wants_logprobs:
+            c["logprobs"] = None
+        choices.append(c)
+    out["choices"] = choices
+    return out
+
+
+class StreamAccumulator:
+    """Reassembles streamed chunks into one response so capture is the same as non-stream."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.endpoint = endpoint
+        self.prompt_ids: list[int] = []
+        self.choices: dict[int, dict[str, Any]] = {}
+
+    def add(self, chunk: dict[str, Any]) -> None:
+        if chunk.get("prompt_token_ids"):
+            self.prompt_ids = list(chunk["prompt_token_ids"])
+        for choice in chunk.get("choices") or []:
+            idx = choice.get("index", 0)
+            acc = self.choices.setdefault(idx, {"token_ids": [], "lp": [], "finish_reason": None})
+            if choice.get("prompt_token_ids"):
+                self.prompt_ids = list(choice["prompt_token_ids"])
+            acc["token_ids"].extend(choice.get("token_ids") or [])
+            acc["lp"].extend(_choice_logprobs(choice, self.endpoint))
+            if choice.get("finish_reason"):
+                acc["finish_reason"] = choice["finish_reason"]
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for idx in sorted(self.choices):
+            acc = self.choices[idx]
+            if self.endpoint == "chat.completions":
+                lp = {"content": [{"logprob": v} for v in acc["lp"]]}
+            else:
+                lp = {"token_logprobs": acc["lp"]}
+            choices.append({"index": idx, "token_ids": acc["token_ids"], "logprobs": lp,
+                            "finish_reason": acc["finish_reason"]})
+        return {"prompt_token_ids": self.prompt_ids, "choices": choices}
+
+    @staticmethod
+    def strip_chunk(chunk: dict[str, Any], endpoint: str, wants_logprobs: bool,
+                    wants_ids: bool) -> dict[str, Any]:
+        return strip_for_agent(chunk, endpoint, wants_logprobs, wants_ids)

@@ -1,0 +1,63 @@
+"""OpenAI-style errors. Raised anywhere in a request; turned into a response in one place.
+
+Body shape (what the official ``openai`` client parses):
+``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
+"""
+
+from __future__ import annotations
+
+from flask import Flask, jsonify
+from werkzeug.exceptions import HTTPException
+
+
+class GatewayError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type_
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None) -> GatewayError:
+    return GatewayError(400, message, param=param, code="invalid_request")
+
+
+def retryable(message: str, retry_after: float, code: str = "paused") -> GatewayError:
+    # 503 + Retry-After: the official openai client retries it (honouring the header).
+    return GatewayError(503, message, type_="server_error", code=code, retry_after=retry_after)
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(GatewayError)
+    def _gateway_error(exc: GatewayError):
+        resp = jsonify(exc.body())
+        resp.status_code = exc.status
+        if exc.retry_after is not None:
+            resp.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+            resp.headers["Retry-After-Ms"] = str(int(exc.retry_after * 1000))
+        return resp
+
+    @app.errorhandler(HTTPException)
+    def _http_error(exc: HTTPException):
+        status = exc.code or 500
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        message = exc.description or exc.name
+        if status == 413:
+            message = "request body too large (limit gateway.max_body_bytes)"
+        err = GatewayError(status, message, type_=kind, code=exc.name.lower().replace(" ", "_"))
+        return _gateway_error(err)
+
+    @app.errorhandler(Exception)
+    def _unexpected(exc: Exception):
+        app.logger.exception("unhandled error")
+        return _gateway_error(GatewayError(500, f"internal gateway error: {exc.__class__.__name__}",
+                                           type_="server_error", code="internal_error"))

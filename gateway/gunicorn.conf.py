@@ -1,0 +1,23 @@
+"""gunicorn settings for the gateway.
+
+Started as ``gunicorn -c gateway/gunicorn.conf.py 'gateway:create_app()'``.
+
+gevent workers: a model call can be held for minutes (long generations, hold mode), which
+the sync worker class would time out or serialise.
+"""
+
+from app.config import service_config
+
+_cfg = service_config()
+
+bind = f"{_cfg.gateway.host}:{_cfg.gateway.port}"
+workers = int(_cfg.gateway.workers)
+worker_class = "gevent"
+worker_connections = 1000
+timeout = int(_cfg.gateway.upstream_timeout_s) + 30
+graceful_timeout = 10
+keepalive = 30
+accesslog = None
+errorlog = "-"
+loglevel = "info"
+proc_name = "carryover-gateway"

@@ -1,0 +1,1 @@
+"""Blueprints: openai (per-rollout model API), admin (pause/resume/state), health."""

@@ -1,0 +1,67 @@
+"""The part of the configuration the gateway uses, read once per process."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from app.config.loader import REPO_ROOT
+from app.state.connection import resolve_redis_url
+
+ADMIN_TOKEN_FILE = REPO_ROOT / "var" / "admin-token"
+
+
+def admin_token(cfg: Any) -> str:
+    """Config value > $CARRYOVER_ADMIN_TOKEN > a token generated once into var/admin-token
+    (mode 0600), shared by the gateway and the trainer on this machine."""
+    token = cfg.gateway.admin_token or os.environ.get("CARRYOVER_ADMIN_TOKEN")
+    if token:
+        return token
+    path = Path(ADMIN_TOKEN_FILE)
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+    return token
+
+
+@dataclass(frozen=True)
+class GatewaySettings:
+    redis_url: str
+    upstreams: tuple[str, ...]
+    model: str
+    admin_token: str
+    lease_ttl_s: float
+    hold: bool
+    hold_timeout_s: float
+    retry_after_s: float
+    max_body_bytes: int
+    max_concurrent_per_rollout: int
+    upstream_timeout_s: float
+    default_max_tokens: int
+    default_temperature: float
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> GatewaySettings:
+        g = cfg.gateway
+        return cls(
+            redis_url=resolve_redis_url(cfg),
+            upstreams=tuple(cfg.inference.urls),
+            model=cfg.inference.served_model_name,
+            admin_token=admin_token(cfg),
+            lease_ttl_s=float(g.lease_ttl_s),
+            hold=bool(g.hold),
+            hold_timeout_s=float(g.hold_timeout_s),
+            retry_after_s=float(g.retry_after_s),
+            max_body_bytes=int(g.max_body_bytes),
+            max_concurrent_per_rollout=int(g.max_concurrent_per_rollout),
+            upstream_timeout_s=float(g.upstream_timeout_s),
+            default_max_tokens=int(cfg.actor_rollout_ref.rollout.max_tokens),
+            default_temperature=float(cfg.actor_rollout_ref.rollout.temperature),
+        )

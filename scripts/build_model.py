@@ -1,0 +1,139 @@
+"""Build the tiny demo policy locally: a Qwen2 model plus a small ASCII tokenizer.
+
+No download happens: the architecture is instantiated with random weights from a fixed
+seed, so the same seed always gives the same bytes. Input and output embeddings are
+untied on purpose: vLLM CPU's ``reload_weights`` silently skips a tied ``lm_head``.
+
+Usage: python scripts/build_model.py [--out var/models/tiny-qwen2] [--seed 0] [--force]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import sys
+from pathlib import Path
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Whole-word tokens: the chat roles and the few words the demo agent says.
+WORDS = ["system", "user", "assistant", "tool", "reverse", "score"]
+# Single characters; the demo task's alphabet is a-d, the rest is room for feedback text.
+CHARS = list("abcdefgh") + list("0123456789") + [" ", "\n", ":", ".", ",", "?", "!"]
+UNK = "[UNK]"
+
+# Qwen2's ChatML layout; the generation prompt opens the assistant turn.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+MODEL_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 512,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+def vocabulary() -> list[str]:
+    return SPECIALS + WORDS + CHARS + [UNK]
+
+
+def build_tokenizer(out: Path) -> None:
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(vocabulary())}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    # Each listed word is one piece; everything else splits into single characters.
+    pattern = "|".join(WORDS) + r"|[\s\S]"
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token=UNK,
+        pad_token="<|endoftext|>",
+        eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"],
+        model_max_length=MODEL_SHAPE["max_position_embeddings"],
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+
+
+def build_model(out: Path, seed: int) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    vocab = vocabulary()
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        tie_word_embeddings=False,
+        bos_token_id=vocab.index("<|im_start|>"),
+        eos_token_id=vocab.index("<|im_end|>"),
+        pad_token_id=vocab.index("<|endoftext|>"),
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        torch_dtype="float32",
+        **MODEL_SHAPE,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.save_pretrained(str(out), safe_serialization=True)
+
+
+def digest(out: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(out.iterdir()):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="var/models/tiny-qwen2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    stamp = out / "carryover-build.json"
+    if stamp.exists() and not args.force:
+        print(f"model already built at {out} ({json.loads(stamp.read_text())['digest']})")
+        return 0
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build_tokenizer(tmp)
+    build_model(tmp, args.seed)
+    # The stamp goes last and the directory is swapped in whole: a crash never leaves a
+    # half-built model that looks finished.
+    info = {"seed": args.seed, "digest": digest(tmp), "shape": MODEL_SHAPE}
+    (tmp / "carryover-build.json").write_text(json.dumps(info, indent=1) + "\n")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        n_params = sum(_prod(f.get_slice(k).get_shape()) for k in f.keys())
+    print(f"built {out}: {n_params:,} parameters, vocab {len(vocabulary())}, "
+          f"digest {info['digest']}")
+    return 0
+
+
+def _prod(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+if __name__ == "__main__":
+    sys.exit(main())

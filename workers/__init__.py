@@ -1,0 +1,1 @@
+"""Celery task modules by role: rollout/ (sibling agent runs, chord callbacks), trainer/."""

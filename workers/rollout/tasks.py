@@ -1,0 +1,1 @@
+"""Rollout tasks (filled in by the collector)."""

@@ -1,0 +1,1 @@
+"""Trainer tasks (filled in by the trainer)."""
