@@ -17,11 +17,13 @@ import sys
 from pathlib import Path
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-# Whole-word tokens: the chat roles and the few words the demo agent says.
-WORDS = ["system", "user", "assistant", "tool", "reverse", "score"]
-# Single characters; the demo task's alphabet is a-d, the rest is room for feedback text.
-CHARS = list("abcdefgh") + list("0123456789") + [" ", "\n", ":", ".", ",", "?", "!"]
-UNK = "[UNK]"
+# Words the chat template and the demo agent write; they are spelled letter by letter.
+WORDS = ["system", "user", "assistant", "tool", "reverse", "score", "again"]
+# The demo task's alphabet is a-d; the rest are the letters of WORDS and some punctuation.
+LETTERS = sorted(set("abcd" + "".join(WORDS)))
+PUNCT = list(" \n:.,?!")
+# GPT-2 byte-level names of the two whitespace characters (what Qwen2's pipeline uses).
+BYTE_LEVEL = {" ": "\u0120", "\n": "\u010a"}
 
 # Qwen2's ChatML layout; the generation prompt opens the assistant turn.
 CHAT_TEMPLATE = (
@@ -42,25 +44,35 @@ MODEL_SHAPE = {
 
 
 def vocabulary() -> list[str]:
-    return SPECIALS + WORDS + CHARS + [UNK]
+    """Token strings in id order: specials, then single characters (byte-level names)."""
+    return SPECIALS + [BYTE_LEVEL.get(c, c) for c in LETTERS + PUNCT]
 
 
 def build_tokenizer(out: Path) -> None:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    """A character-level tokenizer inside Qwen2's own pipeline (its split regex, byte-level
+    mapping, BPE with no merges). transformers 5 loads any qwen2 model's tokenizer as
+    ``Qwen2Tokenizer``, which rebuilds exactly this pipeline from the vocabulary, so the
+    trainer, vLLM and the tests all tokenize the same way."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
     from transformers import PreTrainedTokenizerFast
+    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
 
     vocab = {tok: i for i, tok in enumerate(vocabulary())}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
-    # Each listed word is one piece; everything else splits into single characters.
-    pattern = "|".join(WORDS) + r"|[\s\S]"
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(pattern), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    tok = Tokenizer(BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False,
+                        byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True) for t in SPECIALS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        unk_token=UNK,
+        unk_token=None,
         pad_token="<|endoftext|>",
         eos_token="<|im_end|>",
-        additional_special_tokens=["<|im_start|>"],
         model_max_length=MODEL_SHAPE["max_position_embeddings"],
     )
     fast.chat_template = CHAT_TEMPLATE

@@ -134,7 +134,8 @@ RULES: dict[str, Check] = {
     "actor_rollout_ref.actor.kl_loss_coef": non_negative_num,
     "actor_rollout_ref.actor.kl_loss_type": one_of(*KL_TYPES),
     "agentlightning.async_rollout.enabled": boolean,
-    "agentlightning.async_rollout.async_train_batch_size": positive_int,
+    # null only when train_batch_size is itself invalid (it is derived from it otherwise)
+    "agentlightning.async_rollout.async_train_batch_size": optional(positive_int),
     "agentlightning.async_rollout.max_carry_over_age_steps": optional(positive_int),
     "algorithm.adv_estimator": one_of(*ADV_ESTIMATORS),
     "algorithm.norm_adv_by_std_in_grpo": boolean,
@@ -191,12 +192,18 @@ RULES: dict[str, Check] = {
 }
 
 
-def _cross_rules(cfg: dict[str, Any]) -> list[str]:
+def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
+    """Rules between keys; a rule is checked only when each key it reads is valid alone."""
+
+    def ok(*names: str) -> bool:
+        return not bad.intersection(names)
+
     problems = []
     tbs = _get(cfg, "data.train_batch_size")
     async_cfg = cfg["agentlightning"]["async_rollout"]
     atbs = async_cfg["async_train_batch_size"]
-    if async_cfg["enabled"] is True and _is_int(tbs) and _is_int(atbs) and atbs <= tbs:
+    if ok("data.train_batch_size", "agentlightning.async_rollout.async_train_batch_size",
+          "agentlightning.async_rollout.enabled") and async_cfg["enabled"] and atbs <= tbs:
         problems.append(
             f"agentlightning.async_rollout.async_train_batch_size: value {atbs} must be strictly "
             f"greater than data.train_batch_size ({tbs}) when async_rollout.enabled is true "
@@ -204,7 +211,8 @@ def _cross_rules(cfg: dict[str, Any]) -> list[str]:
         )
     n = _get(cfg, "actor_rollout_ref.rollout.n")
     est = _get(cfg, "algorithm.adv_estimator")
-    if est in GROUP_ESTIMATORS and _is_int(n) and n < 2:
+    if ok("actor_rollout_ref.rollout.n", "algorithm.adv_estimator") and est in GROUP_ESTIMATORS \
+            and n < 2:
         problems.append(
             f"actor_rollout_ref.rollout.n: value {n} must be >= 2 for the group-relative "
             f"estimator algorithm.adv_estimator={est}"
@@ -222,7 +230,7 @@ def _cross_rules(cfg: dict[str, Any]) -> list[str]:
         )
     backend = _get(cfg, "controller.backend")
     agent = _get(cfg, "controller.agent")
-    if backend == "python" and isinstance(agent, str) and not re.match(
+    if ok("controller.backend", "controller.agent") and backend == "python" and not re.match(
         r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", agent
     ):
         problems.append(
@@ -237,10 +245,12 @@ def _cross_rules(cfg: dict[str, Any]) -> list[str]:
 def validate(cfg: dict[str, Any]) -> list[str]:
     """Every problem in ``cfg`` (a merged plain dict), one line each; empty when valid."""
     problems = []
+    bad = set()
     for key, check in RULES.items():
         value = _get(cfg, key)
         rule = check(value)
         if rule:
+            bad.add(key)
             problems.append(f"{key}: value {_fmt(value)} {rule}")
-    problems += _cross_rules(cfg)
+    problems += _cross_rules(cfg, bad)
     return problems

@@ -1,0 +1,122 @@
+"""Fixtures for real services: Redis, vLLM, the gateway under gunicorn, Celery workers.
+
+Every test session gets its own ports and its own Redis data directory, set through
+``$CARRYOVER_OVERRIDES`` before any project module is imported, so every process the tests
+start (and the Celery app object in this process) agrees on them and a developer's running
+stack on the default ports is never touched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stack_overrides(tmp: Path) -> list[str]:
+    redis_port, inf_port, gw_port, flower_port = (free_port() for _ in range(4))
+    return [
+        f"redis.port={redis_port}",
+        f"redis.dir={tmp / 'redis'}",
+        f"inference.port={inf_port}",
+        f"inference.urls=[http://127.0.0.1:{inf_port}]",
+        f"gateway.port={gw_port}",
+        f"gateway.url=http://127.0.0.1:{gw_port}",
+        f"services.flower_port={flower_port}",
+        "gateway.workers=2",
+    ]
+
+
+_TMP = Path(tempfile.mkdtemp(prefix="carryover-test-"))
+os.environ.pop("REDIS_URL", None)
+os.environ.pop("CARRYOVER_CONFIG", None)
+os.environ["CARRYOVER_OVERRIDES"] = json.dumps(stack_overrides(_TMP))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ["CARRYOVER_ADMIN_TOKEN"] = "test-admin-token"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--fast", action="store_true",
+                     help="skip tests marked slow (end-to-end through every process)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--fast"):
+        skip = pytest.mark.skip(reason="--fast given")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cfg():
+    from app.config import service_config
+
+    return service_config()
+
+
+@pytest.fixture(scope="session")
+def tmp_root() -> Path:
+    return _TMP
+
+
+@pytest.fixture(scope="session")
+def supervisor(cfg, tmp_root) -> Iterator:
+    from app.services.supervisor import Supervisor
+
+    sup = Supervisor(cfg, log_dir=tmp_root / "logs")
+    yield sup
+    sup.stop()
+
+
+def _ensure(supervisor, *roles: str) -> None:
+    missing = [r for r in roles if r not in supervisor.procs]
+    if missing:
+        supervisor.start(missing)
+
+
+@pytest.fixture(scope="session")
+def redis_service(supervisor, cfg):
+    _ensure(supervisor, "redis")
+    from app.state.connection import connect, resolve_redis_url
+
+    return connect(resolve_redis_url(cfg))
+
+
+@pytest.fixture
+def redis_client(redis_service):
+    """A clean slate of project keys (only ``co:*``; Celery's own keys stay)."""
+    for key in redis_service.scan_iter("co:*", count=1000):
+        redis_service.delete(key)
+    return redis_service
+
+
+@pytest.fixture(scope="session")
+def vllm_service(supervisor, redis_service, cfg) -> str:
+    _ensure(supervisor, "inference")
+    return cfg.inference.urls[0]
+
+
+@pytest.fixture(scope="session")
+def gateway_service(supervisor, vllm_service, cfg) -> str:
+    _ensure(supervisor, "gateway")
+    return cfg.gateway.url
+
+
+@pytest.fixture(scope="session")
+def celery_workers(supervisor, redis_service):
+    _ensure(supervisor, "groups", "rollout", "trainer")
+    return supervisor

@@ -1,0 +1,225 @@
+"""Configuration: the seed's YAML loads as is, defaults and derived values, and every invalid
+config is refused with a specific line naming key, value and rule."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+from app.config import ConfigError, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+SEED = REPO.parent / "shared" / "seed" / "asynchronous-training.md"
+
+# The seed document's YAML blocks, verbatim (also read from the seed when it is present).
+SEED_BLOCKS = [
+    """
+    agentlightning:
+      async_rollout:
+        enabled: true
+        async_train_batch_size: 64
+    """,
+    """
+    data:
+      train_batch_size: 32
+
+    agentlightning:
+      async_rollout:
+        enabled: true
+        async_train_batch_size: 64
+    """,
+    """
+    algorithm:
+      rollout_correction:
+        rollout_is: token
+        rollout_is_threshold: 2
+    """,
+]
+
+
+def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
+    p = tmp_path / name
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+@pytest.mark.parametrize("block", SEED_BLOCKS)
+def test_seed_blocks_load_as_they_are(tmp_path, block):
+    cfg = load_config(write(tmp_path, block))
+    assert cfg.agentlightning.async_rollout.enabled is True
+    assert cfg.agentlightning.async_rollout.async_train_batch_size == 64
+    assert cfg.data.train_batch_size == 32
+    assert cfg.algorithm.rollout_correction.rollout_is == "token"
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == 2
+
+
+def test_seed_document_blocks_if_present(tmp_path):
+    if not SEED.exists():
+        pytest.skip("seed document not beside the checkout")
+    text = SEED.read_text()
+    # Blocks in the seed are the indented-free YAML runs starting at a top-level section.
+    blocks, current = [], []
+    for line in text.splitlines():
+        if line and not line.startswith(" ") and line.rstrip().endswith(":") and line.split(":")[
+                0] in ("data", "agentlightning", "algorithm"):
+            current.append(line)
+        elif current and (line.startswith(" ") or not line.strip()):
+            current.append(line)
+        elif current:
+            blocks.append("\n".join(current))
+            current = []
+    if current:
+        blocks.append("\n".join(current))
+    assert blocks, "no YAML found in the seed"
+    for block in blocks:
+        assert isinstance(yaml.safe_load(block), dict)
+        load_config(write(tmp_path, block))
+
+
+def test_defaults_use_seed_values():
+    cfg = load_config()
+    assert cfg.data.train_batch_size == 32
+    assert cfg.agentlightning.async_rollout.async_train_batch_size == 64
+    assert cfg.actor_rollout_ref.rollout.n == 4
+    assert cfg.algorithm.rollout_correction.rollout_is == "token"
+    assert cfg.algorithm.rollout_correction.rollout_is_threshold == 2
+
+
+def test_async_batch_defaults_to_twice_train_batch():
+    cfg = load_config(None, ["data.train_batch_size=5"])
+    assert cfg.agentlightning.async_rollout.async_train_batch_size == 10
+
+
+def test_partial_file_is_completed_and_overrides_win(tmp_path):
+    p = write(tmp_path, "data:\n  train_batch_size: 4\n")
+    cfg = load_config(p, ["actor_rollout_ref.rollout.n=8", "gateway.hold=true"])
+    assert cfg.data.train_batch_size == 4
+    assert cfg.actor_rollout_ref.rollout.n == 8
+    assert cfg.gateway.hold is True
+    assert cfg.trainer.total_steps == 100  # from the defaults
+
+
+def test_config_is_frozen():
+    cfg = load_config()
+    with pytest.raises(Exception):  # noqa: B017 - omegaconf's ReadonlyConfigError
+        cfg.data.train_batch_size = 3
+
+
+def test_agent_section_is_free_form(tmp_path):
+    cfg = load_config(write(tmp_path, "agent:\n  anything: [1, 2]\n  nested: {a: 1}\n"))
+    assert cfg.agent.nested.a == 1
+
+
+INVALID = [
+    # (overrides, expected fragment of the one problem line)
+    (["agentlightning.async_rollout.async_train_batch_size=32"],
+     "agentlightning.async_rollout.async_train_batch_size: value 32 must be strictly greater "
+     "than data.train_batch_size (32)"),
+    (["data.train_batch_size=0"], "data.train_batch_size: value 0 must be a positive integer"),
+    (["data.train_batch_size=2.5"], "data.train_batch_size: value 2.5 must be a positive integer"),
+    (["data.train_batch_size=true"], "data.train_batch_size: value True must be a positive integer"),
+    (["actor_rollout_ref.rollout.n=1"],
+     "actor_rollout_ref.rollout.n: value 1 must be >= 2 for the group-relative estimator"),
+    (["actor_rollout_ref.rollout.n=-4"],
+     "actor_rollout_ref.rollout.n: value -4 must be a positive integer"),
+    (["algorithm.rollout_correction.rollout_is=tokens"],
+     "algorithm.rollout_correction.rollout_is: value 'tokens' must be one of null, 'token', "
+     "'sequence'"),
+    (["algorithm.rollout_correction.rollout_is_threshold=-2"],
+     "algorithm.rollout_correction.rollout_is_threshold: value -2 must be a positive number"),
+    (["algorithm.rollout_correction.rollout_is_threshold=null"],
+     "rollout_is_threshold: value null must be a positive number when rollout_is is 'token'"),
+    (["algorithm.adv_estimator=gae"],
+     "algorithm.adv_estimator: value 'gae' must be one of 'grpo', 'rloo'"),
+    (["data.trian_batch_size=3"],
+     "data.trian_batch_size: unknown key (command line); did you mean 'data.train_batch_size'?"),
+    (["agentlightning.async_rolout.enabled=false"],
+     "did you mean 'agentlightning.async_rollout.enabled'?"),
+    (["gateway.port=70000"], "gateway.port: value 70000 must be a port number 1-65535"),
+    (["gateway.url=localhost:8200"], "gateway.url: value 'localhost:8200' must be a URL"),
+    (["inference.urls=[]"], "inference.urls: value [] must be a non-empty list of URLs"),
+    (["controller.backend=docker"],
+     "controller.backend: value 'docker' must be one of 'python', 'process', 'kubernetes'"),
+    (["controller.agent=examples.reverse.agent"],
+     "controller.agent: value 'examples.reverse.agent' must be module:function"),
+    (["controller.on_failure=ignore"],
+     "controller.on_failure: value 'ignore' must be one of 'requeue', 'zero_reward'"),
+    (["agentlightning.async_rollout.max_carry_over_age_steps=0"],
+     "agentlightning.async_rollout.max_carry_over_age_steps: value 0 must be a positive integer"),
+    (["agentlightning.async_rollout.enabled=yes please"],
+     "agentlightning.async_rollout.enabled: value 'yes please' must be true or false"),
+    (["trainer.device=tpu"], "trainer.device: value 'tpu' must be one of 'auto', 'cpu', 'cuda'"),
+    (["data=3"], "data: is a section, not a value"),
+    (["data.train_batch_size"], "data.train_batch_size: override must look like a.b.c=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,expected", INVALID, ids=[i[1][:40] for i in INVALID])
+def test_invalid_config_gives_its_own_message(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert len(info.value.problems) == 1, info.value.problems
+    assert expected in info.value.problems[0]
+
+
+def test_all_problems_reported_together():
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["data.train_batch_size=0", "gateway.port=0", "nope=1"])
+    text = str(info.value)
+    assert "nope: unknown key" in text
+    # unknown keys stop before value checks; fix them first, then values are checked together
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["data.train_batch_size=0", "gateway.port=0"])
+    assert len(info.value.problems) == 2
+
+
+def test_sync_mode_allows_equal_batch_sizes():
+    cfg = load_config(None, ["agentlightning.async_rollout.enabled=false",
+                             "agentlightning.async_rollout.async_train_batch_size=32"])
+    assert cfg.agentlightning.async_rollout.enabled is False
+
+
+def test_malformed_yaml_file(tmp_path):
+    p = write(tmp_path, "data:\n  train_batch_size: [1,\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    assert "not valid YAML" in info.value.problems[0]
+    with pytest.raises(ConfigError) as info:
+        load_config(tmp_path / "missing.yaml")
+    assert "cannot read file" in info.value.problems[0]
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, "- a\n- b\n"))
+    assert "top level must be a mapping" in info.value.problems[0]
+
+
+def test_every_shipped_config_loads():
+    shipped = sorted((REPO / "config").glob("*.yaml"))
+    assert shipped
+    for path in shipped:
+        load_config(path)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_config_show_cli(tmp_path):
+    p = write(tmp_path, SEED_BLOCKS[2])
+    ok = run_cli("config", "show", "--config", str(p), "data.train_batch_size=8")
+    assert ok.returncode == 0, ok.stderr
+    shown = yaml.safe_load(ok.stdout)
+    assert shown["data"]["train_batch_size"] == 8
+    assert shown["agentlightning"]["async_rollout"]["async_train_batch_size"] == 16
+    assert "effective agentlightning.async_rollout.async_train_batch_size = 16" in ok.stderr
+
+    bad = run_cli("config", "show", "data.train_batch_size=0", "gateway.port=x")
+    assert bad.returncode == 2
+    lines = [ln for ln in bad.stderr.splitlines() if ln.startswith("config error:")]
+    assert len(lines) == 2
+    assert bad.stdout == ""
