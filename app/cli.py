@@ -8,6 +8,7 @@ happen at import time of this module.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import signal
@@ -25,18 +26,24 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
                    help="overrides, as verl users type them")
 
 
+def _overrides(args: argparse.Namespace) -> list[str]:
+    """$CARRYOVER_OVERRIDES (set by a parent process) first, then the command line's."""
+    raw = os.environ.get("CARRYOVER_OVERRIDES", "")
+    inherited = json.loads(raw) if raw.strip() else []
+    return [*inherited, *args.overrides]
+
+
 def _load(args: argparse.Namespace) -> Any:
-    return load_config(args.config, args.overrides)
+    return load_config(args.config, _overrides(args))
 
 
 def _export_config_env(args: argparse.Namespace) -> None:
     """Child processes (workers, gateway) read the same config through the environment."""
-    import json
-
     if args.config:
         os.environ["CARRYOVER_CONFIG"] = os.path.abspath(args.config)
-    if args.overrides:
-        os.environ["CARRYOVER_OVERRIDES"] = json.dumps(args.overrides)
+    overrides = _overrides(args)
+    if overrides:
+        os.environ["CARRYOVER_OVERRIDES"] = json.dumps(overrides)
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:

@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
+LIGHT = ["app.cli", "gateway", "gateway.routes.openai", "app.celery_app"]
 
-@pytest.mark.parametrize("module", ["app.cli", "gateway", "gateway.routes.openai", "app.celery_app"])
+
+@pytest.mark.parametrize("module", LIGHT)
 def test_light_import(module):
     code = (f"import sys, {module}; heavy = [m for m in ('torch', 'verl', 'transformers') "
             "if m in sys.modules]; print(','.join(heavy))")
