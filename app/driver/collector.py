@@ -1,0 +1,205 @@
+"""The asynchronous collector: keeps groups active, selects completed ones, carries the rest.
+
+Invariants:
+- All run state (active set, ready set, cursor, step, counters) is in Redis; a restarted
+  driver reads it back and continues the same run with its carry-over intact.
+- A group is selected for training only from ``run_ready``, which only the chord callback
+  fills, and only after all ``n`` siblings finished: partial groups are never trained.
+- Selection moves groups out of ``run_ready``/``run_active`` and into the step's list in one
+  MULTI/EXEC: a group is consumed by exactly one step.
+- Per-step bookkeeping touches only the groups dispatched, selected or cancelled in that
+  step (plus O(1) reads), never the whole active set.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import chord, group
+
+from app.driver.dataset import epoch_order, load_samples
+from app.state import keys
+from app.state.records import GroupRecord, RunRecord
+from app.state.runs import read_group, read_run
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Selection:
+    step: int
+    group_ids: list[str]
+    prev_carry_over_groups: int
+    new_carry_over_groups: int
+    carry_over_age_max: int
+    consumed_ages: list[int]
+    wait_seconds: float
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+class Collector:
+    def __init__(self, client: redis.Redis, run_id: str, cfg: Any) -> None:
+        self.r = client
+        self.run_id = run_id
+        self.cfg = cfg
+        self.n = int(cfg.actor_rollout_ref.rollout.n)
+        self.train_batch = int(cfg.data.train_batch_size)
+        async_cfg = cfg.agentlightning.async_rollout
+        self.async_mode = bool(async_cfg.enabled)
+        # Sync mode is the baseline: exactly one batch in flight, all of it waited for.
+        self.active_target = int(async_cfg.async_train_batch_size) if self.async_mode \
+            else self.train_batch
+        self.max_age = async_cfg.max_carry_over_age_steps
+        self.samples = load_samples(cfg.data.train_files)
+        self._order_epoch = -1
+        self._order: list[int] = []
+
+    # --- run record ----------------------------------------------------------------
+
+    @staticmethod
+    def create_run(client: redis.Redis, run_id: str, cfg_plain: dict, mode: str) -> RunRecord:
+        rec = RunRecord(run_id=run_id, config=cfg_plain, mode=mode, created_at=time.time())
+        if not client.hsetnx(keys.run(run_id), "run_id", run_id):
+            raise ValueError(f"run {run_id!r} already exists; use --resume {run_id}")
+        client.hset(keys.run(run_id), mapping=rec.to_hash())
+        return rec
+
+    def run(self) -> RunRecord:
+        return read_run(self.r, self.run_id)
+
+    def counters(self) -> dict[str, int]:
+        raw = self.r.hmget(keys.run(self.run_id), "n_dropped", "n_cancelled", "n_dispatched")
+        return {name: int(v or 0) for name, v in
+                zip(("dropped", "cancelled", "dispatched"), raw, strict=True)}
+
+    # --- dispatch ------------------------------------------------------------------
+
+    def _next_sample_index(self, run: RunRecord) -> int:
+        requeued = self.r.lpop(keys.run_requeue(self.run_id))
+        if requeued is not None:
+            return int(requeued)
+        if self._order_epoch != run.epoch:
+            self._order = epoch_order(len(self.samples), int(self.cfg.data.seed), run.epoch,
+                                      bool(self.cfg.data.shuffle))
+            self._order_epoch = run.epoch
+        index = self._order[run.cursor]
+        run.cursor += 1
+        if run.cursor >= len(self._order):
+            run.cursor, run.epoch = 0, run.epoch + 1
+        return index
+
+    def top_up(self, policy_version: int) -> int:
+        """Dispatch new groups until ``active_target`` are active; returns how many."""
+        active = self.r.zcard(keys.run_active(self.run_id))
+        run = self.run()
+        sent = 0
+        while active + sent < self.active_target:
+            index = self._next_sample_index(run)
+            seq = run.next_seq
+            run.next_seq += 1
+            gid = f"{self.run_id}-g{seq}"
+            rec = GroupRecord(group_id=gid, run_id=self.run_id, sample_index=index,
+                              sample=self.samples[index], n=self.n, seq=seq,
+                              dispatch_step=run.step, dispatch_version=policy_version,
+                              dispatched_at=time.time())
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hset(keys.group(gid), mapping=rec.to_hash())
+            pipe.zadd(keys.run_active(self.run_id), {gid: seq})
+            pipe.hset(keys.run(self.run_id), mapping={
+                "cursor": run.cursor, "epoch": run.epoch, "next_seq": run.next_seq})
+            pipe.hincrby(keys.run(self.run_id), "n_dispatched", 1)
+            pipe.execute()
+            self._send(gid)
+            sent += 1
+        return sent
+
+    def _send(self, group_id: str) -> None:
+        from workers.rollout.tasks import finish_group, run_rollout
+
+        chord(group(run_rollout.s(group_id, i) for i in range(self.n)))(
+            finish_group.s(group_id))
+        # Marked after sending: on resume, groups without the mark are sent again.
+        self.r.hset(keys.group(group_id), "sent", "1")
+
+    def resend_unsent(self) -> int:
+        """After a driver crash between recording a group and sending its chord."""
+        resent = 0
+        for gid in self.r.zrange(keys.run_active(self.run_id), 0, -1):
+            if not self.r.hexists(keys.group(gid), "sent"):
+                self._send(gid)
+                resent += 1
+        return resent
+
+    # --- staleness -----------------------------------------------------------------
+
+    def cancel_stale(self, step: int) -> int:
+        """Cancel active groups dispatched more than ``max_carry_over_age_steps`` ago and
+        re-queue their prompts. Oldest first, stopping at the first young group."""
+        if self.max_age is None:
+            return 0
+        cancelled = 0
+        while True:
+            oldest = self.r.zrange(keys.run_active(self.run_id), cancelled, cancelled)
+            if not oldest:
+                return cancelled
+            rec = read_group(self.r, oldest[0])
+            if step - rec.dispatch_step <= int(self.max_age):
+                return cancelled
+            pipe = self.r.pipeline(transaction=True)
+            pipe.hset(keys.group(rec.group_id), "status", "cancelled")
+            pipe.zrem(keys.run_active(self.run_id), rec.group_id)
+            pipe.zrem(keys.run_ready(self.run_id), rec.group_id)
+            pipe.rpush(keys.run_requeue(self.run_id), rec.sample_index)
+            pipe.hincrby(keys.run(self.run_id), "n_cancelled", 1)
+            pipe.execute()
+            log.info("group %s cancelled: age %d > max_carry_over_age_steps %s; prompt re-queued",
+                     rec.group_id, step - rec.dispatch_step, self.max_age)
+
+    # --- selection -----------------------------------------------------------------
+
+    def wait_ready(self, poll_s: float = 1.0, should_stop=lambda: False,
+                   on_wait=lambda: None) -> float:
+        """Block (on the callback's doorbell, no polling of rollouts) until enough groups
+        are complete; returns the seconds waited."""
+        started = time.monotonic()
+        while self.r.zcard(keys.run_ready(self.run_id)) < self.train_batch:
+            if should_stop():
+                break
+            self.r.blpop([keys.run_wakeup(self.run_id)], timeout=poll_s)
+            on_wait()
+        return time.monotonic() - started
+
+    def select(self, step: int, prev_carry_over_groups: int, wait_seconds: float) -> Selection:
+        ready_key = keys.run_ready(self.run_id)
+        active_key = keys.run_active(self.run_id)
+        chosen = self.r.zrange(ready_key, 0, self.train_batch - 1)  # oldest dispatch first
+        pipe = self.r.pipeline(transaction=True)
+        pipe.zrem(ready_key, *chosen)
+        pipe.zrem(active_key, *chosen)
+        pipe.delete(keys.run_step_groups(self.run_id, step))
+        pipe.rpush(keys.run_step_groups(self.run_id, step), *chosen)
+        for gid in chosen:
+            pipe.hset(keys.group(gid), "status", "selected")
+        pipe.execute()
+        dispatch_steps = [int(s) for s in (self.r.hget(keys.group(g), "dispatch_step")
+                                           for g in chosen)]
+        remaining = self.r.zcard(active_key)
+        oldest = self.r.zrange(active_key, 0, 0)
+        # Age in optimizer steps: updates done since dispatch, counting this one.
+        age_max = (step + 1 - int(self.r.hget(keys.group(oldest[0]), "dispatch_step"))
+                   if oldest else 0)
+        return Selection(step=step, group_ids=list(chosen),
+                         prev_carry_over_groups=prev_carry_over_groups,
+                         new_carry_over_groups=remaining, carry_over_age_max=age_max,
+                         consumed_ages=[step - d for d in dispatch_steps],
+                         wait_seconds=wait_seconds)
+
+    def active_count(self) -> int:
+        return self.r.zcard(keys.run_active(self.run_id))
+
+    def set_step(self, step: int) -> None:
+        self.r.hset(keys.run(self.run_id), "step", step)

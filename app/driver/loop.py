@@ -1,0 +1,144 @@
+"""The training driver: collect, select, update, log; repeat for ``trainer.total_steps``.
+
+Reads top to bottom: one iteration is one optimizer step. The driver never touches token
+data; it moves group ids and asks the trainer worker (queue ``trainer``) for each update.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from omegaconf import OmegaConf
+
+from app.config.loader import REPO_ROOT
+from app.driver.collector import Collector
+from app.driver.metrics import CARRY, MetricsSink, console_line
+from app.state import keys
+from app.state.connection import connect, resolve_redis_url
+from app.state.runs import read_run, run_config
+
+log = logging.getLogger(__name__)
+
+
+class TrainingFailed(RuntimeError):
+    pass
+
+
+def new_run_id() -> str:
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def run_dir_for(cfg: Any, run_id: str) -> Path:
+    base = Path(cfg.logging.dir)
+    return (base if base.is_absolute() else REPO_ROOT / base) / run_id
+
+
+def run_training(cfg: Any, resume: str | None = None, *,
+                 on_step: Callable[[int, dict], None] | None = None,
+                 run_id: str | None = None) -> int:
+    """Entry point of ``carryover train``; returns an exit code."""
+    try:
+        result = train(cfg, resume=resume, on_step=on_step, run_id=run_id)
+    except TrainingFailed as exc:
+        log.error("%s", exc)
+        return 1
+    print(f"run {result['run_id']} finished: {result['steps']} steps; "
+          f"metrics in {result['run_dir']}/metrics.jsonl")
+    return 0
+
+
+def train(cfg: Any, resume: str | None = None, *,
+          on_step: Callable[[int, dict], None] | None = None,
+          run_id: str | None = None) -> dict:
+    from app.celery_app import celery_app
+
+    client = connect(resolve_redis_url(cfg))
+    if resume:
+        run_id = resume
+        cfg = run_config(client, run_id)  # the run keeps the config it started with
+    else:
+        run_id = run_id or new_run_id()
+        Collector.create_run(client, run_id, OmegaConf.to_container(cfg, resolve=True),
+                             "async" if cfg.agentlightning.async_rollout.enabled else "sync")
+    collector = Collector(client, run_id, cfg)
+    run_dir = run_dir_for(cfg, run_id)
+    sink = MetricsSink(run_dir, run_id, cfg, console=bool(cfg.logging.console))
+    total = int(cfg.trainer.total_steps)
+    step = read_run(client, run_id).step
+    if resume:
+        resent = collector.resend_unsent()
+        log.info("resuming run %s at step %d with %d active groups (%d re-sent)",
+                 run_id, step, collector.active_count(), resent)
+    last_counters = collector.counters()
+    n = collector.n
+    try:
+        while step < total:
+            t_step = time.monotonic()
+            version = int(client.get(keys.policy_version()) or 0)
+            prev_carry = collector.active_count()
+            collector.cancel_stale(step)
+            collector.top_up(version)
+            groups_key = keys.run_step_groups(run_id, step)
+            if client.exists(groups_key):  # resumed after selecting, before the update ended
+                sel_groups = client.lrange(groups_key, 0, -1)
+                selection = None
+                waited = 0.0
+            else:
+                waited = collector.wait_ready(on_wait=lambda: collector.top_up(version))
+                selection = collector.select(step, prev_carry, waited)
+                sel_groups = selection.group_ids
+            t_train = time.monotonic()
+            result = celery_app.send_task("workers.trainer.tasks.train_step",
+                                          args=[run_id, step])
+            try:
+                trainer_metrics = result.get(timeout=float(cfg.trainer.step_timeout_s),
+                                             propagate=True, disable_sync_subtasks=False)
+            except Exception as exc:
+                raise TrainingFailed(f"update {step} failed in the trainer worker: "
+                                     f"{exc.__class__.__name__}: {exc}") from exc
+            t_end = time.monotonic()
+            counters = collector.counters()
+            metrics: dict[str, Any] = dict(trainer_metrics)
+            if selection is not None:
+                metrics.update({
+                    CARRY + "n_prev_carry_over_rollouts": selection.prev_carry_over_groups * n,
+                    CARRY + "n_completed_rollouts": len(sel_groups) * n,
+                    CARRY + "n_new_carry_over_rollouts": selection.new_carry_over_groups * n,
+                    CARRY + "new_carry_over_age_max_steps": selection.carry_over_age_max,
+                    "training/async/consumed_age_mean_steps":
+                        statistics.fmean(selection.consumed_ages),
+                    "training/async/consumed_age_max_steps": max(selection.consumed_ages),
+                })
+            metrics.update({
+                "training/async/n_dropped_groups": counters["dropped"] - last_counters["dropped"],
+                "training/async/n_requeued_groups":
+                    (counters["dropped"] + counters["cancelled"])
+                    - (last_counters["dropped"] + last_counters["cancelled"]),
+                "training/async/n_cancelled_groups":
+                    counters["cancelled"] - last_counters["cancelled"],
+                "timing/wait_for_data_seconds": waited,
+                "timing/update_seconds": t_end - t_train,
+                "timing/step_seconds": t_end - t_step,
+                "policy/version": int(client.get(keys.policy_version()) or 0),
+            })
+            last_counters = counters
+            step += 1
+            collector.set_step(step)
+            client.rpush(keys.run_metrics(run_id), json.dumps({"step": step - 1, **metrics}))
+            sink.log(step - 1, metrics)
+            if on_step:
+                on_step(step - 1, metrics)
+            elif cfg.logging.console:
+                print(console_line(step - 1, total, metrics), flush=True)
+        client.hset(keys.run(run_id), "status", "finished")
+    finally:
+        sink.close()
+    return {"run_id": run_id, "steps": step, "run_dir": str(run_dir),
+            "jsonl": str(sink.jsonl_path), "wandb_dir": sink.wandb_dir}

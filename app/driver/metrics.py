@@ -1,0 +1,87 @@
+"""Where step metrics go: a JSONL file, the console, W&B (offline by default), Redis.
+
+The JSONL file and W&B get the same dict each step; metric names are the seed's, exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+CARRY = "training/async/"
+# The metrics the seed names, in the order the console line shows them.
+SEED_METRICS = (
+    CARRY + "n_prev_carry_over_rollouts",
+    CARRY + "n_completed_rollouts",
+    CARRY + "n_new_carry_over_rollouts",
+    CARRY + "new_carry_over_age_max_steps",
+    CARRY + "proxy_inflight_at_pause",
+    CARRY + "proxy_drain_seconds",
+)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    return value
+
+
+class MetricsSink:
+    def __init__(self, run_dir: Path, run_id: str, cfg: Any, console: bool = True) -> None:
+        self.run_dir = run_dir
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl_path = run_dir / "metrics.jsonl"
+        self.console = console
+        self.wandb_run = None
+        mode = os.environ.get("WANDB_MODE") or cfg.logging.wandb_mode
+        if mode != "disabled":
+            try:
+                import wandb
+
+                self.wandb_run = wandb.init(
+                    project=cfg.logging.wandb_project, name=run_id, id=run_id, resume="allow",
+                    dir=str(run_dir), mode=mode, config=_plain(cfg),
+                    settings=wandb.Settings(silent=True, console="off"))
+            except Exception as exc:  # noqa: BLE001 - metrics must not stop training
+                log.warning("W&B disabled for this run: %s", exc)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
+        with self.jsonl_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb_run is not None:
+            self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=step)
+
+    def close(self) -> None:
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+
+    @property
+    def wandb_dir(self) -> str | None:
+        return getattr(self.wandb_run, "dir", None) if self.wandb_run else None
+
+
+def _plain(cfg: Any) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+
+
+def console_line(step: int, total: int, m: dict[str, Any]) -> str:
+    def g(name: str, fmt: str = "{:.0f}") -> str:
+        v = m.get(name)
+        return "-" if v is None else fmt.format(v)
+
+    return (f"step {step + 1:>4}/{total} reward {g('reward/mean', '{:.3f}')} "
+            f"carry prev/used/new {g(CARRY + 'n_prev_carry_over_rollouts')}/"
+            f"{g(CARRY + 'n_completed_rollouts')}/{g(CARRY + 'n_new_carry_over_rollouts')} "
+            f"age max {g(CARRY + 'new_carry_over_age_max_steps')} "
+            f"stale {g('training/async/consumed_age_mean_steps', '{:.2f}')} "
+            f"drain {g(CARRY + 'proxy_drain_seconds', '{:.2f}')}s "
+            f"step {g('timing/step_seconds', '{:.1f}')}s")

@@ -1,0 +1,195 @@
+"""Controllers: how one agent execution is started, watched and stopped.
+
+A controller gets the task sample and an LLM endpoint (per-rollout base URL, token, model
+name) and returns a float reward, or raises :class:`AgentError`. Backends:
+
+- ``python``: a callable ``module:function(sample, llm, **agent_settings) -> float`` run
+  in a thread of the rollout worker.
+- ``process``: any executable; the endpoint and the sample arrive in its environment and on
+  stdin; its reward is the last JSON line on stdout (a number or ``{"reward": x}``); its
+  process group is killed on timeout or cancel.
+- ``kubernetes``: reserved (its own issue); selecting it fails with a clear error.
+
+Timeouts do not count time the gateway spent paused: a weight update must not fail agents.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+class AgentError(Exception):
+    """An attempt failed: the agent raised, exited non-zero, timed out or gave no reward."""
+
+    def __init__(self, message: str, stderr_tail: str = "") -> None:
+        super().__init__(message)
+        self.stderr_tail = stderr_tail
+
+
+@dataclass(frozen=True)
+class LLMEndpoint:
+    base_url: str    # <gateway>/rollout/<rollout_id>/v1
+    api_key: str     # the rollout's token
+    model: str
+    rollout_id: str
+
+    def env(self) -> dict[str, str]:
+        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key,
+                "OPENAI_MODEL": self.model, "CARRYOVER_ROLLOUT_ID": self.rollout_id}
+
+
+def parse_reward(value: Any) -> float:
+    """A finite float, or AgentError naming what came back."""
+    if isinstance(value, dict) and "reward" in value:
+        value = value["reward"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise AgentError(f"agent returned a non-numeric reward: {value!r:.200}")
+    reward = float(value)
+    if not math.isfinite(reward):
+        raise AgentError(f"agent returned a non-finite reward: {reward}")
+    return reward
+
+
+class PauseAwareClock:
+    """Elapsed time that stops while the gateway is paused."""
+
+    def __init__(self, is_paused: Callable[[], bool]) -> None:
+        self.is_paused = is_paused
+        self.active = 0.0
+        self.paused = 0.0
+        self._last = time.monotonic()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        dt, self._last = now - self._last, now
+        try:
+            paused = self.is_paused()
+        except Exception:  # noqa: BLE001 - Redis blip: count the time
+            paused = False
+        if paused:
+            self.paused += dt
+        else:
+            self.active += dt
+
+
+class Controller:
+    def run(self, sample: dict, llm: LLMEndpoint, timeout_s: float, clock: PauseAwareClock,
+            cancelled: Callable[[], bool]) -> float:
+        raise NotImplementedError
+
+
+class PythonController(Controller):
+    def __init__(self, ref: str, settings: dict[str, Any]) -> None:
+        module, _, name = ref.partition(":")
+        try:
+            self.fn = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            raise AgentError(f"controller.agent {ref!r} cannot be loaded: {exc}") from None
+        self.settings = settings
+
+    def run(self, sample, llm, timeout_s, clock, cancelled):
+        box: dict[str, Any] = {}
+
+        def target() -> None:
+            try:
+                box["value"] = self.fn(sample, llm, **self.settings)
+            except BaseException as exc:  # noqa: BLE001 - reported as the attempt's error
+                box["error"] = exc
+
+        thread = threading.Thread(target=target, name=f"agent-{llm.rollout_id}", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(0.1)
+            clock.tick()
+            if clock.active > timeout_s:
+                # A thread cannot be killed; the rollout is closed in the gateway instead,
+                # so the abandoned agent's next model call fails and it ends.
+                raise AgentError(f"agent timed out after {timeout_s:.0f}s "
+                                 "(controller.rollout_timeout_s)")
+            if cancelled():
+                raise AgentError("rollout cancelled")
+        if "error" in box:
+            exc = box["error"]
+            raise AgentError(f"agent raised {exc.__class__.__name__}: {exc}")
+        return parse_reward(box.get("value"))
+
+
+class ProcessController(Controller):
+    def __init__(self, command: str, settings: dict[str, Any]) -> None:
+        self.command = command
+        self.settings = settings
+
+    def run(self, sample, llm, timeout_s, clock, cancelled):
+        env = {**os.environ, **llm.env(),
+               "CARRYOVER_SAMPLE": json.dumps(sample),
+               "CARRYOVER_AGENT_SETTINGS": json.dumps(self.settings)}
+        proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
+        out_chunks: list[str] = []
+        err_chunks: list[str] = []
+        readers = [threading.Thread(target=lambda s=s, b=b: b.extend(iter(s.readline, "")),
+                                    daemon=True)
+                   for s, b in ((proc.stdout, out_chunks), (proc.stderr, err_chunks))]
+        for t in readers:
+            t.start()
+        try:
+            proc.stdin.write(json.dumps(sample) + "\n")
+            proc.stdin.close()
+        except BrokenPipeError:
+            pass
+        reason = None
+        while proc.poll() is None:
+            time.sleep(0.05)
+            clock.tick()
+            if clock.active > timeout_s:
+                reason = f"agent timed out after {timeout_s:.0f}s (controller.rollout_timeout_s)"
+            elif cancelled():
+                reason = "rollout cancelled"
+            if reason:
+                _kill_group(proc)
+                break
+        for t in readers:
+            t.join(2)
+        stderr_tail = "".join(err_chunks)[-2000:]
+        if reason:
+            raise AgentError(reason, stderr_tail)
+        if proc.returncode != 0:
+            raise AgentError(f"agent exited with code {proc.returncode}", stderr_tail)
+        for line in reversed("".join(out_chunks).splitlines()):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                return parse_reward(json.loads(line))
+            except json.JSONDecodeError:
+                raise AgentError(f"agent's last stdout line is not JSON: {line[:200]!r}",
+                                 stderr_tail) from None
+        raise AgentError("agent exited without printing a reward", stderr_tail)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait(5)
+
+
+def make_controller(backend: str, agent: str, settings: dict[str, Any]) -> Controller:
+    if backend == "python":
+        return PythonController(agent, settings)
+    if backend == "process":
+        return ProcessController(agent, settings)
+    raise AgentError(f"controller.backend {backend!r} is not available yet "
+                     "(python and process are)")

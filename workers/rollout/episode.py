@@ -1,0 +1,121 @@
+"""One sibling of a prompt group: run the agent (with retries) and record the result.
+
+Invariants:
+- Every attempt gets a fresh rollout id and token, so calls from an abandoned or
+  redelivered attempt can never mix into the attempt that is trained.
+- The result is stored with HSET on the sibling's own field: a redelivered task either
+  finds the finished result and returns it, or runs again and overwrites its own field.
+- Nothing raises out of :func:`run_sibling`: a chord whose sibling raised would never call
+  its callback, so failures are results.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import secrets
+import time
+from typing import Any
+
+import redis
+
+from app.state import keys
+from app.state.records import RolloutRecord, SiblingResult
+from app.state.runs import read_group, run_config
+from workers.rollout.controller import (
+    AgentError,
+    LLMEndpoint,
+    PauseAwareClock,
+    make_controller,
+)
+
+log = logging.getLogger(__name__)
+
+ROLLOUT_TTL_S = 7 * 24 * 3600
+
+
+def _start_attempt(client: redis.Redis, run_id: str, group_id: str, index: int, attempt: int
+                   ) -> tuple[str, str]:
+    rollout_id = f"{group_id}.{index}.{secrets.token_hex(4)}"
+    token = secrets.token_urlsafe(24)
+    rec = RolloutRecord(rollout_id=rollout_id, run_id=run_id, group_id=group_id, index=index,
+                        attempt=attempt, token_sha256=hashlib.sha256(token.encode()).hexdigest(),
+                        created_at=time.time())
+    pipe = client.pipeline()
+    pipe.hset(keys.rollout(rollout_id), mapping=rec.to_hash())
+    pipe.expire(keys.rollout(rollout_id), ROLLOUT_TTL_S)
+    pipe.execute()
+    return rollout_id, token
+
+
+def _close_attempt(client: redis.Redis, rollout_id: str, status: str) -> None:
+    # Closing the rollout makes the gateway refuse its further calls (409).
+    pipe = client.pipeline()
+    pipe.hset(keys.rollout(rollout_id), "status", status)
+    pipe.expire(keys.rollout_calls(rollout_id), ROLLOUT_TTL_S)
+    pipe.execute()
+
+
+def existing_result(client: redis.Redis, group_id: str, index: int) -> SiblingResult | None:
+    raw = client.hget(keys.group_results(group_id), str(index))
+    return SiblingResult.from_json(raw) if raw else None
+
+
+def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
+    done = existing_result(client, group_id, index)
+    if done is not None:
+        log.info("sibling %s/%d already finished (redelivery); returning its result",
+                 group_id, index)
+        return done
+    try:
+        result = _run(client, group_id, index)
+    except Exception as exc:  # noqa: BLE001 - a broken sibling is a failed result
+        log.exception("sibling %s/%d crashed outside the agent", group_id, index)
+        result = SiblingResult(index=index, rollout_id="", status="failed", reward=None,
+                               attempts=0, seconds=0.0, error=f"{exc.__class__.__name__}: {exc}")
+    client.hset(keys.group_results(group_id), str(index), result.to_json())
+    return result
+
+
+def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
+    group = read_group(client, group_id)
+    cfg = run_config(client, group.run_id)
+    ctl_cfg = cfg.controller
+    settings: dict[str, Any] = dict(cfg.agent) if cfg.agent else {}
+    controller = make_controller(ctl_cfg.backend, ctl_cfg.agent, settings)
+    gateway = cfg.gateway.url.rstrip("/")
+
+    def cancelled() -> bool:
+        return client.hget(keys.group(group_id), "status") == "cancelled"
+
+    error = ""
+    rollout_id = ""
+    clock = PauseAwareClock(lambda: bool(client.exists(keys.paused())))
+    for attempt in range(1, int(ctl_cfg.max_attempts) + 1):
+        if cancelled():
+            return SiblingResult(index=index, rollout_id=rollout_id, status="failed",
+                                 reward=None, attempts=attempt - 1, seconds=0.0,
+                                 error="group cancelled")
+        rollout_id, token = _start_attempt(client, group.run_id, group_id, index, attempt)
+        llm = LLMEndpoint(base_url=f"{gateway}/rollout/{rollout_id}/v1", api_key=token,
+                          model=cfg.inference.served_model_name, rollout_id=rollout_id)
+        clock = PauseAwareClock(clock.is_paused)
+        started = time.monotonic()
+        try:
+            reward = controller.run(dict(group.sample), llm, float(ctl_cfg.rollout_timeout_s),
+                                    clock, cancelled)
+        except AgentError as exc:
+            _close_attempt(client, rollout_id, "failed")
+            error = str(exc)
+            log.warning("rollout %s attempt %d/%d failed: %s%s", rollout_id, attempt,
+                        ctl_cfg.max_attempts, exc,
+                        f"\n--- agent stderr (tail) ---\n{exc.stderr_tail}" if exc.stderr_tail
+                        else "")
+            continue
+        _close_attempt(client, rollout_id, "finished")
+        return SiblingResult(index=index, rollout_id=rollout_id, status="ok", reward=reward,
+                             attempts=attempt, seconds=time.monotonic() - started,
+                             paused_seconds=clock.paused)
+    return SiblingResult(index=index, rollout_id=rollout_id, status="failed", reward=None,
+                         attempts=int(ctl_cfg.max_attempts), seconds=clock.active,
+                         paused_seconds=clock.paused, error=error)
