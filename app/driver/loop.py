@@ -91,7 +91,7 @@ def train(cfg: Any, resume: str | None = None, *,
                 selection = None
                 waited = 0.0
             else:
-                waited = collector.wait_ready(on_wait=lambda: collector.top_up(version))
+                waited = collector.wait_ready(on_wait=lambda v=version: collector.top_up(v))
                 selection = collector.select(step, prev_carry, waited)
                 sel_groups = selection.group_ids
             t_train = time.monotonic()
