@@ -1,0 +1,51 @@
+"""A multi-turn agent written against the official ``openai`` client.
+
+Turn 1: the model is asked to reverse the word. Then the agent calls a "tool" whose latency
+is heavy-tailed (log-normal), as real tools are, and asks again with the tool's feedback.
+The reward is the mean per-position score of the two answers, so both calls carry signal.
+
+Nothing here knows about carryover: the client is pointed at the per-rollout gateway URL.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+import openai
+
+
+def score(answer: str, target: str) -> float:
+    """Fraction of positions right; 0 without a clean stop; halved on a wrong length."""
+    answer = answer.strip()
+    if not answer:
+        return 0.0
+    right = sum(1 for a, b in zip(answer, target, strict=False) if a == b) / len(target)
+    return right if len(answer) == len(target) else right / 2
+
+
+def tool_latency(rng: random.Random, median_s: float, sigma: float) -> float:
+    return median_s * math.exp(rng.gauss(0.0, sigma)) if median_s > 0 else 0.0
+
+
+def run(sample: dict, llm: Any, *, tool_median_s: float = 0.3, tool_sigma: float = 1.0,
+        max_tool_s: float = 30.0, seed: int | None = None, **_: Any) -> float:
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=8,
+                           timeout=120)
+    rng = random.Random(seed)
+    text, target = sample["text"], sample["target"]
+    messages = [{"role": "user", "content": f"reverse {text}"}]
+    scores = []
+    for turn in range(2):
+        out = client.chat.completions.create(model=llm.model, messages=messages)
+        choice = out.choices[0]
+        answer = choice.message.content or ""
+        clean_stop = choice.finish_reason == "stop"
+        scores.append(score(answer, target) if clean_stop else 0.0)
+        if turn == 0:
+            time.sleep(min(tool_latency(rng, tool_median_s, tool_sigma), max_tool_s))
+            messages += [{"role": "assistant", "content": answer},
+                         {"role": "user", "content": "again"}]
+    return sum(scores) / len(scores)

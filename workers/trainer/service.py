@@ -1,0 +1,149 @@
+"""One collocated update cycle, in order, each phase timed:
+
+pause gateway -> drain (bounded) -> sleep engine (GPU only) -> update -> save weights ->
+wake engine + reload + reset prefix cache -> verify with a probe -> bump policy version ->
+resume gateway.
+
+Invariants:
+- The gateway is resumed whatever happens after the pause (``finally``); its pause flag
+  also expires on its own, so even a killed trainer cannot leave it paused.
+- A step is trained at most once: its result is stored under ``run_step_result`` and a
+  redelivered task returns it; each group is claimed for one step only (``group_trained``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from app.config.loader import REPO_ROOT
+from app.state import keys
+from app.state.runs import run_config
+from gateway.admission import Admission
+from workers.trainer import weights
+from workers.trainer.batch import collect_samples, to_batch
+from workers.trainer.update import PolicyTrainer
+
+log = logging.getLogger(__name__)
+
+_resident: dict[str, Any] = {}
+
+
+class StepError(RuntimeError):
+    pass
+
+
+def _path(p: str) -> Path:
+    path = Path(p)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+def resident_trainer(run_id: str, cfg: Any) -> tuple[PolicyTrainer, dict]:
+    """The model and optimizer stay in this process between steps of a run."""
+    if _resident.get("run_id") != run_id:
+        _resident.clear()
+        trainer = PolicyTrainer(cfg, str(_path(cfg.actor_rollout_ref.model.path)))
+        _resident.update(run_id=run_id, trainer=trainer, probe_prev=None)
+        log.info("loaded policy for run %s on %s", run_id, trainer.device)
+    return _resident["trainer"], _resident
+
+
+def _claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[str]:
+    claimed = []
+    for gid in group_ids:
+        key = keys.group_trained(gid)
+        if client.set(key, step, nx=True) or client.get(key) == str(step):
+            claimed.append(gid)
+        else:
+            log.error("group %s was already trained at step %s; not training it again",
+                      gid, client.get(key))
+    return claimed
+
+
+def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
+    done = client.get(keys.run_step_result(run_id, step))
+    if done is not None:
+        log.info("step %d of run %s already trained (redelivery); returning its metrics",
+                 step, run_id)
+        return json.loads(done)
+    cfg = run_config(client, run_id)
+    trainer, resident = resident_trainer(run_id, cfg)
+    group_ids = _claim_groups(client, client.lrange(keys.run_step_groups(run_id, step), 0, -1),
+                              step)
+    zero = cfg.controller.on_failure == "zero_reward"
+    samples, stats = collect_samples(client, group_ids, zero)
+    if not samples:
+        raise StepError(f"step {step}: no usable samples in {len(group_ids)} groups "
+                        f"({stats.excluded_samples} excluded)")
+
+    adm = Admission(client, float(cfg.gateway.lease_ttl_s))
+    timings: dict[str, float] = {}
+    metrics: dict[str, Any] = {}
+    urls = list(cfg.inference.urls)
+    t0 = time.monotonic()
+    inflight = adm.pause(pause_ttl_s=float(cfg.trainer.step_timeout_s))
+    try:
+        drained = adm.drain(float(cfg.gateway.drain_timeout_s))
+        timings["pause_drain"] = time.monotonic() - t0
+        metrics["training/async/proxy_inflight_at_pause"] = inflight
+        metrics["training/async/proxy_drain_seconds"] = drained.seconds
+        metrics["training/async/proxy_cancelled_at_drain_timeout"] = drained.cancelled
+
+        t = time.monotonic()
+        sleep_note = weights.sleep_engine(urls, trainer.device)
+        if sleep_note.startswith("skipped"):
+            log.debug("engine sleep %s", sleep_note)
+        batch = to_batch(samples, trainer.pad_id, trainer.device)
+        metrics.update(trainer.update(batch))
+        timings["update"] = time.monotonic() - t
+
+        version = int(client.get(keys.policy_version()) or 0) + 1
+        t = time.monotonic()
+        path = weights.save_weights(trainer.model, _path(cfg.trainer.weights_dir), version,
+                                    int(cfg.trainer.keep_weight_versions))
+        timings["save"] = time.monotonic() - t
+
+        t = time.monotonic()
+        weights.wake_engine(urls, trainer.device)
+        for url in urls:
+            weights.reload_weights(url, path)
+        timings["reload"] = time.monotonic() - t
+
+        t = time.monotonic()
+        expected = weights.trainer_probe_logprobs(
+            trainer.model, weights.PROBE_IDS, weights.engine_dtype(cfg.inference.dtype))
+        for url in urls:
+            metrics.update(weights.verify_sync(url, cfg.inference.served_model_name, expected,
+                                               resident["probe_prev"],
+                                               float(cfg.trainer.probe_tolerance)))
+        resident["probe_prev"] = expected
+        timings["probe"] = time.monotonic() - t
+        client.set(keys.policy_version(), version)
+    finally:
+        t = time.monotonic()
+        paused_for = adm.resume()
+        timings["resume"] = time.monotonic() - t
+    metrics["timing/gateway_paused_seconds"] = paused_for
+    metrics.update({f"timing/trainer_{k}_seconds": v for k, v in timings.items()})
+    rewards = stats.rewards
+    metrics.update({
+        "reward/mean": statistics.fmean(rewards) if rewards else None,
+        "reward/max": max(rewards) if rewards else None,
+        "reward/min": min(rewards) if rewards else None,
+        "batch/groups": stats.groups,
+        "batch/rollouts": stats.rollouts,
+        "batch/samples": stats.samples,
+        "batch/excluded_samples": stats.excluded_samples,
+        "batch/failed_rollouts_zero_reward": stats.failed_rollouts_zero_reward,
+        "policy/sample_version_lag_mean": statistics.fmean(
+            [version - 1 - v for v in stats.versions]) if stats.versions else 0.0,
+        "policy/version": version,
+    })
+    client.set(keys.run_step_result(run_id, step), json.dumps(metrics))
+    return metrics
