@@ -85,9 +85,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 1  # not reached
 
 
+def _interrupt_on_signals() -> None:
+    """SIGINT and SIGTERM both stop things in order. Set explicitly: a shell that starts us
+    in the background leaves SIGINT ignored, and SIGTERM would otherwise kill us at once,
+    leaving every child running."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from app.services.supervisor import Supervisor
 
+    _interrupt_on_signals()
     cfg = _load(args)
     _export_config_env(args)
     with Supervisor(cfg) as sup:
@@ -115,6 +128,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from app.demo import run_demo
 
+    _interrupt_on_signals()
     _export_config_env(args)
     return run_demo(args)
 

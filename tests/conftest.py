@@ -77,7 +77,8 @@ def tmp_root() -> Path:
 def supervisor(cfg, tmp_root) -> Iterator:
     from app.services.supervisor import Supervisor
 
-    sup = Supervisor(cfg, log_dir=tmp_root / "logs")
+    # PYTHONPATH: the rollout workers import the scripted agents in tests/agents.py.
+    sup = Supervisor(cfg, log_dir=tmp_root / "logs", env={"PYTHONPATH": str(REPO)})
     yield sup
     sup.stop()
 

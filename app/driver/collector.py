@@ -182,8 +182,9 @@ class Collector:
         pipe.zrem(active_key, *chosen)
         pipe.delete(keys.run_step_groups(self.run_id, step))
         pipe.rpush(keys.run_step_groups(self.run_id, step), *chosen)
+        now = str(time.time())
         for gid in chosen:
-            pipe.hset(keys.group(gid), "status", "selected")
+            pipe.hset(keys.group(gid), mapping={"status": "selected", "selected_at": now})
         pipe.execute()
         dispatch_steps = [int(s) for s in (self.r.hget(keys.group(g), "dispatch_step")
                                            for g in chosen)]

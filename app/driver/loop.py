@@ -76,6 +76,13 @@ def train(cfg: Any, resume: str | None = None, *,
         resent = collector.resend_unsent()
         log.info("resuming run %s at step %d with %d active groups (%d re-sent)",
                  run_id, step, collector.active_count(), resent)
+    # The engine must serve this run's policy before any rollout of it starts.
+    init = celery_app.send_task("workers.trainer.tasks.init_run", args=[run_id])
+    try:
+        init.get(timeout=float(cfg.trainer.step_timeout_s), disable_sync_subtasks=False)
+    except Exception as exc:
+        raise TrainingFailed(f"the trainer worker could not load run {run_id}'s policy into "
+                             f"the inference server: {exc.__class__.__name__}: {exc}") from exc
     last_counters = collector.counters()
     n = collector.n
     try:

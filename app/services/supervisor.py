@@ -114,7 +114,20 @@ class Supervisor:
             raise
 
     def stop(self, grace: float = 20.0) -> None:
-        """Stop in reverse start order: each gets SIGTERM, then SIGKILL after ``grace``."""
+        """Stop in reverse start order: each gets SIGTERM, then SIGKILL after ``grace``.
+        A second Ctrl-C while stopping is ignored so the stop always completes."""
+        import threading
+
+        saved = None
+        if threading.current_thread() is threading.main_thread():
+            saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self._stop(grace)
+        finally:
+            for s, h in (saved or {}).items():
+                signal.signal(s, h)
+
+    def _stop(self, grace: float) -> None:
         for role in reversed(list(self.procs)):
             proc = self.procs[role]
             if proc.poll() is None:

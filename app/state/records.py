@@ -101,6 +101,7 @@ class SiblingResult:
     seconds: float               # agent wall time, last attempt
     paused_seconds: float = 0.0  # gateway pause time inside the attempt (not held against timeout)
     error: str | None = None
+    finished_at: float = 0.0     # epoch seconds
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))

@@ -73,6 +73,7 @@ def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult
         log.exception("sibling %s/%d crashed outside the agent", group_id, index)
         result = SiblingResult(index=index, rollout_id="", status="failed", reward=None,
                                attempts=0, seconds=0.0, error=f"{exc.__class__.__name__}: {exc}")
+    result.finished_at = time.time()
     client.hset(keys.group_results(group_id), str(index), result.to_json())
     return result
 

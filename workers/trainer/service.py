@@ -147,3 +147,32 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
     })
     client.set(keys.run_step_result(run_id, step), json.dumps(metrics))
     return metrics
+
+
+def init_run(client: redis.Redis, run_id: str) -> dict[str, Any]:
+    """Load the run's policy into this worker and make every inference server serve exactly
+    it (a previous run may have left other weights there). Verified by the probe."""
+    cfg = run_config(client, run_id)
+    _resident.clear()
+    trainer, resident = resident_trainer(run_id, cfg)
+    adm = Admission(client, float(cfg.gateway.lease_ttl_s))
+    adm.pause(pause_ttl_s=float(cfg.trainer.step_timeout_s))
+    try:
+        adm.drain(float(cfg.gateway.drain_timeout_s))
+        version = int(client.get(keys.policy_version()) or 0) + 1
+        path = weights.save_weights(trainer.model, _path(cfg.trainer.weights_dir), version,
+                                    int(cfg.trainer.keep_weight_versions))
+        for url in cfg.inference.urls:
+            weights.reload_weights(url, path)
+        expected = weights.trainer_probe_logprobs(
+            trainer.model, weights.PROBE_IDS, weights.engine_dtype(cfg.inference.dtype))
+        metrics: dict[str, Any] = {}
+        for url in cfg.inference.urls:
+            metrics.update(weights.verify_sync(url, cfg.inference.served_model_name, expected,
+                                               None, float(cfg.trainer.probe_tolerance)))
+        resident["probe_prev"] = expected
+        client.set(keys.policy_version(), version)
+    finally:
+        adm.resume()
+    metrics["policy/version"] = version
+    return metrics

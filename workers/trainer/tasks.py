@@ -15,3 +15,10 @@ def train_step(run_id: str, step: int) -> dict:
     from workers.trainer.service import train_step as run_step
 
     return run_step(_redis(), run_id, step)
+
+
+@celery_app.task(name="workers.trainer.tasks.init_run")
+def init_run(run_id: str) -> dict:
+    from workers.trainer.service import init_run as init
+
+    return init(_redis(), run_id)

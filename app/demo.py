@@ -1,0 +1,170 @@
+"""``carryover demo``: start every process, train the demo agent, stop every process.
+
+What the user sees: which part is starting, a progress bar with ETA and one line per step,
+then a summary table, a PNG plot and where the files went. Every process started here is
+stopped in order on the way out, also on Ctrl-C or an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from app.config import load_config
+from app.config.loader import REPO_ROOT
+from app.driver.metrics import CARRY, console_line
+
+DEMO_CONFIG = REPO_ROOT / "config" / "demo.yaml"
+log = logging.getLogger(__name__)
+
+
+def _overrides(args: argparse.Namespace, sync: bool) -> list[str]:
+    raw = os.environ.get("CARRYOVER_OVERRIDES", "")
+    out = [*(json.loads(raw) if raw.strip() else []), *args.overrides]
+    if args.steps:
+        out.append(f"trainer.total_steps={args.steps}")
+    if sync:
+        out.append("agentlightning.async_rollout.enabled=false")
+    return out
+
+
+def _train_one(cfg: Any, label: str) -> dict:
+    from tqdm import tqdm
+
+    from app.driver.loop import run_dir_for, train
+
+    total = int(cfg.trainer.total_steps)
+    bar = tqdm(total=total, desc=f"{label} training", unit="step", dynamic_ncols=True,
+               file=sys.stderr)
+    rows: list[dict] = []
+
+    def on_step(step: int, metrics: dict) -> None:
+        rows.append({"step": step, **metrics})
+        bar.write(console_line(step, total, metrics))
+        bar.set_postfix(reward=f"{metrics.get('reward/mean') or 0:.2f}")
+        bar.update(1)
+
+    started = time.monotonic()
+    try:
+        result = train(cfg, on_step=on_step)
+    finally:
+        bar.close()
+    result["wall_seconds"] = time.monotonic() - started
+    result["rows"] = rows
+    result["label"] = label
+    result["plot"] = str(plot_run(rows, run_dir_for(cfg, result["run_id"]) / "demo.png", label))
+    return result
+
+
+def summarize(result: dict) -> dict[str, float]:
+    rows = result["rows"]
+    rewards = [r.get("reward/mean") or 0.0 for r in rows]
+    steps_time = sum(r["timing/step_seconds"] for r in rows)
+    waited = sum(r["timing/wait_for_data_seconds"] for r in rows)
+    first = statistics.fmean(rewards[:2]) if rewards else 0.0
+    last = statistics.fmean(rewards[-5:]) if rewards else 0.0
+    return {
+        "steps": len(rows),
+        "steps_per_minute": 60 * len(rows) / steps_time if steps_time else 0.0,
+        "reward_first_2": first,
+        "reward_last_5": last,
+        "reward_gain": last - first,
+        "trainer_idle_fraction": waited / steps_time if steps_time else 0.0,
+        "mean_step_seconds": steps_time / len(rows) if rows else 0.0,
+        "carried_over_rollouts_total": sum(r.get(CARRY + "n_new_carry_over_rollouts") or 0
+                                           for r in rows),
+        "mean_drain_seconds": statistics.fmean(r.get(CARRY + "proxy_drain_seconds") or 0
+                                               for r in rows) if rows else 0.0,
+    }
+
+
+def plot_run(rows: list[dict], path: Path, label: str) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] + 1 for r in rows]
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    fig.suptitle(f"carryover demo ({label})")
+    ax = axes[0][0]
+    ax.plot(steps, [r.get("reward/mean") or 0 for r in rows], label="mean reward")
+    ax.set_title("reward by step")
+    ax.set_ylim(0, 1)
+    ax = axes[0][1]
+    for name, key in (("inherited", "n_prev_carry_over_rollouts"),
+                      ("consumed", "n_completed_rollouts"),
+                      ("carried over", "n_new_carry_over_rollouts")):
+        ax.plot(steps, [r.get(CARRY + key) or 0 for r in rows], label=name)
+    ax.set_title("rollouts per step")
+    ax.legend()
+    ax = axes[1][0]
+    ax.plot(steps, [r.get(CARRY + "proxy_drain_seconds") or 0 for r in rows])
+    ax.set_title("gateway drain seconds")
+    ax = axes[1][1]
+    ax.plot(steps, [r["timing/step_seconds"] for r in rows], label="step")
+    ax.plot(steps, [r["timing/wait_for_data_seconds"] for r in rows], label="waiting for data")
+    ax.plot(steps, [r["timing/update_seconds"] for r in rows], label="update + sync")
+    ax.set_title("seconds per step")
+    ax.legend()
+    for a in axes.flat:
+        a.set_xlabel("step")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _table(results: list[dict]) -> str:
+    sums = [summarize(r) for r in results]
+    names = list(sums[0])
+    head = "metric".ljust(28) + "".join(r["label"].rjust(14) for r in results)
+    lines = [head, "-" * len(head)]
+    for n in names:
+        lines.append(n.ljust(28) + "".join(f"{s[n]:>14.3f}" if isinstance(s[n], float)
+                                           else f"{s[n]:>14}" for s in sums))
+    return "\n".join(lines)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    from app.services.supervisor import StartupError, Supervisor
+
+    config_path = args.config or str(DEMO_CONFIG)
+    modes = ["async", "sync"] if args.compare else (["sync"] if args.sync else ["async"])
+    cfgs = {m: load_config(config_path, _overrides(args, m == "sync")) for m in modes}
+    first = cfgs[modes[0]]
+    os.environ["CARRYOVER_CONFIG"] = os.path.abspath(config_path)
+    os.environ["CARRYOVER_OVERRIDES"] = json.dumps(_overrides(args, False))
+    print(f"starting the stack (logs in {REPO_ROOT / 'var' / 'logs'}) ...", flush=True)
+    results = []
+    sup = Supervisor(first)
+    try:
+        sup.start(progress=lambda role: print(f"  {role} ready", flush=True))
+        print(f"Flower: http://127.0.0.1:{first.services.flower_port}   "
+              f"gateway: {first.gateway.url}", flush=True)
+        for mode in modes:
+            results.append(_train_one(cfgs[mode], mode))
+    except StartupError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping every process", file=sys.stderr)
+        return 130
+    finally:
+        print("stopping the stack ...", flush=True)
+        sup.stop()
+    print()
+    print(_table(results))
+    for r in results:
+        print(f"\n{r['label']}: run {r['run_id']}\n  metrics  {r['jsonl']}\n  plot     {r['plot']}"
+              + (f"\n  W&B      {r['wandb_dir']} (offline; `wandb sync` uploads it)"
+                 if r.get("wandb_dir") else ""))
+    return 0

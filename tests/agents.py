@@ -1,0 +1,48 @@
+"""Scripted agents for the tests. Each makes one real model call through the gateway (so the
+trainer has a captured sample) and then behaves as its sample says.
+
+Sample keys: ``gate`` (block until the test sets the Redis key ``test:gate:<gate>``),
+``sleep`` (seconds), ``fail`` ("always" or "first": raise on every / the first attempt),
+``reward`` (what to return; "nan" and "text" return bad values), ``sibling_sleep`` (a list
+of per-sibling sleeps, by sibling index).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import openai
+import redis
+
+
+def _sibling_index(rollout_id: str) -> int:
+    return int(rollout_id.rsplit(".", 2)[1])
+
+
+def scripted(sample: dict, llm: Any, *, redis_url: str, **_: Any) -> Any:
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    index = _sibling_index(llm.rollout_id)
+    group = llm.rollout_id.rsplit(".", 2)[0]
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=20,
+                           timeout=60)
+    client.chat.completions.create(model=llm.model, max_tokens=2,
+                                   messages=[{"role": "user", "content": sample["text"]}])
+    fail = sample.get("fail")
+    if fail == "always":
+        raise RuntimeError(f"scripted failure of {sample['text']}")
+    if fail == "first" and r.incr(f"test:attempts:{group}:{index}") == 1:
+        raise RuntimeError("scripted first-attempt failure")
+    gate = sample.get("gate")
+    if gate:
+        deadline = time.monotonic() + 120
+        while not r.exists(f"test:gate:{gate}") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    time.sleep(float(sample.get("sleep", 0)))
+    per = sample.get("sibling_sleep")
+    if per:
+        time.sleep(float(per[index]))
+    reward = sample.get("reward", 0.5 + 0.1 * index)
+    if reward == "nan":
+        return float("nan")
+    return reward

@@ -1,0 +1,212 @@
+"""The asynchronous collector with real Redis, real Celery workers, the real gateway, vLLM and
+trainer. Scripted agents (tests/agents.py) are held on Redis "gates" that the test opens
+after chosen steps, so every carry-over metric has one exact expected value."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from app.config import load_config
+from app.driver.loop import train
+from app.state import keys
+from app.state.records import SiblingResult
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+CARRY = "training/async/"
+
+
+@pytest.fixture
+def stack(redis_client, gateway_service, celery_workers):
+    yield redis_client
+    # Open every gate so no agent thread stays blocked in the shared rollout worker.
+    for gate in ("s1", "s2", "slow", "end", "never"):
+        redis_client.set(f"test:gate:{gate}", 1)
+    time.sleep(0.5)
+    for key in redis_client.scan_iter("test:*"):
+        redis_client.delete(key)
+
+
+def make_cfg(tmp_path: Path, samples: list[dict], *overrides: str):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": f"s{i}", **s}) + "\n"
+                            for i, s in enumerate(samples)))
+    env = json.loads(os.environ["CARRYOVER_OVERRIDES"])
+    base = load_config(None, env)
+    from app.state.connection import resolve_redis_url
+
+    return load_config(None, [
+        *env,
+        f"data.train_files={data}", "data.shuffle=false",
+        "controller.agent=tests.agents:scripted",
+        f"agent.redis_url={resolve_redis_url(base)}",
+        f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
+        "logging.console=false",
+        f"trainer.weights_dir={tmp_path / 'weights'}",
+        "actor_rollout_ref.rollout.n=2",
+        *overrides,
+    ])
+
+
+def run(cfg, releases: dict[int, list[str]] | None = None, client=None) -> tuple[dict, list]:
+    rows = []
+
+    def on_step(step: int, metrics: dict) -> None:
+        rows.append(metrics)
+        for gate in (releases or {}).get(step, []):
+            client.set(f"test:gate:{gate}", 1)
+
+    return train(cfg, on_step=on_step), rows
+
+
+def carry(row: dict) -> tuple:
+    return (row[CARRY + "n_prev_carry_over_rollouts"], row[CARRY + "n_completed_rollouts"],
+            row[CARRY + "n_new_carry_over_rollouts"], row[CARRY + "new_carry_over_age_max_steps"])
+
+
+def test_scripted_carry_over_scenario(stack, tmp_path):
+    samples = [{}, {}, {"gate": "slow"}, {"gate": "s1"}, {}, {"gate": "s2"},
+               {"gate": "end"}, {"gate": "end"}]
+    cfg = make_cfg(tmp_path, samples, "data.train_batch_size=2",
+                   "agentlightning.async_rollout.async_train_batch_size=4",
+                   "trainer.total_steps=3")
+    result, rows = run(cfg, {0: ["s1"], 1: ["slow", "s2"]}, stack)
+    run_id = result["run_id"]
+    # (inherited, consumed, carried into next, oldest carry-over age), in rollouts (n=2)
+    assert [carry(r) for r in rows] == [(0, 4, 4, 1), (4, 4, 4, 2), (4, 4, 4, 1)]
+    steps = [stack.lrange(keys.run_step_groups(run_id, s), 0, -1) for s in range(3)]
+    g = [f"{run_id}-g{i}" for i in range(8)]
+    assert steps == [[g[0], g[1]], [g[3], g[4]], [g[2], g[5]]]
+    # the slow group, dispatched at step 0, is trained at step 2 with age 2
+    assert rows[2]["training/async/consumed_age_max_steps"] == 2
+    assert rows[1]["training/async/consumed_age_mean_steps"] == 0.5
+    # no group is trained before every sibling has finished
+    for gid in [x for s in steps for x in s]:
+        results = [SiblingResult.from_json(v)
+                   for v in stack.hgetall(keys.group_results(gid)).values()]
+        assert len(results) == 2 and all(r.status == "ok" for r in results)
+        selected_at = float(stack.hget(keys.group(gid), "selected_at"))
+        assert max(r.finished_at for r in results) <= selected_at
+        assert stack.get(keys.group_trained(gid)) is not None
+    # still active and carried past the end: the two groups held by the "end" gate
+    assert sorted(stack.zrange(keys.run_active(run_id), 0, -1)) == sorted([g[6], g[7]])
+    for r in rows:
+        assert r["training/async/proxy_inflight_at_pause"] >= 0
+        assert r["training/async/proxy_drain_seconds"] >= 0
+
+
+def test_sync_baseline_has_no_carry_over(stack, tmp_path):
+    cfg = make_cfg(tmp_path, [{} for _ in range(6)], "data.train_batch_size=2",
+                   "agentlightning.async_rollout.enabled=false", "trainer.total_steps=2")
+    result, rows = run(cfg)
+    assert [carry(r) for r in rows] == [(0, 4, 0, 0), (0, 4, 0, 0)]
+    assert stack.zcard(keys.run_active(result["run_id"])) == 0
+
+
+def test_retry_then_drop_and_requeue(stack, tmp_path):
+    samples = [{"fail": "first"}, {"fail": "always"}, {}, {}, {}, {}]
+    cfg = make_cfg(tmp_path, samples, "data.train_batch_size=2",
+                   "agentlightning.async_rollout.async_train_batch_size=3",
+                   "controller.max_attempts=2", "trainer.total_steps=2")
+    result, rows = run(cfg)
+    run_id = result["run_id"]
+    g0 = SiblingResult.from_json(stack.hget(keys.group_results(f"{run_id}-g0"), "0"))
+    assert g0.status == "ok" and g0.attempts == 2
+    assert stack.hget(keys.group(f"{run_id}-g1"), "status") == "dropped"
+    assert sum(r["training/async/n_dropped_groups"] for r in rows) >= 1
+    assert sum(r["training/async/n_requeued_groups"] for r in rows) >= 1
+    # the dropped prompt (index 1) was dispatched again in a later group
+    again = [stack.hget(keys.group(f"{run_id}-g{i}"), "sample_index") for i in range(2, 8)]
+    assert "1" in again
+    assert "scripted failure of s1" in (REPO_LOG_DIR() / "rollout.log").read_text()
+
+
+def REPO_LOG_DIR() -> Path:  # noqa: N802 - the session's log directory
+    from tests.conftest import _TMP
+
+    return _TMP / "logs"
+
+
+def test_zero_reward_policy_trains_failed_siblings_with_zero(stack, tmp_path):
+    samples = [{"fail": "always"}, {"gate": "never"}, {"gate": "never"}]
+    cfg = make_cfg(tmp_path, samples, "data.train_batch_size=1",
+                   "agentlightning.async_rollout.async_train_batch_size=2",
+                   "controller.on_failure=zero_reward", "controller.max_attempts=1",
+                   "trainer.total_steps=1")
+    _, rows = run(cfg)
+    assert rows[0]["batch/failed_rollouts_zero_reward"] == 2
+    assert rows[0]["reward/mean"] == 0.0
+
+
+def test_age_cap_cancels_and_requeues(stack, tmp_path):
+    samples = [{"gate": "never"}] + [{} for _ in range(6)]
+    cfg = make_cfg(tmp_path, samples, "data.train_batch_size=1",
+                   "agentlightning.async_rollout.async_train_batch_size=2",
+                   "agentlightning.async_rollout.max_carry_over_age_steps=1",
+                   "trainer.total_steps=3")
+    result, rows = run(cfg)
+    run_id = result["run_id"]
+    assert [r["training/async/n_cancelled_groups"] for r in rows] == [0, 0, 1]
+    assert stack.hget(keys.group(f"{run_id}-g0"), "status") == "cancelled"
+    # the cancelled prompt is dispatched again right away (re-queued prompts go first)
+    assert stack.hget(keys.group(f"{run_id}-g3"), "sample_index") == "0"
+
+
+def test_duplicate_callback_and_redelivered_sibling_change_nothing(stack, tmp_path):
+    from workers.rollout.tasks import finish_group, run_rollout
+
+    cfg = make_cfg(tmp_path, [{} for _ in range(4)], "data.train_batch_size=1",
+                   "agentlightning.async_rollout.async_train_batch_size=2",
+                   "trainer.total_steps=1")
+    result, _ = run(cfg)
+    gid = stack.lrange(keys.run_step_groups(result["run_id"], 0), 0, -1)[0]
+    before = dict(stack.hgetall(keys.group_results(gid)))
+    assert finish_group.apply_async(args=[[], gid]).get(timeout=30) == "duplicate"
+    assert stack.zscore(keys.run_ready(result["run_id"]), gid) is None
+    again = run_rollout.apply_async(args=[gid, 0]).get(timeout=30)
+    assert again["rollout_id"] == SiblingResult.from_json(before["0"]).rollout_id
+    assert dict(stack.hgetall(keys.group_results(gid))) == before
+    assert len(list(stack.scan_iter(f"co:rollout:{gid}.0.*:calls"))) == 1
+
+
+def test_driver_killed_and_resumed_keeps_its_carry_over(stack, tmp_path):
+    samples = [{}, {"gate": "end"}, {"sleep": 0.5}, {"sleep": 0.5}] + [{} for _ in range(8)]
+    cfg = make_cfg(tmp_path, samples, "data.train_batch_size=1",
+                   "agentlightning.async_rollout.async_train_batch_size=3",
+                   "trainer.total_steps=4", "logging.console=true")
+    cfg_file = tmp_path / "run.yaml"
+    from omegaconf import OmegaConf
+
+    cfg_file.write_text(OmegaConf.to_yaml(cfg))
+    env = {**os.environ, "CARRYOVER_OVERRIDES": "[]"}
+    carryover = str(Path(sys.executable).parent / "carryover")
+    proc = subprocess.Popen([carryover, "train", "--config", str(cfg_file)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    run_id = None
+    for line in proc.stdout:
+        if line.startswith("step    2/4"):
+            break
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    runs = [k for k in stack.scan_iter("co:run:*") if k.count(":") == 2]
+    run_id = runs[0].split(":", 2)[2]
+    assert stack.hget(keys.run(run_id), "step") == "2"
+    active_before = set(stack.zrange(keys.run_active(run_id), 0, -1))
+    assert f"{run_id}-g1" in active_before  # the gated group is carried over
+    out = subprocess.run([carryover, "train", "--resume", run_id], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert stack.hget(keys.run(run_id), "step") == "4"
+    trained = [g for s in range(4) for g in stack.lrange(keys.run_step_groups(run_id, s), 0, -1)]
+    assert len(trained) == len(set(trained)) == 4  # no group trained twice
+    still = set(stack.zrange(keys.run_active(run_id), 0, -1))
+    assert active_before <= set(trained) | still  # no carried-over group lost
+    assert f"{run_id}-g1" in still
