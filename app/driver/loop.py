@@ -59,7 +59,11 @@ def train(cfg: Any, resume: str | None = None, *,
           run_id: str | None = None) -> dict:
     from app.celery_app import celery_app
 
-    client = connect(resolve_redis_url(cfg))
+    url = resolve_redis_url(cfg)
+    if celery_app.conf.broker_url != url:
+        raise TrainingFailed("the Celery app was built for another Redis than the run's config "
+                             "(set $CARRYOVER_CONFIG / $REDIS_URL before importing app.celery_app)")
+    client = connect(url)
     if resume:
         run_id = resume
         cfg = run_config(client, run_id)  # the run keeps the config it started with

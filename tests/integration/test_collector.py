@@ -201,7 +201,8 @@ def test_driver_killed_and_resumed_keeps_its_carry_over(stack, tmp_path):
     assert stack.hget(keys.run(run_id), "step") == "2"
     active_before = set(stack.zrange(keys.run_active(run_id), 0, -1))
     assert f"{run_id}-g1" in active_before  # the gated group is carried over
-    out = subprocess.run([carryover, "train", "--resume", run_id], cwd=REPO, env=env,
+    out = subprocess.run([carryover, "train", "--config", str(cfg_file), "--resume", run_id],
+                         cwd=REPO, env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert stack.hget(keys.run(run_id), "step") == "4"
