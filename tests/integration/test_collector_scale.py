@@ -1,0 +1,51 @@
+"""Per-step driver bookkeeping does not grow with the number of active groups: the Redis
+commands one step issues are counted (real Redis, chords not sent) at 40 and 4,000 active
+groups and must be equal. Time is left to the benchmarks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from app.config import load_config
+from app.driver.collector import Collector
+from app.state import keys
+
+
+def commands(client) -> int:
+    return sum(v["calls"] for k, v in client.info("commandstats").items())
+
+
+def one_step_cost(client, tmp_path, active: int, monkeypatch) -> int:
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": str(i)}) + "\n" for i in range(50)))
+    cfg = load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
+                             f"data.train_files={data}", "data.train_batch_size=4",
+                             "actor_rollout_ref.rollout.n=2",
+                             "agentlightning.async_rollout.max_carry_over_age_steps=5",
+                             f"agentlightning.async_rollout.async_train_batch_size={active}"])
+    monkeypatch.setattr(Collector, "_send", lambda self, gid: None)
+    run_id = f"scale-{active}"
+    Collector.create_run(client, run_id, {}, "async")
+    col = Collector(client, run_id, cfg)
+    assert col.top_up(0) == active
+    # four groups complete (what the chord callback writes)
+    for gid in client.zrange(keys.run_active(run_id), 0, 3):
+        client.zadd(keys.run_ready(run_id), {gid: client.zscore(keys.run_active(run_id), gid)})
+    before = commands(client)
+    prev = col.active_count()
+    col.cancel_stale(1)
+    col.wait_ready()
+    sel = col.select(1, prev, 0.0)
+    col.top_up(0)
+    col.set_step(2)
+    cost = commands(client) - before
+    assert len(sel.group_ids) == 4 and col.active_count() == active
+    return cost
+
+
+def test_step_bookkeeping_is_flat_in_active_groups(redis_client, tmp_path, monkeypatch):
+    small = one_step_cost(redis_client, tmp_path, 40, monkeypatch)
+    large = one_step_cost(redis_client, tmp_path, 4000, monkeypatch)
+    assert small == large, (small, large)
+    assert small < 120
