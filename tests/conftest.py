@@ -121,3 +121,16 @@ def gateway_service(supervisor, vllm_service, cfg) -> str:
 def celery_workers(supervisor, redis_service):
     _ensure(supervisor, "groups", "rollout", "trainer")
     return supervisor
+
+
+@pytest.fixture
+def new_rollout(redis_client, cfg):
+    """Create rollouts the way the rollout task does; returns (rollout_id, token, base_url)."""
+    from workers.rollout.episode import _start_attempt
+
+    def make(gateway_url: str | None = None) -> tuple[str, str, str]:
+        rid, token = _start_attempt(redis_client, "test-run", f"g{free_port()}", 0, 1)
+        base = (gateway_url or cfg.gateway.url).rstrip("/")
+        return rid, token, f"{base}/rollout/{rid}/v1"
+
+    return make

@@ -52,6 +52,15 @@ def authenticate(rollout_id: str) -> None:
                            code="rollout_closed")
 
 
+def _json_body() -> Any:
+    # get_data() enforces MAX_CONTENT_LENGTH (413); get_json(silent=True) would hide that.
+    raw = request.get_data(cache=True)
+    try:
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("request body is not valid JSON") from None
+
+
 def _check_int(body: dict, name: str, lo: int, hi: int | None = None) -> None:
     v = body.get(name)
     if v is None:
@@ -114,7 +123,7 @@ def _admit(rollout_id: str) -> tuple[str, int]:
 
 def _forward(rollout_id: str, endpoint: str):
     authenticate(rollout_id)
-    body = validate_body(request.get_json(silent=True), endpoint)
+    body = validate_body(_json_body(), endpoint)
     state = _state()
     s = state.settings
     upstream = state.upstreams.pick(rollout_id)

@@ -1,0 +1,91 @@
+"""An agent-side HTTP client that rides through gateway pauses (tenacity-based).
+
+The gateway answers 503 (paused, upstream down) or 429 (too many concurrent calls) with a
+``Retry-After`` header while it updates the model; this client waits as told and retries,
+for up to ``max_wait_s``. Other errors raise :class:`GatewayHTTPError` at once.
+
+With the official ``openai`` client instead, ``OpenAI(base_url=..., api_key=...,
+max_retries=20, timeout=120)`` rides through typical pauses: it retries 503/429 and honours
+``Retry-After`` (it caps single waits at 60 s).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import requests
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    stop_after_delay,
+    wait_exponential,
+)
+
+RETRYABLE_STATUS = (429, 502, 503, 504)
+
+
+class RetryableResponse(Exception):
+    def __init__(self, status: int, retry_after: float | None, body: str) -> None:
+        super().__init__(f"gateway answered {status}: {body[:200]}")
+        self.status = status
+        self.retry_after = retry_after
+
+
+class GatewayHTTPError(Exception):
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"gateway answered {status}: {body}")
+        self.status = status
+        self.body = body
+
+
+def _wait(state: RetryCallState) -> float:
+    exc = state.outcome.exception() if state.outcome else None
+    if isinstance(exc, RetryableResponse) and exc.retry_after is not None:
+        return exc.retry_after
+    return wait_exponential(multiplier=0.2, max=5)(state)
+
+
+class GatewayClient:
+    def __init__(self, base_url: str, api_key: str, max_wait_s: float = 900.0,
+                 timeout_s: float = 120.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.max_wait_s = max_wait_s
+        self.timeout_s = timeout_s
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {api_key}"
+        self.retries = 0
+
+    def _once(self, path: str, body: dict) -> dict:
+        try:
+            resp = self.session.post(self.base_url + path, json=body, timeout=self.timeout_s)
+        except requests.ConnectionError as exc:
+            raise RetryableResponse(0, None, str(exc)) from None
+        if resp.status_code in RETRYABLE_STATUS:
+            ms = resp.headers.get("Retry-After-Ms")
+            secs = resp.headers.get("Retry-After")
+            after = float(ms) / 1000 if ms else (float(secs) if secs else None)
+            raise RetryableResponse(resp.status_code, after, resp.text)
+        if resp.status_code >= 400:
+            try:
+                body_out: Any = resp.json()
+            except ValueError:
+                body_out = resp.text
+            raise GatewayHTTPError(resp.status_code, body_out)
+        return resp.json()
+
+    def post(self, path: str, body: dict) -> dict:
+        for attempt in Retrying(retry=retry_if_exception_type(RetryableResponse),
+                                wait=_wait, stop=stop_after_delay(self.max_wait_s),
+                                reraise=True):
+            with attempt:
+                if attempt.retry_state.attempt_number > 1:
+                    self.retries += 1
+                return self._once(path, body)
+        raise AssertionError("unreachable")
+
+    def chat(self, **body: Any) -> dict:
+        return self.post("/chat/completions", body)
+
+    def completions(self, **body: Any) -> dict:
+        return self.post("/completions", body)
