@@ -137,9 +137,12 @@ def _forward(rollout_id: str, endpoint: str):
     cancel = state.leases.add(lease_id)
     started = time.time()
     try:
-        resp = state.upstreams.session.post(
-            upstream + ENDPOINT_PATHS[endpoint], json=up_body,
-            timeout=(5, s.upstream_timeout_s), stream=bool(body.get("stream")))
+        resp = _call_upstream(state, upstream + ENDPOINT_PATHS[endpoint], up_body,
+                              bool(body.get("stream")), cancel)
+    except _Cancelled:
+        _release(state, lease_id)
+        raise retryable("request cancelled by a weight update; retry", s.retry_after_s,
+                        code="cancelled_by_update") from None
     except requests.RequestException as exc:
         _release(state, lease_id)
         state.upstreams.mark_down(upstream)
@@ -167,6 +170,31 @@ def _forward(rollout_id: str, endpoint: str):
     finally:
         _release(state, lease_id)
     return jsonify(capture.strip_for_agent(data, endpoint, wants_lp, wants_ids))
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _call_upstream(state, url: str, body: dict, stream: bool, cancel) -> requests.Response:
+    """POST upstream; under gevent (gunicorn's worker) the call can be abandoned when a
+    drain times out: killing the greenlet closes the socket, which makes vLLM abort it."""
+    timeout = (5, state.settings.upstream_timeout_s)
+    try:
+        import gevent
+        from gevent import monkey
+    except ImportError:  # pragma: no cover - the gateway always runs under gevent
+        gevent = None
+    if gevent is None or not monkey.is_module_patched("socket"):
+        return state.upstreams.session.post(url, json=body, timeout=timeout, stream=stream)
+    job = gevent.spawn(state.upstreams.session.post, url, json=body, timeout=timeout,
+                       stream=stream)
+    while not job.ready():
+        job.join(timeout=0.05)
+        if cancel.is_set() and not job.ready():
+            job.kill(block=True, timeout=1)
+            raise _Cancelled
+    return job.get()
 
 
 def _stream(state, resp: requests.Response, rollout_id: str, lease_id: str, cancel, meta: dict,

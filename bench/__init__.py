@@ -1,0 +1,1 @@
+"""Benchmarks: each script prints JSON (and a markdown table) on stdout."""

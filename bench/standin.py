@@ -1,0 +1,54 @@
+"""An instant OpenAI-compatible upstream for benchmarks and fault tests.
+
+Answers ``/v1/chat/completions`` and ``/v1/completions`` with token ids and log-probs (so the
+gateway's capture path runs) without a model. A request may carry ``standin_delay_s`` to be
+slow on purpose. Serve with gunicorn: ``gunicorn -k gevent 'bench.standin:create_app()'``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from flask import Flask, jsonify, request
+
+
+def create_app() -> Flask:
+    app = Flask(__name__)
+
+    def answer(endpoint: str):
+        body = request.get_json(force=True)
+        delay = float(body.get("standin_delay_s", 0))
+        if delay:
+            time.sleep(delay)
+        n = int(body.get("max_tokens") or 4)
+        ids = [3 + (i % 4) for i in range(n)]
+        lps = [-0.5 - 0.01 * i for i in range(n)]
+        if endpoint == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": "abcd"[:n]},
+                      "logprobs": {"content": [{"token": "a", "logprob": v, "bytes": [97],
+                                                "top_logprobs": []} for v in lps]},
+                      "finish_reason": "length", "token_ids": ids}
+            out = {"object": "chat.completion", "prompt_token_ids": [1, 2, 3]}
+        else:
+            choice = {"index": 0, "text": "abcd"[:n], "finish_reason": "length",
+                      "logprobs": {"token_logprobs": lps, "tokens": ["a"] * n},
+                      "token_ids": ids, "prompt_token_ids": [1, 2, 3]}
+            out = {"object": "text_completion"}
+        out.update({"id": "standin", "created": int(time.time()), "model": body.get("model"),
+                    "choices": [choice],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}})
+        return jsonify(out)
+
+    @app.post("/v1/chat/completions")
+    def chat():
+        return answer("chat")
+
+    @app.post("/v1/completions")
+    def completions():
+        return answer("completions")
+
+    @app.get("/health")
+    def health():
+        return ""
+
+    return app

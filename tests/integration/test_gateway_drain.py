@@ -1,0 +1,208 @@
+"""Pause, drain and leases under stress, through a second gateway (gunicorn, hold mode on,
+2 s leases) in front of a slow stand-in upstream: the admission race, a drain bounded by its
+timeout, a SIGKILLed gateway worker whose lease expires, and hold mode."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+
+from app.client import GatewayClient
+from app.state import keys
+from gateway.admission import Admission
+from tests.conftest import REPO, free_port
+
+BIN = Path(sys.executable).parent
+LEASE_TTL = 2.0
+
+
+def _wait_http(url: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=1).status_code < 500:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def slow_gateway(redis_service, tmp_root):
+    standin_port, gw_port = free_port(), free_port()
+    logs = open(tmp_root / "logs" / "drain-tests.log", "ab")  # noqa: SIM115
+    standin = subprocess.Popen(
+        [str(BIN / "gunicorn"), "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{standin_port}",
+         "bench.standin:create_app()"], cwd=REPO, stdout=logs, stderr=logs,
+        start_new_session=True)
+    overrides = json.loads(os.environ["CARRYOVER_OVERRIDES"]) + [
+        f"gateway.port={gw_port}", f"gateway.url=http://127.0.0.1:{gw_port}",
+        f"inference.urls=[http://127.0.0.1:{standin_port}]", f"gateway.lease_ttl_s={LEASE_TTL}",
+        "gateway.hold=true", "gateway.hold_timeout_s=30"]
+    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides)}
+    gateway = subprocess.Popen(
+        [str(BIN / "gunicorn"), "-c", "gateway/gunicorn.conf.py", "gateway:create_app()"],
+        cwd=REPO, env=env, stdout=logs, stderr=logs, start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{standin_port}/health")
+        _wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        yield f"http://127.0.0.1:{gw_port}", gateway
+    finally:
+        for p in (gateway, standin):
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:  # a deliberately slow request is still open
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        logs.close()
+
+
+@pytest.fixture
+def adm(redis_client):
+    a = Admission(redis_client, lease_ttl_s=LEASE_TTL)
+    yield a
+    a.resume()
+
+
+def test_admission_race_no_request_slips_past_a_pause(adm, redis_client):
+    """Many threads admit/hold/release while the main thread pauses and resumes: every
+    admit that started after pause() returned is refused, and the count pause() returns is
+    exactly the set of leases still held."""
+    stop = threading.Event()
+    violations: list[str] = []
+    holders: set[str] = set()
+    lock = threading.Lock()
+    pause_done_at = [float("inf")]
+    release_gate = threading.Event()
+
+    def worker(i: int) -> None:
+        a = Admission(redis_client, lease_ttl_s=30)
+        while not stop.is_set():
+            t_call = time.monotonic()
+            status, lease, _ = a.admit(f"race{i}")
+            if status == 1:
+                if t_call > pause_done_at[0]:
+                    violations.append(lease)
+                with lock:
+                    holders.add(lease)
+                release_gate.wait(0.01 + (i % 5) * 0.002)
+                with lock:
+                    holders.discard(lease)
+                    a.release(lease)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    try:
+        for _ in range(15):
+            time.sleep(0.05)
+            release_gate.clear()
+            # While the lock is held no worker can release (release needs the lock first), and
+            # after pause() none can be admitted: the live set is frozen, so pause()'s count
+            # must equal it exactly. Holders may lag by leases admitted just before the pause.
+            with lock:
+                counted = adm.pause()
+                pause_done_at[0] = time.monotonic()
+                assert counted == adm.live_leases()
+                assert len(holders) <= counted
+            time.sleep(0.05)
+            assert adm.drain(5).cancelled == 0
+            assert adm.live_leases() == 0
+            pause_done_at[0] = float("inf")
+            adm.resume()
+    finally:
+        stop.set()
+        release_gate.set()
+        for t in threads:
+            t.join(5)
+    assert violations == []
+
+
+def test_drain_is_bounded_and_cancels_the_slow_request(slow_gateway, adm, new_rollout):
+    url, _ = slow_gateway
+    rid, token, base = new_rollout(url)
+    out: dict = {}
+
+    def slow_call():
+        t = time.monotonic()
+        out["resp"] = requests.post(base + "/chat/completions", timeout=60,
+                                    headers={"Authorization": f"Bearer {token}"},
+                                    json={"messages": [{"role": "user", "content": "a"}],
+                                          "standin_delay_s": 30})
+        out["seconds"] = time.monotonic() - t
+
+    thread = threading.Thread(target=slow_call)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while adm.live_leases() < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert adm.pause() == 1
+    result = adm.drain(1.0)
+    assert 0.9 <= result.seconds < 2.0 and result.cancelled == 1
+    thread.join(10)
+    assert out["resp"].status_code == 503
+    assert out["resp"].json()["error"]["code"] == "cancelled_by_update"
+    assert out["seconds"] < 5  # cancelled upstream, not waited out
+    deadline = time.monotonic() + 5
+    while adm.live_leases() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert adm.live_leases() == 0
+
+
+def test_killed_gateway_worker_lease_expires(slow_gateway, adm, new_rollout):
+    url, master = slow_gateway
+    rid, token, base = new_rollout(url)
+    def doomed_call():
+        with pytest.raises(requests.ConnectionError):  # its gateway worker is killed
+            requests.post(base + "/chat/completions", timeout=60,
+                          headers={"Authorization": f"Bearer {token}"},
+                          json={"messages": [{"role": "user", "content": "a"}],
+                                "standin_delay_s": 30})
+
+    threading.Thread(target=doomed_call, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while adm.live_leases() < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    for child in psutil.Process(master.pid).children():
+        child.send_signal(signal.SIGKILL)
+    assert adm.pause() == 1
+    result = adm.drain(30)
+    assert result.cancelled == 0 and result.seconds <= LEASE_TTL + 1.0
+    adm.resume()
+    # the master respawns workers; an agent's retry then succeeds
+    answer = GatewayClient(base, token, max_wait_s=30).chat(
+        messages=[{"role": "user", "content": "a"}], max_tokens=2)
+    assert answer["choices"][0]["message"]["content"]
+
+
+def test_hold_mode_waits_inside_the_gateway(slow_gateway, adm, new_rollout, redis_client):
+    url, _ = slow_gateway
+    rid, token, base = new_rollout(url)
+    adm.pause()
+    out: dict = {}
+
+    def call():
+        out["resp"] = requests.post(base + "/chat/completions", timeout=60,
+                                    headers={"Authorization": f"Bearer {token}"},
+                                    json={"messages": [{"role": "user", "content": "a"}]})
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    time.sleep(1.5)
+    assert "resp" not in out  # held, not refused
+    adm.resume()
+    thread.join(10)
+    assert out["resp"].status_code == 200  # no client retry was needed
+    assert redis_client.llen(keys.rollout_calls(rid)) == 1
