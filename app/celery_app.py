@@ -8,6 +8,7 @@ Workers find their Redis through ``$REDIS_URL`` or the config named by
 
 from __future__ import annotations
 
+import logging
 import os
 
 from celery import Celery
@@ -51,6 +52,10 @@ def make_celery() -> Celery:
             "unacked_restore_throttle": 1,
         },
         result_expires=3600,
+        # redis-py's default pool of 100 raises when hundreds of rollout threads store
+        # results at once; a failed store would turn a sibling into a chord error.
+        redis_max_connections=2048,
+        broker_pool_limit=64,
         worker_hijack_root_logger=False,
         worker_send_task_events=True,
         task_send_sent_event=True,
@@ -59,3 +64,7 @@ def make_celery() -> Celery:
 
 
 celery_app = make_celery()
+
+# Agents' HTTP clients log every request at INFO; a worker runs hundreds of them.
+for _name in ("httpx", "openai", "urllib3"):
+    logging.getLogger(_name).setLevel(logging.WARNING)

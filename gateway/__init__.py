@@ -26,7 +26,7 @@ class GatewayState:
         from gateway.upstream import Upstreams
 
         self.settings = settings
-        self.redis = connect(settings.redis_url, max_connections=512)
+        self.redis = connect(settings.redis_url, max_connections=1024)
         self.admission = Admission(self.redis, settings.lease_ttl_s,
                                    settings.max_concurrent_per_rollout)
         self.leases = LocalLeases(self.admission, refresh_every_s=settings.lease_ttl_s / 3)

@@ -162,16 +162,37 @@ class Collector:
     # --- selection -----------------------------------------------------------------
 
     def wait_ready(self, poll_s: float = 1.0, should_stop=lambda: False,
-                   on_wait=lambda: None) -> float:
+                   on_wait=lambda: None, reconcile_every_s: float = 15.0) -> float:
         """Block (on the callback's doorbell, no polling of rollouts) until enough groups
-        are complete; returns the seconds waited."""
+        are complete; returns the seconds waited. A long wait triggers a reconcile."""
         started = time.monotonic()
+        next_reconcile = started + reconcile_every_s
         while self.r.zcard(keys.run_ready(self.run_id)) < self.train_batch:
             if should_stop():
                 break
             self.r.blpop([keys.run_wakeup(self.run_id)], timeout=poll_s)
             on_wait()
+            if time.monotonic() > next_reconcile:
+                self.reconcile()
+                next_reconcile = time.monotonic() + reconcile_every_s
         return time.monotonic() - started
+
+    def reconcile(self) -> int:
+        """Complete groups whose siblings all finished but whose chord callback never ran
+        (a chord errors when storing a sibling's result fails). Completion is idempotent,
+        so racing a late callback is harmless. O(active groups): only run on long waits."""
+        from workers.rollout.completion import finish_group
+
+        fixed = 0
+        for gid in self.r.zrange(keys.run_active(self.run_id), 0, -1):
+            if self.r.exists(keys.group_done(gid)):
+                continue
+            if self.r.hlen(keys.group_results(gid)) >= self.n:
+                if finish_group(self.r, gid) in ("complete", "dropped"):
+                    fixed += 1
+                    log.warning("group %s completed by the driver: its chord callback did "
+                                "not run", gid)
+        return fixed
 
     def select(self, step: int, prev_carry_over_groups: int, wait_seconds: float) -> Selection:
         ready_key = keys.run_ready(self.run_id)

@@ -39,9 +39,13 @@ def redact(url: str) -> str:
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
-def connect(url: str, **kwargs: Any) -> redis.Redis:
+def connect(url: str, max_connections: int = 512, **kwargs: Any) -> redis.Redis:
     """A client with string responses and retries on the transient errors a Redis restart
-    causes (the AOF brings the data back; callers just need to ride the gap)."""
+    causes (the AOF brings the data back; callers just need to ride the gap).
+
+    The pool blocks when full instead of raising: a rollout worker runs hundreds of agent
+    threads, and redis-py's default pool (100, raising ``MaxConnectionsError``) would fail
+    agents for no reason of their own."""
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
@@ -53,4 +57,7 @@ def connect(url: str, **kwargs: Any) -> redis.Redis:
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError],
     }
     opts.update(kwargs)
-    return redis.Redis.from_url(url, **opts)
+    pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
+                                                 timeout=60, **{k: v for k, v in opts.items()
+                                                                if k not in ("retry",)})
+    return redis.Redis(connection_pool=pool, retry=opts.get("retry"))

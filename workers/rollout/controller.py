@@ -109,7 +109,8 @@ class PythonController(Controller):
         thread = threading.Thread(target=target, name=f"agent-{llm.rollout_id}", daemon=True)
         thread.start()
         while thread.is_alive():
-            thread.join(0.1)
+            # Coarse ticks: many agents share one worker process and its GIL.
+            thread.join(0.5)
             clock.tick()
             if clock.active > timeout_s:
                 # A thread cannot be killed; the rollout is closed in the gateway instead,
@@ -150,7 +151,7 @@ class ProcessController(Controller):
             pass
         reason = None
         while proc.poll() is None:
-            time.sleep(0.05)
+            time.sleep(0.2)
             clock.tick()
             if clock.active > timeout_s:
                 reason = f"agent timed out after {timeout_s:.0f}s (controller.rollout_timeout_s)"
