@@ -12,8 +12,11 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import httpx
 import openai
 import redis
+
+_HTTP = httpx.Client(timeout=60)
 
 
 def _sibling_index(rollout_id: str) -> int:
@@ -25,7 +28,7 @@ def scripted(sample: dict, llm: Any, *, redis_url: str, **_: Any) -> Any:
     index = _sibling_index(llm.rollout_id)
     group = llm.rollout_id.rsplit(".", 2)[0]
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=20,
-                           timeout=60)
+                           timeout=60, http_client=_HTTP)
     client.chat.completions.create(model=llm.model, max_tokens=2,
                                    messages=[{"role": "user", "content": sample["text"]}])
     fail = sample.get("fail")
