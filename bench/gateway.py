@@ -1,0 +1,166 @@
+"""Gateway overhead: requests/s and added latency against calling the upstream directly.
+
+Starts its own Redis, an instant OpenAI-compatible stand-in upstream (returns token ids and
+log-probs, so the gateway's admission and capture paths run) and the gateway under gunicorn,
+then measures direct vs through-gateway at 1 and 8 connections, interleaved in one run.
+
+Usage: python -m bench.gateway [--requests 2000] [--rounds 3]     (prints JSON, then a table)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            requests.get(url, timeout=1)
+            return
+        except requests.RequestException:
+            time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+def run_load(url: str, headers: dict, connections: int, total: int) -> dict:
+    body = {"model": "m", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 4}
+    per = total // connections
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        s = requests.Session()
+        s.headers.update(headers)
+        mine = []
+        for _ in range(per):
+            t = time.perf_counter()
+            r = s.post(url, json=body, timeout=30)
+            mine.append(time.perf_counter() - t)
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}: {r.status_code} {r.text[:200]}")
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=worker) for _ in range(connections)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    latencies.sort()
+    return {"requests": len(latencies), "rps": len(latencies) / wall,
+            "p50_ms": 1000 * latencies[len(latencies) // 2],
+            "p99_ms": 1000 * latencies[int(len(latencies) * 0.99) - 1]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--gateway-workers", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
+    redis_port, standin_port, gw_port = free_port(), free_port(), free_port()
+    overrides = [f"redis.port={redis_port}", f"redis.dir={tmp}", f"gateway.port={gw_port}",
+                 f"gateway.url=http://127.0.0.1:{gw_port}",
+                 f"gateway.workers={args.gateway_workers}",
+                 f"inference.urls=[http://127.0.0.1:{standin_port}]"]
+    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides),
+           "CARRYOVER_ADMIN_TOKEN": "bench"}
+    env.pop("REDIS_URL", None)
+    log = open(tmp / "bench.log", "ab")  # noqa: SIM115
+    procs = [
+        subprocess.Popen([str(BIN / "redis-server"), "--port", str(redis_port), "--bind",
+                          "127.0.0.1", "--dir", str(tmp), "--appendonly", "yes", "--save", ""],
+                         stdout=log, stderr=log, start_new_session=True),
+        subprocess.Popen([str(BIN / "gunicorn"), "-k", "gevent", "-w", "2", "-b",
+                          f"127.0.0.1:{standin_port}", "--log-level", "warning",
+                          "bench.standin:create_app()"], cwd=REPO, stdout=log, stderr=log,
+                         start_new_session=True),
+        subprocess.Popen([str(BIN / "gunicorn"), "-c", "gateway/gunicorn.conf.py",
+                          "gateway:create_app()"], cwd=REPO, env=env, stdout=log, stderr=log,
+                         start_new_session=True),
+    ]
+    try:
+        wait_http(f"http://127.0.0.1:{standin_port}/health")
+        wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        os.environ["CARRYOVER_OVERRIDES"] = env["CARRYOVER_OVERRIDES"]
+        from app.config import service_config
+        from app.state.connection import connect, resolve_redis_url
+        from workers.rollout.episode import _start_attempt
+
+        client = connect(resolve_redis_url(service_config()))
+        rid, token = _start_attempt(client, "bench", "bench-g", 0, 1)
+        direct = f"http://127.0.0.1:{standin_port}/v1/chat/completions"
+        via = f"http://127.0.0.1:{gw_port}/rollout/{rid}/v1/chat/completions"
+        auth = {"Authorization": f"Bearer {token}"}
+        run_load(via, auth, 8, 400)  # warm-up: connections, imports, scripts
+        run_load(direct, {}, 8, 400)
+        results: dict[str, list[dict]] = {}
+        for _ in range(args.rounds):
+            for conns in (1, 8):
+                n = args.requests // (4 if conns == 1 else 1)
+                for name, url, hdr in (("direct", direct, {}), ("gateway", via, auth)):
+                    results.setdefault(f"{name}@{conns}", []).append(
+                        run_load(url, hdr, conns, n))
+        captured = client.llen(f"co:rollout:{rid}:calls")
+    finally:
+        for p in reversed(procs):
+            os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            p.wait(15)
+        log.close()
+
+    def med(key: str, field: str) -> float:
+        return statistics.median(r[field] for r in results[key])
+
+    summary = {
+        "benchmark": "gateway",
+        "machine": f"{os.cpu_count()} CPUs",
+        "gateway_workers": args.gateway_workers,
+        "rounds": args.rounds,
+        "captured_calls": captured,
+        "results": {k: {f: med(k, f) for f in ("rps", "p50_ms", "p99_ms")} for k in results},
+    }
+    for conns in (1, 8):
+        summary[f"added_p50_ms@{conns}"] = med(f"gateway@{conns}", "p50_ms") - med(
+            f"direct@{conns}", "p50_ms")
+        summary[f"added_p99_ms@{conns}"] = med(f"gateway@{conns}", "p99_ms") - med(
+            f"direct@{conns}", "p99_ms")
+    summary["gateway_rps@8"] = med("gateway@8", "rps")
+    print(json.dumps(summary, indent=1))
+    print("\n| path | conns | req/s | p50 ms | p99 ms |\n|---|---|---|---|---|")
+    for key, r in summary["results"].items():
+        name, conns = key.split("@")
+        print(f"| {name} | {conns} | {r['rps']:.0f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
