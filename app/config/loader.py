@@ -8,6 +8,7 @@ read-only.
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,16 @@ from app.config.errors import ConfigError
 from app.config.validate import FREE_FORM_SECTIONS, validate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class _Loader(yaml.SafeLoader):
+    """YAML 1.1 reads ``1e-3`` as a string; verl users write learning rates that way."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"))
 DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "default.yaml"
 
 
@@ -57,7 +68,7 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError([f"--config {path}: cannot read file ({exc.strerror})"]) from None
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -81,7 +92,7 @@ def _parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str
             problems.append(f"{item}: override must look like a.b.c=value")
             continue
         try:
-            value = yaml.safe_load(raw) if raw.strip() else None
+            value = yaml.load(raw, Loader=_Loader) if raw.strip() else None  # noqa: S506
         except yaml.YAMLError:
             value = raw
         node = nested

@@ -224,3 +224,11 @@ def test_config_show_cli(tmp_path):
     lines = [ln for ln in bad.stderr.splitlines() if ln.startswith("config error:")]
     assert len(lines) == 2
     assert bad.stdout == ""
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    # YAML 1.1 would read 1e-3 as a string; verl users write learning rates that way
+    cfg = load_config(write(tmp_path, "actor_rollout_ref:\n  actor:\n    lr: 2e-4\n"),
+                      ["actor_rollout_ref.actor.kl_loss_coef=1e-3"])
+    assert cfg.actor_rollout_ref.actor.lr == 2e-4
+    assert cfg.actor_rollout_ref.actor.kl_loss_coef == 1e-3
