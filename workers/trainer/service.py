@@ -26,7 +26,7 @@ from app.config.loader import REPO_ROOT
 from app.state import keys
 from app.state.runs import run_config
 from gateway.admission import Admission
-from workers.trainer import weights
+from workers.trainer import checkpoint, weights
 from workers.trainer.batch import collect_samples, to_batch
 from workers.trainer.update import PolicyTrainer
 
@@ -146,6 +146,12 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
         "policy/version": version,
     })
     client.set(keys.run_step_result(run_id, step), json.dumps(metrics))
+    done = step + 1
+    if done % int(cfg.trainer.save_freq) == 0 or done >= int(cfg.trainer.total_steps):
+        t = time.monotonic()
+        checkpoint.save_checkpoint(trainer, _path(cfg.trainer.checkpoint_dir), run_id, done,
+                                   version, client.hgetall(keys.run(run_id)))
+        metrics["timing/trainer_checkpoint_seconds"] = time.monotonic() - t
     return metrics
 
 
@@ -155,6 +161,11 @@ def init_run(client: redis.Redis, run_id: str) -> dict[str, Any]:
     cfg = run_config(client, run_id)
     _resident.clear()
     trainer, resident = resident_trainer(run_id, cfg)
+    resumed_from = checkpoint.latest_checkpoint(_path(cfg.trainer.checkpoint_dir), run_id)
+    if resumed_from is not None:
+        meta = checkpoint.load_checkpoint(trainer, resumed_from)
+        log.info("run %s: resumed trainer state from %s (step %d)", run_id, resumed_from,
+                 meta["step"])
     adm = Admission(client, float(cfg.gateway.lease_ttl_s))
     adm.pause(pause_ttl_s=float(cfg.trainer.step_timeout_s))
     try:
@@ -175,4 +186,5 @@ def init_run(client: redis.Redis, run_id: str) -> dict[str, Any]:
     finally:
         adm.resume()
     metrics["policy/version"] = version
+    metrics["resumed_from_step"] = meta["step"] if resumed_from is not None else None
     return metrics
