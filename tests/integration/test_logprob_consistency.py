@@ -1,0 +1,42 @@
+"""Rollout log-probs (vLLM, through the gateway) and trainer log-probs agree for the same
+weights at a sampling temperature other than 1; scored at the wrong temperature they do not.
+vLLM serves ``processed_logprobs`` and the trainer divides logits by the captured temperature."""
+
+from __future__ import annotations
+
+import openai
+import torch
+
+from app.config.loader import REPO_ROOT
+from app.state import keys
+from app.state.records import CapturedCall
+from workers.trainer import weights
+from workers.trainer.batch import Sample, to_batch
+from workers.trainer.update import PolicyTrainer, token_log_probs
+
+MODEL = REPO_ROOT / "var" / "models" / "tiny-qwen2"
+
+
+def test_logprobs_agree_at_temperature_0_7(redis_client, gateway_service, new_rollout, cfg):
+    # earlier tests may have trained the engine's weights: serve the base model again
+    weights.reload_weights(cfg.inference.urls[0], MODEL)
+    rid, token, base = new_rollout()
+    client = openai.OpenAI(base_url=base, api_key=token, max_retries=5)
+    for text in ("abc", "dcba", "reverse bad"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
+                                       max_tokens=6, temperature=0.7)
+    calls = [CapturedCall.from_json(x) for x in redis_client.lrange(keys.rollout_calls(rid), 0, -1)]
+    assert len(calls) == 3 and all(c.temperature == 0.7 for c in calls)
+    trainer = PolicyTrainer(cfg, str(MODEL))
+    samples = [Sample(c.prompt_ids, c.response_ids, c.logprobs, 0.0, "g", c.temperature, 0)
+               for c in calls]
+    batch = to_batch(samples, trainer.pad_id)
+    with torch.no_grad():
+        ours, _ = token_log_probs(trainer.model, batch)
+        batch.temperatures.fill_(1.0)
+        wrong, _ = token_log_probs(trainer.model, batch)
+    mask = batch.response_mask.bool()
+    gap = (ours - batch.rollout_log_probs)[mask].abs().mean().item()
+    wrong_gap = (wrong - batch.rollout_log_probs)[mask].abs().mean().item()
+    assert gap < 1e-3, gap
+    assert wrong_gap > 20 * max(gap, 1e-5), (gap, wrong_gap)
