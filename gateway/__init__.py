@@ -49,9 +49,11 @@ def create_app(settings: GatewaySettings | None = None, cfg: Any | None = None) 
     from gateway.routes.admin import bp as admin_bp
     from gateway.routes.health import bp as health_bp
     from gateway.routes.openai import bp as openai_bp
+    from gateway.routes.rewards import bp as rewards_bp
 
     register_error_handlers(app)
     app.register_blueprint(health_bp)
     app.register_blueprint(openai_bp)
+    app.register_blueprint(rewards_bp)
     app.register_blueprint(admin_bp)
     return app

@@ -1,4 +1,5 @@
-"""Prompts for the driver: a JSONL file read once, visited in a seeded order per epoch."""
+"""Prompts for the driver: a JSONL or Parquet file read once, visited in a seeded order per
+epoch (one sample = one JSON object / one row)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ def load_samples(path: str) -> list[dict]:
     p = Path(path)
     if not p.is_absolute():
         p = REPO_ROOT / p
+    if p.suffix == ".parquet":
+        return _load_parquet(p)
     try:
         lines = p.read_text().splitlines()
     except OSError as exc:
@@ -35,6 +38,18 @@ def load_samples(path: str) -> list[dict]:
     if not samples:
         raise DatasetError(f"data.train_files: {p} holds no samples")
     return samples
+
+
+def _load_parquet(p: Path) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    try:
+        rows = pq.read_table(p).to_pylist()
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"data.train_files: cannot read {p} ({exc})") from None
+    if not rows:
+        raise DatasetError(f"data.train_files: {p} holds no samples")
+    return rows
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:

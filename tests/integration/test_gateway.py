@@ -168,3 +168,13 @@ def test_admin_endpoints_need_the_admin_token(gw, cfg):
     assert d["cancelled"] == 0
     r = requests.post(cfg.gateway.url + "/admin/resume", headers=admin, timeout=10)
     assert r.json()["paused"] is False
+
+
+def test_agents_can_post_their_reward(gw, new_rollout, cfg):
+    rid, token, base = new_rollout()
+    url = base.rsplit("/v1", 1)[0] + "/reward"
+    auth = {"Authorization": f"Bearer {token}"}
+    assert requests.post(url, json={"reward": 0.75}, headers=auth, timeout=10).status_code == 200
+    assert gw.hget(keys.rollout(rid), "reward") == "0.75"
+    assert requests.post(url, json={"reward": "high"}, headers=auth, timeout=10).status_code == 400
+    assert requests.post(url, json={"reward": 1}, timeout=10).status_code == 401

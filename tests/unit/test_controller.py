@@ -104,3 +104,10 @@ def _nan_agent(sample, llm):
 def _slow_agent(sample, llm):
     time.sleep(3)
     return 1.0
+
+
+def test_posted_reward_wins_over_stdout():
+    ctl = ProcessController("echo 0.1", {})
+    assert ctl.run({}, LLM, 5, clock(), lambda: False, posted_reward=lambda: 0.9) == 0.9
+    ctl = ProcessController("true", {})
+    assert ctl.run({}, LLM, 5, clock(), lambda: False, posted_reward=lambda: 1) == 1.0

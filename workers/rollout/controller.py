@@ -6,8 +6,9 @@ name) and returns a float reward, or raises :class:`AgentError`. Backends:
 - ``python``: a callable ``module:function(sample, llm, **agent_settings) -> float`` run
   in a thread of the rollout worker.
 - ``process``: any executable; the endpoint and the sample arrive in its environment and on
-  stdin; its reward is the last JSON line on stdout (a number or ``{"reward": x}``); its
-  process group is killed on timeout or cancel.
+  stdin; its reward is a POST to ``<gateway>/rollout/<id>/reward`` or else the last JSON
+  line on stdout (a number or ``{"reward": x}``); its process group is killed on timeout or
+  cancel.
 - ``kubernetes``: reserved (its own issue); selecting it fails with a clear error.
 
 Timeouts do not count time the gateway spent paused: a weight update must not fail agents.
@@ -84,7 +85,9 @@ class PauseAwareClock:
 
 class Controller:
     def run(self, sample: dict, llm: LLMEndpoint, timeout_s: float, clock: PauseAwareClock,
-            cancelled: Callable[[], bool]) -> float:
+            cancelled: Callable[[], bool],
+            posted_reward: Callable[[], Any] = lambda: None) -> float:
+        """``posted_reward`` reads a reward the agent POSTed to the gateway (or None)."""
         raise NotImplementedError
 
 
@@ -97,7 +100,7 @@ class PythonController(Controller):
             raise AgentError(f"controller.agent {ref!r} cannot be loaded: {exc}") from None
         self.settings = settings
 
-    def run(self, sample, llm, timeout_s, clock, cancelled):
+    def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None):
         box: dict[str, Any] = {}
 
         def target() -> None:
@@ -130,7 +133,7 @@ class ProcessController(Controller):
         self.command = command
         self.settings = settings
 
-    def run(self, sample, llm, timeout_s, clock, cancelled):
+    def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None):
         env = {**os.environ, **llm.env(),
                "CARRYOVER_SAMPLE": json.dumps(sample),
                "CARRYOVER_AGENT_SETTINGS": json.dumps(self.settings)}
@@ -167,6 +170,9 @@ class ProcessController(Controller):
             raise AgentError(reason, stderr_tail)
         if proc.returncode != 0:
             raise AgentError(f"agent exited with code {proc.returncode}", stderr_tail)
+        posted = posted_reward()
+        if posted is not None:  # an explicit POST to the gateway wins over stdout
+            return parse_reward(posted)
         for line in reversed("".join(out_chunks).splitlines()):
             line = line.strip()
             if not line:

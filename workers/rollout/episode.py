@@ -12,6 +12,7 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import secrets
 import time
@@ -54,6 +55,11 @@ def _close_attempt(client: redis.Redis, rollout_id: str, status: str) -> None:
     pipe.hset(keys.rollout(rollout_id), "status", status)
     pipe.expire(keys.rollout_calls(rollout_id), ROLLOUT_TTL_S)
     pipe.execute()
+
+
+def _posted(client: redis.Redis, rollout_id: str) -> float | None:
+    raw = client.hget(keys.rollout(rollout_id), "reward")
+    return json.loads(raw) if raw is not None else None
 
 
 def existing_result(client: redis.Redis, group_id: str, index: int) -> SiblingResult | None:
@@ -103,8 +109,9 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
         clock = PauseAwareClock(clock.is_paused)
         started = time.monotonic()
         try:
-            reward = controller.run(dict(group.sample), llm, float(ctl_cfg.rollout_timeout_s),
-                                    clock, cancelled)
+            reward = controller.run(
+                dict(group.sample), llm, float(ctl_cfg.rollout_timeout_s), clock, cancelled,
+                posted_reward=lambda rid=rollout_id: _posted(client, rid))
         except AgentError as exc:
             _close_attempt(client, rollout_id, "failed")
             error = str(exc)

@@ -1,0 +1,35 @@
+"""Prompts from JSONL or Parquet; bad files give one clear line naming the key."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from app.driver.dataset import DatasetError, epoch_order, load_samples
+
+
+def test_jsonl_and_parquet_give_the_same_samples(tmp_path):
+    rows = [{"text": "abc", "target": "cba"}, {"text": "bad", "target": "dab"}]
+    (tmp_path / "d.jsonl").write_text('{"text": "abc", "target": "cba"}\n\n'
+                                      '{"text": "bad", "target": "dab"}\n')
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert load_samples(str(tmp_path / "d.jsonl")) == rows
+    assert load_samples(str(tmp_path / "d.parquet")) == rows
+
+
+@pytest.mark.parametrize("content,fragment", [
+    ("{not json\n", "not JSON"), ("[1, 2]\n", "must be a JSON object"), ("\n", "no samples")])
+def test_bad_jsonl(tmp_path, content, fragment):
+    (tmp_path / "d.jsonl").write_text(content)
+    with pytest.raises(DatasetError, match=fragment) as info:
+        load_samples(str(tmp_path / "d.jsonl"))
+    assert str(info.value).startswith("data.train_files:")
+
+
+def test_missing_file_and_epoch_order():
+    with pytest.raises(DatasetError, match="cannot read"):
+        load_samples("/no/such/file.jsonl")
+    a, b = epoch_order(10, 0, 0, True), epoch_order(10, 0, 1, True)
+    assert sorted(a) == list(range(10)) and a != b and a == epoch_order(10, 0, 0, True)
+    assert epoch_order(5, 0, 3, False) == [0, 1, 2, 3, 4]
