@@ -8,6 +8,7 @@ Workers find their Redis through ``$REDIS_URL`` or the config named by
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 
@@ -64,6 +65,14 @@ def make_celery() -> Celery:
 
 
 celery_app = make_celery()
+
+
+@functools.cache
+def task_redis():
+    """The Redis client tasks use (the broker's server), one pool per worker process."""
+    from app.state.connection import connect
+
+    return connect(celery_app.conf.broker_url)
 
 # Agents' HTTP clients log every request at INFO; a worker runs hundreds of them.
 for _name in ("httpx", "openai", "urllib3"):

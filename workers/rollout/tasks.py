@@ -6,12 +6,7 @@
 
 from __future__ import annotations
 
-from functools import cache
-
-from app.celery_app import celery_app
-from app.state.connection import connect
-
-_redis = cache(lambda: connect(celery_app.conf.broker_url))
+from app.celery_app import celery_app, task_redis
 
 
 @celery_app.task(name="workers.rollout.tasks.run_rollout")
@@ -20,7 +15,7 @@ def run_rollout(group_id: str, index: int) -> dict:
 
     from workers.rollout.episode import run_sibling
 
-    return asdict(run_sibling(_redis(), group_id, index))
+    return asdict(run_sibling(task_redis(), group_id, index))
 
 
 @celery_app.task(name="workers.rollout.tasks.finish_group")
@@ -28,4 +23,4 @@ def finish_group(results: list, group_id: str) -> str:
     from workers.rollout.completion import finish_group as finish
 
     # ``results`` (what the siblings returned) is not trusted: Redis holds the truth.
-    return finish(_redis(), group_id)
+    return finish(task_redis(), group_id)
