@@ -18,3 +18,7 @@ up: setup
 
 lint:
 	@.venv/bin/ruff check .
+
+bench: setup
+	@.venv/bin/python -m bench.gateway
+	@.venv/bin/python -m bench.weight_sync

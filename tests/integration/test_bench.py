@@ -1,0 +1,40 @@
+"""Each benchmark runs in a tiny configuration and prints well-formed JSON. (The figures
+themselves are not asserted: timing goals belong to the benchmarks, not to tests.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def run_bench(*args: str) -> dict:
+    out = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    return json.loads(text[: text.index("\n}\n") + 2])
+
+
+def test_gateway_bench_json():
+    r = run_bench("bench.gateway", "--requests", "80", "--rounds", "1")
+    assert r["benchmark"] == "gateway"
+    for key in ("direct@1", "gateway@1", "direct@8", "gateway@8"):
+        assert set(r["results"][key]) == {"rps", "p50_ms", "p99_ms"}
+        assert r["results"][key]["rps"] > 0
+    assert {"added_p50_ms@1", "added_p99_ms@8", "gateway_rps@8"} <= set(r)
+    assert r["captured_calls"] >= 80  # every call through the gateway was captured
+
+
+def test_weight_sync_bench_json():
+    r = run_bench("bench.weight_sync", "--cycles", "2", "--samples", "16")
+    assert r["benchmark"] == "weight_sync" and r["cycles"] == 2
+    assert set(r["median_seconds"]) == {"pause_drain", "update", "save", "reload", "probe",
+                                        "resume", "cycle"}
+    assert all(v >= 0 for v in r["median_seconds"].values())
