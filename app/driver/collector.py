@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -120,10 +121,12 @@ class Collector:
     def _send(self, group_id: str) -> None:
         from workers.rollout.tasks import finish_group, run_rollout
 
-        chord(group(run_rollout.s(group_id, i) for i in range(self.n)))(
+        result = chord(group(run_rollout.s(group_id, i) for i in range(self.n)))(
             finish_group.s(group_id))
+        sibling_ids = [r.id for r in result.parent.results] if result.parent else []
         # Marked after sending: on resume, groups without the mark are sent again.
-        self.r.hset(keys.group(group_id), "sent", "1")
+        self.r.hset(keys.group(group_id), mapping={"sent": "1",
+                                                   "task_ids": json.dumps(sibling_ids)})
 
     def resend_unsent(self) -> int:
         """After a driver crash between recording a group and sending its chord."""
@@ -156,8 +159,18 @@ class Collector:
             pipe.rpush(keys.run_requeue(self.run_id), rec.sample_index)
             pipe.hincrby(keys.run(self.run_id), "n_cancelled", 1)
             pipe.execute()
+            self._revoke(rec.group_id)
             log.info("group %s cancelled: age %d > max_carry_over_age_steps %s; prompt re-queued",
                      rec.group_id, step - rec.dispatch_step, self.max_age)
+
+    def _revoke(self, group_id: str) -> None:
+        """Siblings still queued are dropped by their workers; running ones see the group's
+        ``cancelled`` status and stop their agents (process groups are killed)."""
+        from app.celery_app import celery_app
+
+        ids = json.loads(self.r.hget(keys.group(group_id), "task_ids") or "[]")
+        if ids:
+            celery_app.control.revoke(ids)
 
     # --- selection -----------------------------------------------------------------
 

@@ -156,6 +156,7 @@ def test_age_cap_cancels_and_requeues(stack, tmp_path):
     run_id = result["run_id"]
     assert [r["training/async/n_cancelled_groups"] for r in rows] == [0, 0, 1]
     assert stack.hget(keys.group(f"{run_id}-g0"), "status") == "cancelled"
+    assert len(json.loads(stack.hget(keys.group(f"{run_id}-g0"), "task_ids"))) == 2  # revoked
     # the cancelled prompt is dispatched again right away (re-queued prompts go first)
     assert stack.hget(keys.group(f"{run_id}-g3"), "sample_index") == "0"
 

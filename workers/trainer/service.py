@@ -97,8 +97,9 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
 
         t = time.monotonic()
         sleep_note = weights.sleep_engine(urls, trainer.device)
-        if sleep_note.startswith("skipped"):
-            log.debug("engine sleep %s", sleep_note)
+        if sleep_note.startswith("skipped") and not resident.get("sleep_logged"):
+            log.info("engine sleep %s", sleep_note)
+            resident["sleep_logged"] = True
         batch = to_batch(samples, trainer.pad_id, trainer.device)
         metrics.update(trainer.update(batch))
         timings["update"] = time.monotonic() - t
