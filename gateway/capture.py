@@ -128,8 +128,3 @@ class StreamAccumulator:
             choices.append({"index": idx, "token_ids": acc["token_ids"], "logprobs": lp,
                             "finish_reason": acc["finish_reason"]})
         return {"prompt_token_ids": self.prompt_ids, "choices": choices}
-
-    @staticmethod
-    def strip_chunk(chunk: dict[str, Any], endpoint: str, wants_logprobs: bool,
-                    wants_ids: bool) -> dict[str, Any]:
-        return strip_for_agent(chunk, endpoint, wants_logprobs, wants_ids)

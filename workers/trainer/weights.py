@@ -13,7 +13,6 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
 
 import requests
 import torch
@@ -134,7 +133,3 @@ def wake_engine(urls: list[str], device: str) -> None:
         return
     for url in urls:
         requests.post(url.rstrip("/") + "/wake_up", timeout=120)
-
-
-def describe(cfg: Any) -> str:
-    return f"{len(cfg.inference.urls)} inference server(s), dtype {cfg.inference.dtype}"
