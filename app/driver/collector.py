@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import redis
@@ -39,7 +39,6 @@ class Selection:
     carry_over_age_max: int
     consumed_ages: list[int]
     wait_seconds: float
-    counters: dict[str, int] = field(default_factory=dict)
 
 
 class Collector:
@@ -146,7 +145,7 @@ class Collector:
             return 0
         cancelled = 0
         while True:
-            oldest = self.r.zrange(keys.run_active(self.run_id), cancelled, cancelled)
+            oldest = self.r.zrange(keys.run_active(self.run_id), 0, 0)
             if not oldest:
                 return cancelled
             rec = read_group(self.r, oldest[0])
@@ -160,6 +159,7 @@ class Collector:
             pipe.hincrby(keys.run(self.run_id), "n_cancelled", 1)
             pipe.execute()
             self._revoke(rec.group_id)
+            cancelled += 1
             log.info("group %s cancelled: age %d > max_carry_over_age_steps %s; prompt re-queued",
                      rec.group_id, step - rec.dispatch_step, self.max_age)
 

@@ -49,3 +49,23 @@ def test_step_bookkeeping_is_flat_in_active_groups(redis_client, tmp_path, monke
     large = one_step_cost(redis_client, tmp_path, 4000, monkeypatch)
     assert small == large, (small, large)
     assert small < 120
+
+
+def test_age_cap_cancels_every_stale_group_oldest_first(redis_client, tmp_path, monkeypatch):
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": str(i)}) + "\n" for i in range(20)))
+    cfg = load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
+                             f"data.train_files={data}", "data.train_batch_size=2",
+                             "data.shuffle=false",
+                             "agentlightning.async_rollout.async_train_batch_size=5",
+                             "agentlightning.async_rollout.max_carry_over_age_steps=1"])
+    monkeypatch.setattr(Collector, "_send", lambda self, gid: None)
+    Collector.create_run(redis_client, "stale", {}, "async")
+    col = Collector(redis_client, "stale", cfg)
+    col.top_up(0)  # five groups dispatched at step 0
+    redis_client.hset(keys.run("stale"), "step", 1)
+    col.top_up(0)  # already full: nothing new
+    assert col.cancel_stale(1) == 0  # age 1 is allowed
+    assert col.cancel_stale(2) == 5  # all five are too old, none skipped
+    assert col.active_count() == 0
+    assert redis_client.lrange(keys.run_requeue("stale"), 0, -1) == ["0", "1", "2", "3", "4"]
