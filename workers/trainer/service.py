@@ -66,6 +66,37 @@ def _claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[
     return claimed
 
 
+def _publish(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: dict,
+             previous: list[float] | None, metrics: dict, timings: dict[str, float],
+             wake: bool) -> int:
+    """Save the trainer's weights as the next version, load them into every inference
+    server, prove it with the probe, then bump the policy version; returns the version."""
+    urls = list(cfg.inference.urls)
+    version = int(client.get(keys.policy_version()) or 0) + 1
+    t = time.monotonic()
+    path = weights.save_weights(trainer.model, _path(cfg.trainer.weights_dir), version,
+                                int(cfg.trainer.keep_weight_versions))
+    timings["save"] = time.monotonic() - t
+
+    t = time.monotonic()
+    if wake:
+        weights.wake_engine(urls, trainer.device)
+    for url in urls:
+        weights.reload_weights(url, path)
+    timings["reload"] = time.monotonic() - t
+
+    t = time.monotonic()
+    expected = weights.trainer_probe_logprobs(
+        trainer.model, weights.PROBE_IDS, weights.engine_dtype(cfg.inference.dtype))
+    for url in urls:
+        metrics.update(weights.verify_sync(url, cfg.inference.served_model_name, expected,
+                                           previous, float(cfg.trainer.probe_tolerance)))
+    resident["probe_prev"] = expected
+    timings["probe"] = time.monotonic() - t
+    client.set(keys.policy_version(), version)
+    return version
+
+
 def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
     done = client.get(keys.run_step_result(run_id, step))
     if done is not None:
@@ -104,28 +135,8 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
         metrics.update(trainer.update(batch))
         timings["update"] = time.monotonic() - t
 
-        version = int(client.get(keys.policy_version()) or 0) + 1
-        t = time.monotonic()
-        path = weights.save_weights(trainer.model, _path(cfg.trainer.weights_dir), version,
-                                    int(cfg.trainer.keep_weight_versions))
-        timings["save"] = time.monotonic() - t
-
-        t = time.monotonic()
-        weights.wake_engine(urls, trainer.device)
-        for url in urls:
-            weights.reload_weights(url, path)
-        timings["reload"] = time.monotonic() - t
-
-        t = time.monotonic()
-        expected = weights.trainer_probe_logprobs(
-            trainer.model, weights.PROBE_IDS, weights.engine_dtype(cfg.inference.dtype))
-        for url in urls:
-            metrics.update(weights.verify_sync(url, cfg.inference.served_model_name, expected,
-                                               resident["probe_prev"],
-                                               float(cfg.trainer.probe_tolerance)))
-        resident["probe_prev"] = expected
-        timings["probe"] = time.monotonic() - t
-        client.set(keys.policy_version(), version)
+        version = _publish(client, cfg, trainer, resident, resident["probe_prev"], metrics,
+                           timings, wake=True)
     finally:
         t = time.monotonic()
         paused_for = adm.resume()
@@ -171,19 +182,8 @@ def init_run(client: redis.Redis, run_id: str) -> dict[str, Any]:
     adm.pause(pause_ttl_s=float(cfg.trainer.step_timeout_s))
     try:
         adm.drain(float(cfg.gateway.drain_timeout_s))
-        version = int(client.get(keys.policy_version()) or 0) + 1
-        path = weights.save_weights(trainer.model, _path(cfg.trainer.weights_dir), version,
-                                    int(cfg.trainer.keep_weight_versions))
-        for url in cfg.inference.urls:
-            weights.reload_weights(url, path)
-        expected = weights.trainer_probe_logprobs(
-            trainer.model, weights.PROBE_IDS, weights.engine_dtype(cfg.inference.dtype))
         metrics: dict[str, Any] = {}
-        for url in cfg.inference.urls:
-            metrics.update(weights.verify_sync(url, cfg.inference.served_model_name, expected,
-                                               None, float(cfg.trainer.probe_tolerance)))
-        resident["probe_prev"] = expected
-        client.set(keys.policy_version(), version)
+        version = _publish(client, cfg, trainer, resident, None, metrics, {}, wake=False)
     finally:
         adm.resume()
     metrics["policy/version"] = version
