@@ -137,7 +137,6 @@ def train(cfg: Any, resume: str | None = None, *,
                 "timing/wait_for_data_seconds": waited,
                 "timing/update_seconds": t_end - t_train,
                 "timing/step_seconds": t_end - t_step,
-                "policy/version": int(client.get(keys.policy_version()) or 0),
             })
             last_counters = counters
             step += 1
