@@ -12,7 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 # Sections whose content is handed to user code unchecked.
-FREE_FORM_SECTIONS = ("agent",)
+FREE_FORM_SECTIONS = ("agent", "controller.kubernetes.resources",
+                      "controller.kubernetes.node_selector", "controller.kubernetes.labels",
+                      "controller.kubernetes.env")
 
 ROLLOUT_IS_MODES = (None, "token", "sequence")
 ROLLOUT_RS_MODES = (None, "token", "sequence", "geometric")
@@ -25,6 +27,9 @@ LOSS_AGG = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean
 WANDB_MODES = ("offline", "online", "disabled")
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 DTYPES = ("float32", "bfloat16", "float16", "auto")
+PULL_POLICIES = ("Always", "IfNotPresent", "Never")
+# A Kubernetes label value: at most 63 characters, alphanumerics with - _ . inside.
+K8S_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 
 
@@ -107,6 +112,25 @@ def url_list(v: Any) -> str | None:
     return f"has entries that are not URLs: {bad}" if bad else None
 
 
+def mapping(v: Any) -> str | None:
+    return None if isinstance(v, dict) else "must be a mapping"
+
+
+def string_mapping(v: Any) -> str | None:
+    if not isinstance(v, dict):
+        return "must be a mapping of strings"
+    bad = [k for k, x in v.items() if not isinstance(x, str)]
+    return f"must map to strings; not strings: {bad}" if bad else None
+
+
+def k8s_label_mapping(v: Any) -> str | None:
+    problem = string_mapping(v)
+    if problem:
+        return problem
+    bad = [f"{k}={x}" for k, x in v.items() if not re.match(K8S_LABEL_VALUE, x)]
+    return f"has label values Kubernetes refuses: {bad}" if bad else None
+
+
 def agent_ref(v: Any) -> str | None:
     if isinstance(v, str) and v.strip():
         return None
@@ -175,6 +199,22 @@ RULES: dict[str, Check] = {
     "controller.rollout_timeout_s": positive_num,
     "controller.max_attempts": positive_int,
     "controller.on_failure": one_of(*ON_FAILURE),
+    "controller.kubernetes.namespace": string,
+    "controller.kubernetes.image": string,
+    "controller.kubernetes.image_pull_policy": one_of(*PULL_POLICIES),
+    "controller.kubernetes.service_account": optional(string),
+    "controller.kubernetes.resources": mapping,
+    "controller.kubernetes.node_selector": string_mapping,
+    "controller.kubernetes.labels": k8s_label_mapping,
+    "controller.kubernetes.env": string_mapping,
+    "controller.kubernetes.gateway_url": optional(url),
+    "controller.kubernetes.kubeconfig": optional(string),
+    "controller.kubernetes.context": optional(string),
+    "controller.kubernetes.creates_per_minute": positive_num,
+    "controller.kubernetes.ttl_seconds_after_finished": non_negative_int,
+    "controller.kubernetes.deadline_slack_s": non_negative_num,
+    "controller.kubernetes.watch_timeout_s": positive_int,
+    "controller.kubernetes.api_retries": positive_int,
     "trainer.total_steps": positive_int,
     "trainer.device": one_of(*DEVICES),
     "trainer.save_freq": positive_int,

@@ -129,3 +129,12 @@ def run_step_result(run_id: str, step: int) -> str:
     """STRING JSON trainer metrics of a finished update; the trainer's idempotency guard
     (a redelivered train_step returns it instead of training again)."""
     return PREFIX + "run:" + run_id + ":step:" + str(step) + ":result"
+
+
+# --- controllers -----------------------------------------------------------------------
+
+def k8s_create_pace() -> str:
+    """STRING float: the earliest Redis-clock time the next Kubernetes Job may be created.
+    Advanced atomically by every rollout worker (``workers.rollout.kubernetes``), so the
+    ``creates_per_minute`` limit holds across hosts."""
+    return PREFIX + "k8s:create_pace"

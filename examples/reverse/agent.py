@@ -35,13 +35,21 @@ def tool_latency(rng: random.Random, median_s: float, sigma: float) -> float:
     return median_s * math.exp(rng.gauss(0.0, sigma)) if median_s > 0 else 0.0
 
 
+def ask(text: str, turn: int) -> str:
+    """The user message of each turn. Every turn restates the word at the end of the
+    message, so the word sits at the same distance from the answer in every turn (a tiny
+    model learns position-based reversal; a word far back behind the first answer is much
+    harder for it)."""
+    return f"reverse {text}" if turn == 0 else f"again reverse {text}"
+
+
 def run(sample: dict, llm: Any, *, tool_median_s: float = 0.3, tool_sigma: float = 1.0,
         max_tool_s: float = 30.0, seed: int | None = None, **_: Any) -> float:
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=8,
                            timeout=120, http_client=_HTTP)
     rng = random.Random(seed)
     text, target = sample["text"], sample["target"]
-    messages = [{"role": "user", "content": f"reverse {text}"}]
+    messages = [{"role": "user", "content": ask(text, 0)}]
     scores = []
     for turn in range(2):
         out = client.chat.completions.create(model=llm.model, messages=messages)
@@ -52,5 +60,5 @@ def run(sample: dict, llm: Any, *, tool_median_s: float = 0.3, tool_sigma: float
         if turn == 0:
             time.sleep(min(tool_latency(rng, tool_median_s, tool_sigma), max_tool_s))
             messages += [{"role": "assistant", "content": answer},
-                         {"role": "user", "content": "again"}]
+                         {"role": "user", "content": ask(text, 1)}]
     return sum(scores) / len(scores)

@@ -9,7 +9,8 @@ name) and returns a float reward, or raises :class:`AgentError`. Backends:
   stdin; its reward is a POST to ``<gateway>/rollout/<id>/reward`` or else the last JSON
   line on stdout (a number or ``{"reward": x}``); its process group is killed on timeout or
   cancel.
-- ``kubernetes``: reserved (its own issue); selecting it fails with a clear error.
+- ``kubernetes``: one Kubernetes Job per attempt (``workers.rollout.kubernetes``); the
+  agent gets the same environment as a process and POSTs its reward to the gateway.
 
 Timeouts do not count time the gateway spent paused: a weight update must not fail agents.
 """
@@ -45,8 +46,10 @@ class LLMEndpoint:
     rollout_id: str
 
     def env(self) -> dict[str, str]:
+        reward_url = self.base_url.removesuffix("/v1") + "/reward"
         return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key,
-                "OPENAI_MODEL": self.model, "CARRYOVER_ROLLOUT_ID": self.rollout_id}
+                "OPENAI_MODEL": self.model, "CARRYOVER_ROLLOUT_ID": self.rollout_id,
+                "CARRYOVER_REWARD_URL": reward_url}
 
 
 def parse_reward(value: Any) -> float:
@@ -84,10 +87,16 @@ class PauseAwareClock:
 
 
 class Controller:
+    def adopt(self) -> str | None:
+        """The rollout id of this sibling's agent that is still running from an earlier
+        delivery of its task (so it is watched, not started twice); None to start fresh."""
+        return None
+
     def run(self, sample: dict, llm: LLMEndpoint, timeout_s: float, clock: PauseAwareClock,
             cancelled: Callable[[], bool],
-            posted_reward: Callable[[], Any] = lambda: None) -> float:
-        """``posted_reward`` reads a reward the agent POSTed to the gateway (or None)."""
+            posted_reward: Callable[[], Any] = lambda: None, adopted: bool = False) -> float:
+        """``posted_reward`` reads a reward the agent POSTed to the gateway (or None);
+        ``adopted``: the agent of ``llm.rollout_id`` is already running (see :meth:`adopt`)."""
         raise NotImplementedError
 
 
@@ -100,7 +109,8 @@ class PythonController(Controller):
             raise AgentError(f"controller.agent {ref!r} cannot be loaded: {exc}") from None
         self.settings = settings
 
-    def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None):
+    def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None,
+            adopted=False):
         box: dict[str, Any] = {}
 
         def target() -> None:
@@ -133,7 +143,8 @@ class ProcessController(Controller):
         self.command = command
         self.settings = settings
 
-    def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None):
+    def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None,
+            adopted=False):
         env = {**os.environ, **llm.env(),
                "CARRYOVER_SAMPLE": json.dumps(sample),
                "CARRYOVER_AGENT_SETTINGS": json.dumps(self.settings)}
@@ -193,10 +204,16 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait(5)
 
 
-def make_controller(backend: str, agent: str, settings: dict[str, Any]) -> Controller:
+def make_controller(backend: str, agent: str, settings: dict[str, Any],
+                    **context: Any) -> Controller:
+    """``context`` (kubernetes only): kcfg, client, gateway_url, run_id, group_id, index."""
     if backend == "python":
         return PythonController(agent, settings)
     if backend == "process":
         return ProcessController(agent, settings)
-    raise AgentError(f"controller.backend {backend!r} is not available yet "
-                     "(python and process are)")
+    if backend == "kubernetes":
+        from workers.rollout.kubernetes import KubernetesController
+
+        return KubernetesController(agent, settings, **context)
+    raise AgentError(f"controller.backend {backend!r} is unknown "
+                     "(python, process or kubernetes)")

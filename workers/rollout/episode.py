@@ -89,8 +89,10 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
     cfg = run_config(client, group.run_id)
     ctl_cfg = cfg.controller
     settings: dict[str, Any] = dict(cfg.agent) if cfg.agent else {}
-    controller = make_controller(ctl_cfg.backend, ctl_cfg.agent, settings)
     gateway = cfg.gateway.url.rstrip("/")
+    controller = make_controller(ctl_cfg.backend, ctl_cfg.agent, settings,
+                                 kcfg=ctl_cfg.kubernetes, client=client, gateway_url=gateway,
+                                 run_id=group.run_id, group_id=group_id, index=index)
 
     def cancelled() -> bool:
         return client.hget(keys.group(group_id), "status") == "cancelled"
@@ -98,12 +100,24 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
     error = ""
     rollout_id = ""
     clock = PauseAwareClock(lambda: bool(client.exists(keys.paused())))
+    # An agent still running from an earlier delivery of this task is watched, not restarted.
+    try:
+        adopted = controller.adopt()
+    except AgentError as exc:
+        log.warning("sibling %s/%d: cannot look for a running agent to adopt: %s",
+                    group_id, index, exc)
+        adopted = None
     for attempt in range(1, int(ctl_cfg.max_attempts) + 1):
         if cancelled():
             return SiblingResult(index=index, rollout_id=rollout_id, status="failed",
                                  reward=None, attempts=attempt - 1, seconds=0.0,
                                  error="group cancelled")
-        rollout_id, token = _start_attempt(client, group.run_id, group_id, index, attempt)
+        if adopted:
+            rollout_id, token = adopted, ""  # the running agent already holds its token
+            log.info("sibling %s/%d: adopting the running agent of rollout %s", group_id,
+                     index, rollout_id)
+        else:
+            rollout_id, token = _start_attempt(client, group.run_id, group_id, index, attempt)
         llm = LLMEndpoint(base_url=f"{gateway}/rollout/{rollout_id}/v1", api_key=token,
                           model=cfg.inference.served_model_name, rollout_id=rollout_id)
         clock = PauseAwareClock(clock.is_paused)
@@ -111,8 +125,10 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
         try:
             reward = controller.run(
                 dict(group.sample), llm, float(ctl_cfg.rollout_timeout_s), clock, cancelled,
-                posted_reward=lambda rid=rollout_id: _posted(client, rid))
+                posted_reward=lambda rid=rollout_id: _posted(client, rid),
+                adopted=bool(adopted))
         except AgentError as exc:
+            adopted = None
             _close_attempt(client, rollout_id, "failed")
             error = str(exc)
             log.warning("rollout %s attempt %d/%d failed: %s%s", rollout_id, attempt,

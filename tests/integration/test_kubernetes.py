@@ -1,0 +1,347 @@
+"""The ``kubernetes`` controller against a local stand-in of the Kubernetes API (the real
+``kubernetes`` client, real HTTP, real Redis for the creation pacing)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.config import load_config
+from tests.k8s_standin import Server, StandIn
+from workers.rollout.controller import AgentError, LLMEndpoint, PauseAwareClock
+from workers.rollout.kubernetes import (
+    ANNOTATION_ROLLOUT,
+    KubernetesController,
+    build_job,
+    job_name,
+)
+
+RUN, GROUP = "20261129-120000-ab12", "20261129-120000-ab12-g7"
+
+
+@pytest.fixture
+def standin():
+    s = StandIn()
+    with Server(s) as server:
+        yield s, server
+
+
+def make_cfg(tmp_path: Path, server: Server, *overrides: str) -> Any:
+    kubeconfig = server.kubeconfig(str(tmp_path / f"kubeconfig-{time.monotonic_ns()}"))
+    return load_config(None, [
+        "controller.backend=kubernetes", "controller.agent=python -m examples.reverse.main",
+        f"controller.kubernetes.kubeconfig={kubeconfig}",
+        "controller.kubernetes.namespace=agents", "controller.kubernetes.image=agents:1.0",
+        "controller.kubernetes.service_account=agent-runner",
+        "controller.kubernetes.node_selector={pool: cpu}",
+        "controller.kubernetes.labels={team: rl}",
+        'controller.kubernetes.resources={limits: {cpu: "1", memory: 1Gi}}',
+        "controller.kubernetes.watch_timeout_s=1", *overrides])
+
+
+def endpoint(index: int = 0, attempt_hex: str = "0a1b2c3d") -> LLMEndpoint:
+    rid = f"{GROUP}.{index}.{attempt_hex}"
+    return LLMEndpoint(base_url=f"http://gw.test:8200/rollout/{rid}/v1",
+                       api_key="secret-token", model="policy", rollout_id=rid)
+
+
+def controller(cfg: Any, redis_client, index: int = 0) -> KubernetesController:
+    return KubernetesController(cfg.controller.agent, {"tool_median_s": 0},
+                                cfg.controller.kubernetes, client=redis_client,
+                                gateway_url="http://gw.test:8200", run_id=RUN,
+                                group_id=GROUP, index=index)
+
+
+def run_async(ctl: KubernetesController, llm: LLMEndpoint, *, timeout_s: float = 60,
+              cancelled=lambda: False, posted=lambda: None, adopted: bool = False) -> dict:
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["reward"] = ctl.run({"text": "abc", "target": "cba"}, llm, timeout_s,
+                                    PauseAwareClock(lambda: False), cancelled,
+                                    posted_reward=posted, adopted=adopted)
+        except AgentError as exc:
+            box["error"] = exc
+
+    box["thread"] = threading.Thread(target=target, daemon=True)
+    box["thread"].start()
+    return box
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def finish(box: dict, timeout: float = 30.0) -> dict:
+    box["thread"].join(timeout)
+    assert not box["thread"].is_alive(), "controller did not return"
+    return box
+
+
+def test_manifest_fields_and_client_model_round_trip(tmp_path, standin):
+    from kubernetes.client import ApiClient
+
+    _, server = standin
+    cfg = make_cfg(tmp_path, server, "controller.kubernetes.env={EXTRA: x}")
+    llm = endpoint()
+    job = build_job(cfg.controller.kubernetes, command=cfg.controller.agent, llm=llm,
+                    gateway_url="http://gw.cluster:8200", sample={"text": "abc"},
+                    settings={"k": 1}, run_id=RUN, group_id=GROUP, index=0, attempt=2,
+                    timeout_s=100)
+    api = ApiClient()
+    body = api.sanitize_for_serialization(job)
+    spec = body["spec"]
+    assert body["metadata"]["name"] == job_name(llm.rollout_id)
+    assert len(body["metadata"]["name"]) <= 63
+    assert body["metadata"]["annotations"][ANNOTATION_ROLLOUT] == llm.rollout_id
+    labels = body["metadata"]["labels"]
+    assert labels == {"team": "rl", "app.kubernetes.io/managed-by": "carryover",
+                      "carryover.io/run": RUN, "carryover.io/group": GROUP,
+                      "carryover.io/index": "0", "carryover.io/attempt": "2"}
+    assert spec["backoffLimit"] == 0
+    assert spec["activeDeadlineSeconds"] == 160  # rollout timeout + deadline_slack_s
+    assert spec["ttlSecondsAfterFinished"] == 600
+    pod = spec["template"]["spec"]
+    assert spec["template"]["metadata"]["labels"] == labels
+    assert pod["restartPolicy"] == "Never"
+    assert pod["serviceAccountName"] == "agent-runner"
+    assert pod["nodeSelector"] == {"pool": "cpu"}
+    container = pod["containers"][0]
+    assert container["image"] == "agents:1.0"
+    assert container["command"] == ["/bin/sh", "-c", "python -m examples.reverse.main"]
+    assert container["resources"] == {"limits": {"cpu": "1", "memory": "1Gi"}}
+    env = {e["name"]: e["value"] for e in container["env"]}
+    base = f"http://gw.cluster:8200/rollout/{llm.rollout_id}"
+    assert env["OPENAI_BASE_URL"] == base + "/v1"
+    assert env["CARRYOVER_REWARD_URL"] == base + "/reward"
+    assert env["OPENAI_API_KEY"] == "secret-token" and env["OPENAI_MODEL"] == "policy"
+    assert json.loads(env["CARRYOVER_SAMPLE"]) == {"text": "abc"}
+    assert json.loads(env["CARRYOVER_AGENT_SETTINGS"]) == {"k": 1} and env["EXTRA"] == "x"
+
+    class Raw:
+        data = json.dumps(body)
+
+    # the client's own models read it back unchanged (required fields, types)
+    again = api.deserialize(Raw(), "V1Job")
+    assert api.sanitize_for_serialization(again) == body
+    # and the models refuse a container without a name
+    from kubernetes.client import V1Container
+    with pytest.raises(ValueError, match="name"):
+        V1Container(name=None, image="x")
+
+
+def test_long_ids_make_valid_names():
+    name = job_name("Run_With.Odd/Chars-" + "x" * 80 + ".3.ab")
+    assert len(name) <= 63 and name.startswith("co-")
+    assert all(c.isalnum() and c.islower() or c.isdigit() or c == "-" for c in name)
+    assert job_name("a" * 100) != job_name("a" * 101)
+
+
+def test_job_succeeds_with_posted_reward(tmp_path, standin, redis_client):
+    s, server = standin
+    ctl = controller(make_cfg(tmp_path, server), redis_client)
+    llm = endpoint()
+    box = run_async(ctl, llm, posted=lambda: 0.75)
+    name = job_name(llm.rollout_id)
+    wait_for(lambda: name in s.jobs)
+    assert s.created()[0].path == "/apis/batch/v1/namespaces/agents/jobs"
+    assert s.created()[0].body["spec"]["backoffLimit"] == 0
+    time.sleep(0.3)
+    s.finish(name, succeeded=True)
+    assert finish(box).get("reward") == 0.75
+    watches = [r for r in s.requests if r.query.get("watch") in ("true", "True")]
+    assert watches and watches[0].query["fieldSelector"] == f"metadata.name={name}"
+    assert not s.deleted()
+
+
+def test_reward_from_the_last_log_line_when_none_posted(tmp_path, standin, redis_client):
+    s, server = standin
+    ctl = controller(make_cfg(tmp_path, server), redis_client)
+    llm = endpoint()
+    box = run_async(ctl, llm)
+    name = job_name(llm.rollout_id)
+    wait_for(lambda: name in s.jobs)
+    s.finish(name, succeeded=True, log='working\n{"reward": 0.4}\n')
+    assert finish(box).get("reward") == 0.4
+
+
+def test_succeeded_without_reward_fails_the_attempt(tmp_path, standin, redis_client):
+    s, server = standin
+    ctl = controller(make_cfg(tmp_path, server), redis_client)
+    llm = endpoint()
+    box = run_async(ctl, llm)
+    wait_for(lambda: job_name(llm.rollout_id) in s.jobs)
+    s.finish(job_name(llm.rollout_id), succeeded=True, log="no number here\n")
+    assert "posted no reward" in str(finish(box)["error"])
+
+
+def test_failed_job_reports_reason_and_log(tmp_path, standin, redis_client):
+    s, server = standin
+    ctl = controller(make_cfg(tmp_path, server), redis_client)
+    llm = endpoint()
+    box = run_async(ctl, llm)
+    name = job_name(llm.rollout_id)
+    wait_for(lambda: name in s.jobs)
+    s.finish(name, succeeded=False, reason="DeadlineExceeded",
+             message="Job was active longer than specified deadline", log="Traceback: boom\n")
+    err = finish(box)["error"]
+    assert "DeadlineExceeded" in str(err) and "boom" in err.stderr_tail
+
+
+def test_permanent_api_error_fails_at_once_with_the_api_message(tmp_path, standin,
+                                                                redis_client):
+    s, server = standin
+    s.create_errors = [(422, 'Job.batch "x" is invalid: spec.template.spec.containers[0]'
+                             '.image: Required value')]
+    ctl = controller(make_cfg(tmp_path, server), redis_client)
+    err = finish(run_async(ctl, endpoint()))["error"]
+    assert "422" in str(err) and "image: Required value" in str(err)
+    assert len(s.created()) == 1  # not retried
+
+
+def test_transient_api_errors_are_retried(tmp_path, standin, redis_client):
+    s, server = standin
+    s.create_errors = [(503, "etcd leader changed"), (503, "etcd leader changed")]
+    ctl = controller(make_cfg(tmp_path, server), redis_client)
+    llm = endpoint()
+    box = run_async(ctl, llm, posted=lambda: 1.0)
+    wait_for(lambda: job_name(llm.rollout_id) in s.jobs)
+    s.finish(job_name(llm.rollout_id), succeeded=True)
+    assert finish(box).get("reward") == 1.0
+    assert len(s.created()) == 3
+
+
+def test_transient_errors_past_the_retry_budget_fail_the_attempt(tmp_path, standin,
+                                                                 redis_client):
+    s, server = standin
+    s.create_errors = [(503, "down")] * 3
+    ctl = controller(make_cfg(tmp_path, server, "controller.kubernetes.api_retries=3"),
+                     redis_client)
+    err = finish(run_async(ctl, endpoint()))["error"]
+    assert "503" in str(err) and len(s.created()) == 3
+
+
+@pytest.mark.parametrize("why", ["cancel", "timeout"])
+def test_cancel_and_timeout_delete_the_job_with_its_pods(tmp_path, standin, redis_client, why):
+    s, server = standin
+    ctl = controller(make_cfg(tmp_path, server), redis_client)
+    llm = endpoint()
+    flag = threading.Event()
+    box = run_async(ctl, llm, cancelled=flag.is_set, timeout_s=1.5 if why == "timeout" else 60)
+    name = job_name(llm.rollout_id)
+    wait_for(lambda: name in s.jobs)
+    if why == "cancel":
+        flag.set()
+    err = finish(box)["error"]
+    assert ("cancelled" if why == "cancel" else "timed out") in str(err)
+    assert name not in s.jobs
+    (delete,) = s.deleted()
+    assert delete.path.endswith(f"/jobs/{name}")
+    policy = delete.query.get("propagationPolicy") or (delete.body or {}).get(
+        "propagationPolicy")
+    assert policy == "Background"
+
+
+def test_creations_are_paced_across_controllers(tmp_path, standin, redis_client):
+    s, server = standin
+    cfg = make_cfg(tmp_path, server, "controller.kubernetes.creates_per_minute=120")
+    boxes = [run_async(controller(cfg, redis_client, index=i), endpoint(i), posted=lambda: 0.5)
+             for i in range(4)]
+    wait_for(lambda: len(s.jobs) == 4)
+    for name in list(s.jobs):
+        s.finish(name, succeeded=True)
+    assert all(finish(b).get("reward") == 0.5 for b in boxes)
+    times = sorted(r.at for r in s.created())
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert min(gaps) >= 0.45, gaps  # 120 per minute: one every 0.5 s, whoever creates
+
+
+def test_redelivered_sibling_adopts_the_running_job(tmp_path, standin, redis_client):
+    s, server = standin
+    cfg = make_cfg(tmp_path, server)
+    first = controller(cfg, redis_client)
+    llm = endpoint()
+    box1 = run_async(first, llm)
+    name = job_name(llm.rollout_id)
+    wait_for(lambda: name in s.jobs)
+    # the worker "dies"; a new delivery of the same sibling task looks for its Job
+    second = controller(cfg, redis_client)
+    assert second.adopt() == llm.rollout_id
+    assert controller(cfg, redis_client, index=1).adopt() is None  # another sibling: none
+    box2 = run_async(second, LLMEndpoint(llm.base_url, "", "policy", llm.rollout_id),
+                     posted=lambda: 0.9, adopted=True)
+    time.sleep(0.3)
+    s.finish(name, succeeded=True)
+    assert finish(box2).get("reward") == 0.9
+    finish(box1)
+    assert len(s.created()) == 1  # no duplicate Job
+
+
+def test_failed_jobs_are_not_adopted(tmp_path, standin, redis_client):
+    s, server = standin
+    cfg = make_cfg(tmp_path, server)
+    llm = endpoint()
+    box = run_async(controller(cfg, redis_client), llm)
+    wait_for(lambda: job_name(llm.rollout_id) in s.jobs)
+    s.finish(job_name(llm.rollout_id), succeeded=False)
+    finish(box)
+    assert controller(cfg, redis_client).adopt() is None
+
+
+def test_missing_cluster_configuration_is_a_clear_error(tmp_path, redis_client):
+    cfg = load_config(None, ["controller.backend=kubernetes",
+                             f"controller.kubernetes.kubeconfig={tmp_path}/nope"])
+    with pytest.raises(AgentError, match="no usable cluster configuration"):
+        controller(cfg, redis_client)
+
+
+@pytest.mark.slow
+def test_training_with_agents_as_jobs(tmp_path, redis_client, gateway_service, celery_workers):
+    """The real driver, rollout worker, gateway, vLLM and trainer; every sibling is a Job the
+    stand-in runs as a local process (the demo agent's program), which calls the model
+    through the gateway and POSTs its reward."""
+    import os
+
+    from app.driver.loop import train
+    from app.state import keys
+
+    s = StandIn(runner="local")
+    with Server(s) as server:
+        data = tmp_path / "data.jsonl"
+        data.write_text("".join(json.dumps({"text": t, "target": t[::-1]}) + "\n"
+                                for t in ("abc", "bad", "cab", "dab")))
+        env = json.loads(os.environ["CARRYOVER_OVERRIDES"])
+        cfg = load_config(None, [
+            *env, f"data.train_files={data}", "data.train_batch_size=1",
+            "agentlightning.async_rollout.async_train_batch_size=2",
+            "actor_rollout_ref.rollout.n=2", "trainer.total_steps=2",
+            "controller.backend=kubernetes",
+            # the "container" is a local process: this environment's Python is its image
+            f"controller.agent={sys.executable} -m examples.reverse.main",
+            f"controller.kubernetes.kubeconfig={server.kubeconfig(str(tmp_path / 'kc'))}",
+            "controller.kubernetes.watch_timeout_s=1", "agent.tool_median_s=0",
+            f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
+            "logging.console=false", f"trainer.weights_dir={tmp_path / 'weights'}"])
+        summary = train(cfg)
+    assert summary["steps"] == 2, summary
+    created = s.created()
+    assert len(created) >= 4  # two groups of two trained, at least
+    names = [r.body["metadata"]["name"] for r in created]
+    assert len(names) == len(set(names))
+    finished = [j for j in s.jobs.values() if j["status"].get("succeeded")]
+    assert len(finished) >= 4
+    # every trained rollout was a Job whose agent posted its reward through the gateway
+    for job in finished:
+        rid = job["metadata"]["annotations"][ANNOTATION_ROLLOUT]
+        assert redis_client.hget(keys.rollout(rid), "reward") is not None
+        assert redis_client.llen(keys.rollout_calls(rid)) == 2  # both turns captured

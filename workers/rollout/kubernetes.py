@@ -1,0 +1,387 @@
+"""The ``kubernetes`` controller: one Kubernetes Job per rollout attempt.
+
+The Job runs ``controller.agent`` (a shell command) in the configured image with the
+per-rollout endpoint and the task sample in its environment, exactly what the ``process``
+backend gives a local process. The agent POSTs its reward to the gateway (or prints it as its
+last log line). The rollout task watches the Job (with a re-read after every watch window,
+so a missed event costs one window), deletes it with its pods on timeout or cancel, and
+paces creations through Redis so ``creates_per_minute`` holds across every rollout worker.
+
+Jobs carry labels for run, group, sibling index and attempt, and the exact rollout id as an
+annotation: a redelivered sibling task (a worker died, a driver resumed and re-sent its
+groups) adopts the Job that is already running instead of starting a second one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis
+import tenacity
+
+from app.state import keys
+from workers.rollout.controller import (
+    AgentError,
+    Controller,
+    LLMEndpoint,
+    PauseAwareClock,
+    parse_reward,
+)
+
+log = logging.getLogger(__name__)
+
+MANAGED_BY = {"app.kubernetes.io/managed-by": "carryover"}
+LABEL_RUN = "carryover.io/run"
+LABEL_GROUP = "carryover.io/group"
+LABEL_INDEX = "carryover.io/index"
+LABEL_ATTEMPT = "carryover.io/attempt"
+ANNOTATION_ROLLOUT = "carryover.io/rollout-id"
+# Transient API answers: throttled, server trouble. Everything else 4xx is the request's fault.
+TRANSIENT_STATUS = {0, 408, 429, 500, 502, 503, 504}
+
+# One Redis script: reserve the next creation slot, return how long to wait for it.
+_PACE = """
+local now = redis.call('TIME')
+local t = tonumber(now[1]) + tonumber(now[2]) / 1000000
+local slot = math.max(t, tonumber(redis.call('GET', KEYS[1]) or '0'))
+redis.call('SET', KEYS[1], string.format('%.6f', slot + tonumber(ARGV[1])), 'EX', 3600)
+return string.format('%.6f', slot - t)
+"""
+
+
+def _dns_name(text: str, prefix: str = "", limit: int = 63) -> str:
+    """A DNS-1123 label (lower-case alphanumerics and '-'), unique for ``text``."""
+    body = re.sub(r"[^a-z0-9-]+", "-", text.lower()).strip("-")
+    name = prefix + body
+    if len(name) > limit or body != text:
+        digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+        name = name[:limit - 11].rstrip("-") + "-" + digest
+    return name
+
+
+def job_name(rollout_id: str) -> str:
+    return _dns_name(rollout_id, prefix="co-")
+
+
+def label_value(text: str) -> str:
+    """A valid label value for an id (ids here are already valid; long ones are hashed)."""
+    if re.fullmatch(r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]", text):
+        return text
+    return _dns_name(text)
+
+
+def selector(labels: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in labels.items())
+
+
+def job_labels(run_id: str, group_id: str, index: int, attempt: int | None,
+               extra: dict[str, str]) -> dict[str, str]:
+    labels = {**extra, **MANAGED_BY, LABEL_RUN: label_value(run_id),
+              LABEL_GROUP: label_value(group_id), LABEL_INDEX: str(index)}
+    if attempt is not None:
+        labels[LABEL_ATTEMPT] = str(attempt)
+    return labels
+
+
+def build_job(kcfg: Any, *, command: str, llm: LLMEndpoint, gateway_url: str, sample: dict,
+              settings: dict, run_id: str, group_id: str, index: int, attempt: int,
+              timeout_s: float) -> Any:
+    """The Job for one attempt, as the client's own models (which check required fields)."""
+    from kubernetes import client as k8s
+
+    base = f"{gateway_url.rstrip('/')}/rollout/{llm.rollout_id}"
+    env = {**dict(kcfg.env or {}),
+           "OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_KEY": llm.api_key,
+           "OPENAI_MODEL": llm.model, "CARRYOVER_ROLLOUT_ID": llm.rollout_id,
+           "CARRYOVER_REWARD_URL": f"{base}/reward",
+           "CARRYOVER_SAMPLE": json.dumps(sample),
+           "CARRYOVER_AGENT_SETTINGS": json.dumps(settings)}
+    labels = job_labels(run_id, group_id, index, attempt, dict(kcfg.labels or {}))
+    container = k8s.V1Container(
+        name="agent", image=kcfg.image, image_pull_policy=kcfg.image_pull_policy,
+        command=["/bin/sh", "-c", command],
+        env=[k8s.V1EnvVar(name=k, value=str(v)) for k, v in env.items()],
+        resources=k8s.V1ResourceRequirements(**_resources(kcfg.resources)))
+    pod = k8s.V1PodSpec(
+        restart_policy="Never", containers=[container],
+        service_account_name=kcfg.service_account or None,
+        node_selector=dict(kcfg.node_selector) or None)
+    return k8s.V1Job(
+        api_version="batch/v1", kind="Job",
+        metadata=k8s.V1ObjectMeta(name=job_name(llm.rollout_id), labels=labels,
+                                  annotations={ANNOTATION_ROLLOUT: llm.rollout_id}),
+        spec=k8s.V1JobSpec(
+            backoff_limit=0,
+            active_deadline_seconds=int(math.ceil(timeout_s + float(kcfg.deadline_slack_s))),
+            ttl_seconds_after_finished=int(kcfg.ttl_seconds_after_finished),
+            template=k8s.V1PodTemplateSpec(metadata=k8s.V1ObjectMeta(labels=labels),
+                                           spec=pod)))
+
+
+def _resources(spec: Any) -> dict[str, Any]:
+    spec = dict(spec or {})
+    unknown = set(spec) - {"limits", "requests"}
+    if unknown:
+        raise AgentError(f"controller.kubernetes.resources: unknown keys {sorted(unknown)} "
+                         "(expected limits, requests)")
+    return {k: {rk: str(rv) for rk, rv in dict(v).items()} for k, v in spec.items()}
+
+
+def outcome(job: Any) -> tuple[str, str] | None:
+    """(``succeeded`` | ``failed``, reason) once the Job has finished, else None."""
+    status = job.status
+    if status is None:
+        return None
+    for cond in status.conditions or []:
+        if cond.status == "True" and cond.type == "Failed":
+            return "failed", f"{cond.reason or 'Failed'}: {cond.message or ''}".rstrip(": ")
+        if cond.status == "True" and cond.type == "Complete":
+            return "succeeded", ""
+    if status.succeeded:
+        return "succeeded", ""
+    if status.failed:
+        return "failed", "pod failed"
+    return None
+
+
+_API_LOCK = threading.Lock()
+_API_CLIENTS: dict[tuple[str | None, str | None], Any] = {}
+
+
+def api_client(kubeconfig: str | None, context: str | None) -> Any:
+    """One ApiClient per (kubeconfig, context) per process: in-cluster config when running
+    in a pod and no kubeconfig is named, else the kubeconfig (default ~/.kube/config)."""
+    from kubernetes import client as k8s
+    from kubernetes import config as k8s_config
+
+    key = (kubeconfig, context)
+    with _API_LOCK:
+        if key not in _API_CLIENTS:
+            if kubeconfig is None and context is None:
+                try:
+                    conf = k8s.Configuration()
+                    k8s_config.load_incluster_config(client_configuration=conf)
+                    _API_CLIENTS[key] = k8s.ApiClient(conf)
+                    return _API_CLIENTS[key]
+                except k8s_config.ConfigException:
+                    pass
+            try:
+                _API_CLIENTS[key] = k8s_config.new_client_from_config(
+                    config_file=kubeconfig, context=context)
+            except (k8s_config.ConfigException, OSError) as exc:
+                raise AgentError(f"controller.kubernetes: no usable cluster configuration "
+                                 f"(kubeconfig {kubeconfig or '~/.kube/config'}): {exc}"
+                                 ) from None
+        return _API_CLIENTS[key]
+
+
+def _transient(exc: BaseException) -> bool:
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+
+    if isinstance(exc, ApiException):
+        return exc.status in TRANSIENT_STATUS
+    return isinstance(exc, HTTPError | OSError)
+
+
+def api_message(exc: Any) -> str:
+    """The Status message the API server sent, else the HTTP reason."""
+    try:
+        body = json.loads(exc.body)
+        return str(body.get("message") or exc.reason)
+    except (TypeError, ValueError, AttributeError):
+        return str(getattr(exc, "reason", exc))
+
+
+class KubernetesController(Controller):
+    def __init__(self, command: str, settings: dict[str, Any], kcfg: Any, *,
+                 client: redis.Redis, gateway_url: str, run_id: str, group_id: str,
+                 index: int) -> None:
+        from kubernetes import client as k8s
+
+        self.command = command
+        self.settings = settings
+        self.kcfg = kcfg
+        self.redis = client
+        self.gateway_url = kcfg.gateway_url or gateway_url
+        self.run_id, self.group_id, self.index = run_id, group_id, index
+        self.namespace = kcfg.namespace
+        api = api_client(kcfg.kubeconfig, kcfg.context)
+        self.batch = k8s.BatchV1Api(api)
+        self.core = k8s.CoreV1Api(api)
+        self.attempt = 0
+
+    # --- API calls with retries -----------------------------------------------------------
+
+    def _api(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        retrying = tenacity.Retrying(
+            stop=tenacity.stop_after_attempt(int(self.kcfg.api_retries)),
+            wait=tenacity.wait_exponential(multiplier=0.2, max=5),
+            retry=tenacity.retry_if_exception(_transient), reraise=True,
+            before_sleep=lambda rs: log.warning(
+                "Kubernetes API: %s failed (%s); retrying", what, rs.outcome.exception()))
+        try:
+            return retrying(fn, *args, **kwargs)
+        except ApiException as exc:
+            raise _ApiError(exc.status, f"Kubernetes API refused to {what}: "
+                            f"{exc.status} {api_message(exc)}") from None
+        except Exception as exc:  # noqa: BLE001 - transient errors that outlived the retries
+            raise _ApiError(0, f"Kubernetes API unreachable to {what}: {exc}") from None
+
+    def _pace(self, cancelled: Callable[[], bool]) -> None:
+        """Wait for this creation's slot; slots are ``60 / creates_per_minute`` apart."""
+        interval = 60.0 / float(self.kcfg.creates_per_minute)
+        wait = float(self.redis.eval(_PACE, 1, keys.k8s_create_pace(), interval))
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if cancelled():
+                raise AgentError("rollout cancelled")
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    # --- the controller interface -----------------------------------------------------------
+
+    def adopt(self) -> str | None:
+        """The rollout id of this sibling's Job that is still running or has succeeded."""
+        labels = job_labels(self.run_id, self.group_id, self.index, None, {})
+        try:
+            jobs = self._api("list Jobs", self.batch.list_namespaced_job, self.namespace,
+                             label_selector=selector(labels)).items
+        except _ApiError as exc:
+            raise AgentError(str(exc)) from None
+        usable = [j for j in jobs if (outcome(j) or ("running",))[0] != "failed"
+                  and (j.metadata.annotations or {}).get(ANNOTATION_ROLLOUT)]
+        if not usable:
+            return None
+        newest = max(usable, key=lambda j: int((j.metadata.labels or {}).get(LABEL_ATTEMPT, 0)))
+        return newest.metadata.annotations[ANNOTATION_ROLLOUT]
+
+    def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None,
+            adopted=False):
+        self.attempt += 1
+        name = job_name(llm.rollout_id)
+        if not adopted:
+            self._pace(cancelled)
+            job = build_job(self.kcfg, command=self.command, llm=llm,
+                            gateway_url=self.gateway_url, sample=sample,
+                            settings=self.settings, run_id=self.run_id,
+                            group_id=self.group_id, index=self.index, attempt=self.attempt,
+                            timeout_s=timeout_s)
+            try:
+                self._api(f"create Job {name}", self.batch.create_namespaced_job,
+                          self.namespace, job)
+            except _ApiError as exc:
+                if exc.status != 409:  # 409: a redelivered create; the Job is ours
+                    raise AgentError(str(exc)) from None
+            log.info("rollout %s: created Job %s/%s", llm.rollout_id, self.namespace, name)
+        else:
+            log.info("rollout %s: adopted running Job %s/%s", llm.rollout_id,
+                     self.namespace, name)
+        try:
+            result, reason = self._wait(name, timeout_s, clock, cancelled)
+        except _Stop as stop:
+            self._delete(name)
+            raise AgentError(str(stop)) from None
+        except _ApiError as exc:
+            raise AgentError(str(exc)) from None
+        logs = self._logs(name)
+        if result == "failed":
+            raise AgentError(f"Job {name} failed: {reason}", logs[-2000:])
+        posted = posted_reward()
+        if posted is not None:
+            return parse_reward(posted)
+        for line in reversed(logs.splitlines()):
+            if line.strip():
+                try:
+                    return parse_reward(json.loads(line))
+                except json.JSONDecodeError:
+                    break
+        raise AgentError(f"Job {name} succeeded but the agent posted no reward to "
+                         f"CARRYOVER_REWARD_URL and printed none", logs[-2000:])
+
+    def _wait(self, name: str, timeout_s: float, clock: PauseAwareClock,
+              cancelled: Callable[[], bool]) -> tuple[str, str]:
+        from kubernetes import watch
+
+        def check() -> None:
+            clock.tick()
+            if clock.active > timeout_s:
+                raise _Stop(f"agent timed out after {timeout_s:.0f}s "
+                            "(controller.rollout_timeout_s)")
+            if cancelled():
+                raise _Stop("rollout cancelled")
+
+        window = int(self.kcfg.watch_timeout_s)
+        while True:
+            job = self._read(name)  # the resync: an event lost between windows is seen here
+            done = outcome(job)
+            if done:
+                return done
+            check()
+            w = watch.Watch()
+            try:
+                for event in w.stream(self.batch.list_namespaced_job, self.namespace,
+                                      field_selector=f"metadata.name={name}",
+                                      timeout_seconds=window,
+                                      _request_timeout=window + 10):
+                    if event["type"] == "DELETED":
+                        raise _ApiError(404, f"Job {name} was deleted by someone else")
+                    done = outcome(event["object"])
+                    if done:
+                        return done
+                    check()
+            except (_Stop, _ApiError):
+                raise
+            except Exception as exc:  # noqa: BLE001 - a broken watch: resync and watch again
+                log.warning("watch of Job %s broke (%s); re-reading it", name, exc)
+                time.sleep(1.0)
+            finally:
+                w.stop()
+
+    def _read(self, name: str) -> Any:
+        return self._api(f"read Job {name}", self.batch.read_namespaced_job, name,
+                         self.namespace)
+
+    def _delete(self, name: str) -> None:
+        try:
+            self._api(f"delete Job {name}", self.batch.delete_namespaced_job, name,
+                      self.namespace, propagation_policy="Background")
+            log.info("deleted Job %s/%s with its pods", self.namespace, name)
+        except _ApiError as exc:
+            if exc.status != 404:
+                log.error("%s (the Job's activeDeadlineSeconds still ends it)", exc)
+
+    def _logs(self, name: str) -> str:
+        """The agent container's log, best effort (for error messages and a printed reward)."""
+        try:
+            pods = self._api("list pods", self.core.list_namespaced_pod, self.namespace,
+                             label_selector=f"job-name={name}").items
+            if not pods:
+                return ""
+            # raw body: the client's own decoding of a log turns bytes into "b'...'" text
+            resp = self._api("read pod log", self.core.read_namespaced_pod_log,
+                             pods[0].metadata.name, self.namespace, tail_lines=200,
+                             _preload_content=False)
+            return resp.data.decode("utf-8", "replace")
+        except _ApiError as exc:
+            log.warning("no log for Job %s: %s", name, exc)
+            return ""
+
+
+class _ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Stop(Exception):
+    """Timeout or cancel: the Job is deleted and the attempt fails."""
