@@ -27,10 +27,19 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: paused, leases, rollout_inflight, policy_version
-# ARGV: lease_id, ttl_ms, max_per_rollout
-# -> {status, policy_version}: status 1 admitted, 0 paused, -1 rollout over its cap
+# KEYS: paused, leases, rollout_inflight, policy_version, rollout
+# ARGV: lease_id, ttl_ms, max_per_rollout, token_sha256 ('' = caller already authenticated)
+# -> {status, policy_version}: status 1 admitted, 0 paused, -1 rollout over its cap,
+#    -2 unknown rollout, -3 wrong token, -4 rollout closed.
+# Authentication rides in the same round trip: the gateway's hot path is two Redis calls
+# (this one, and RECORD_RELEASE at the end).
 ADMIT = _NOW_MS + """
+if ARGV[4] ~= '' then
+  local rec = redis.call('HMGET', KEYS[5], 'token_sha256', 'status')
+  if not rec[1] then return {-2, 0} end
+  if rec[1] ~= ARGV[4] then return {-3, 0} end
+  if rec[2] ~= 'running' then return {-4, 0} end
+end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, 0} end
 local n = redis.call('INCR', KEYS[3])
 redis.call('PEXPIRE', KEYS[3], ARGV[2])
@@ -50,6 +59,24 @@ if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
   if n <= 0 then redis.call('DEL', KEYS[2]) end
 end
 redis.call('SREM', KEYS[3], ARGV[1])
+return 1
+"""
+
+# KEYS: leases, rollout_inflight, cancelled, rollout_calls   ARGV: lease_id, calls...
+# -> 1 recorded (or nothing to record), 0 the lease was cancelled by a drain timeout: nothing
+# is recorded. The calls are written before the lease goes, in one step: once a drain sees
+# no leases, every admitted call is in Redis.
+RECORD_RELEASE = """
+local cancelled = redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1
+if not cancelled and #ARGV > 1 then
+  redis.call('RPUSH', KEYS[4], unpack(ARGV, 2))
+end
+if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
+  local n = redis.call('DECR', KEYS[2])
+  if n <= 0 then redis.call('DEL', KEYS[2]) end
+end
+redis.call('SREM', KEYS[3], ARGV[1])
+if cancelled then return 0 end
 return 1
 """
 
@@ -122,6 +149,7 @@ class Admission:
         self.max_per_rollout = max_per_rollout
         self._admit = client.register_script(ADMIT)
         self._release = client.register_script(RELEASE)
+        self._record_release = client.register_script(RECORD_RELEASE)
         self._refresh = client.register_script(REFRESH)
         self._pause = client.register_script(PAUSE)
         self._live = client.register_script(LIVE)
@@ -130,14 +158,24 @@ class Admission:
 
     # --- gateway side -----------------------------------------------------------------
 
-    def admit(self, rollout_id: str) -> tuple[int, str, int]:
-        """-> (status, lease_id, policy_version); status 1 admitted, 0 paused, -1 over cap."""
+    def admit(self, rollout_id: str, token_sha256: str = "") -> tuple[int, str, int]:
+        """-> (status, lease_id, policy_version); status 1 admitted, 0 paused, -1 over cap,
+        and with ``token_sha256``: -2 unknown rollout, -3 wrong token, -4 rollout closed."""
         lease_id = f"{rollout_id}|{uuid.uuid4().hex}"
         status, version = self._admit(
             keys=[keys.paused(), keys.leases(), keys.rollout_inflight(rollout_id),
-                  keys.policy_version()],
-            args=[lease_id, self.ttl_ms, self.max_per_rollout])
+                  keys.policy_version(), keys.rollout(rollout_id)],
+            args=[lease_id, self.ttl_ms, self.max_per_rollout, token_sha256])
         return int(status), lease_id, int(version)
+
+    def record_and_release(self, lease_id: str, calls: list[str]) -> bool:
+        """Append the captured calls (JSON) to the rollout and release the lease, atomically;
+        False (nothing recorded) when a drain timeout cancelled the lease."""
+        rollout_id = lease_id.split("|", 1)[0]
+        return bool(self._record_release(
+            keys=[keys.leases(), keys.rollout_inflight(rollout_id), keys.cancelled(),
+                  keys.rollout_calls(rollout_id)],
+            args=[lease_id, *calls]))
 
     def release(self, lease_id: str) -> None:
         rollout_id = lease_id.split("|", 1)[0]

@@ -7,12 +7,27 @@ killed process's leases simply stop being refreshed and expire.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
+from collections.abc import Iterator
+from typing import Any
 
 from gateway.admission import Admission
 
 log = logging.getLogger(__name__)
+
+
+class UpstreamCancelled(Exception):
+    """Raised inside a request's upstream call when a drain timeout cancels its lease."""
+
+
+def _current_greenlet() -> Any:
+    try:
+        from gevent import getcurrent, monkey
+    except ImportError:  # pragma: no cover - the gateway always runs under gevent
+        return None
+    return getcurrent() if monkey.is_module_patched("socket") else None
 
 
 class LocalLeases:
@@ -21,6 +36,7 @@ class LocalLeases:
         self.refresh_every_s = refresh_every_s
         self.check_every_s = check_every_s
         self._live: dict[str, threading.Event] = {}
+        self._abortable: dict[str, Any] = {}   # lease -> greenlet now in its upstream call
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
@@ -38,6 +54,35 @@ class LocalLeases:
         with self._lock:
             self._live.pop(lease_id, None)
 
+    @contextlib.contextmanager
+    def abortable(self, lease_id: str) -> Iterator[None]:
+        """Inside this block a cancel of the lease kills the upstream call (under gevent the
+        greenlet gets :class:`UpstreamCancelled`, which closes the socket, so the engine
+        aborts the generation); outside it a cancel only sets the lease's event."""
+        glet = _current_greenlet()
+        with self._lock:
+            event = self._live.get(lease_id)
+            if glet is not None:
+                self._abortable[lease_id] = glet
+        try:
+            if event is not None and event.is_set():
+                raise UpstreamCancelled
+            yield
+        finally:
+            with self._lock:
+                self._abortable.pop(lease_id, None)
+        if event is not None and event.is_set():
+            raise UpstreamCancelled
+
+    def _cancel(self, lease_id: str, event: threading.Event) -> None:
+        event.set()
+        with self._lock:
+            glet = self._abortable.pop(lease_id, None)
+        if glet is not None:
+            import gevent
+
+            gevent.kill(glet, UpstreamCancelled)  # raised where it waits on the socket
+
     def _snapshot(self) -> dict[str, threading.Event]:
         with self._lock:
             return dict(self._live)
@@ -52,7 +97,7 @@ class LocalLeases:
             try:
                 ids = list(live)
                 for lid in self.admission.cancelled_among(ids):
-                    live[lid].set()
+                    self._cancel(lid, live[lid])
                 since_refresh += self.check_every_s
                 if since_refresh >= self.refresh_every_s:
                     since_refresh = 0.0

@@ -11,8 +11,7 @@ import hashlib
 import threading
 import time
 
-import requests
-from requests.adapters import HTTPAdapter
+import urllib3
 
 
 class Upstreams:
@@ -23,13 +22,17 @@ class Upstreams:
         self.cooldown_s = cooldown_s
         self._down_until: dict[str, float] = {}
         self._lock = threading.Lock()
-        self.session = requests.Session()
-        # No proxy/netrc lookups from the environment on every call: they cost more than
-        # the rest of the proxy path together.
-        self.session.trust_env = False
-        adapter = HTTPAdapter(pool_connections=len(self.urls), pool_maxsize=pool_size)
-        self.session.mount("http://", adapter)
-        self.session.mount("https://", adapter)
+        # urllib3 directly: ``requests`` cost a third of the gateway's CPU per call.
+        # No retries here (the agent retries on our 503), no proxy lookups.
+        self.pool = urllib3.PoolManager(num_pools=max(len(self.urls), 1), maxsize=pool_size,
+                                        block=False, retries=False)
+
+    def post(self, url: str, body: bytes, timeout_s: float, stream: bool = False
+             ) -> urllib3.BaseHTTPResponse:
+        """POST JSON; raises ``urllib3.exceptions.HTTPError`` when the server is unreachable."""
+        return self.pool.request(
+            "POST", url, body=body, headers={"Content-Type": "application/json"},
+            timeout=urllib3.Timeout(connect=5.0, read=timeout_s), preload_content=not stream)
 
     def ranking(self, key: str) -> list[str]:
         def score(url: str) -> bytes:

@@ -49,6 +49,8 @@ def _is_num(v: Any) -> bool:
 
 
 def _fmt(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
     return "null" if v is None else repr(v)
 
 
@@ -223,6 +225,7 @@ RULES: dict[str, Check] = {
     "trainer.checkpoint_dir": string,
     "trainer.probe_tolerance": positive_num,
     "trainer.step_timeout_s": positive_num,
+    "trainer.pause_during_update": one_of("auto", True, False),
     "logging.dir": string,
     "logging.wandb_project": string,
     "logging.wandb_mode": one_of(*WANDB_MODES),

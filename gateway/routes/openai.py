@@ -17,12 +17,13 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import requests
+import urllib3
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from app.state import keys
 from gateway import capture
 from gateway.errors import GatewayError, bad_request, retryable
+from gateway.leases import UpstreamCancelled
 
 log = logging.getLogger(__name__)
 bp = Blueprint("openai", __name__, url_prefix="/rollout/<rollout_id>/v1")
@@ -34,22 +35,37 @@ def _state():
     return current_app.extensions["carryover"]
 
 
-def authenticate(rollout_id: str) -> None:
-    state = _state()
+def _bearer() -> str:
     header = request.headers.get("Authorization", "")
     token = header[7:].strip() if header.startswith("Bearer ") else ""
     if not token:
         raise GatewayError(401, "missing bearer token: use the rollout's token as the API key",
                            code="invalid_api_key")
+    return token
+
+
+def _auth_error(rollout_id: str, status: int, rollout_status: str = "closed") -> GatewayError:
+    if status == -2:
+        return GatewayError(404, f"unknown rollout {rollout_id!r}", code="rollout_not_found")
+    if status == -3:
+        return GatewayError(401, "token is not valid for this rollout", code="invalid_api_key")
+    return GatewayError(409, f"rollout {rollout_id!r} is {rollout_status}; no more model calls",
+                        code="rollout_closed")
+
+
+def authenticate(rollout_id: str) -> None:
+    """For the routes off the hot path (models, reward); model calls authenticate inside
+    the admission script."""
+    state = _state()
+    token = _bearer()
     stored, status = state.redis.hmget(keys.rollout(rollout_id), "token_sha256", "status")
     if stored is None:
-        raise GatewayError(404, f"unknown rollout {rollout_id!r}", code="rollout_not_found")
+        raise _auth_error(rollout_id, -2)
     given = hashlib.sha256(token.encode()).hexdigest()
     if not hmac.compare_digest(given, stored):
-        raise GatewayError(401, "token is not valid for this rollout", code="invalid_api_key")
+        raise _auth_error(rollout_id, -3)
     if status != "running":
-        raise GatewayError(409, f"rollout {rollout_id!r} is {status}; no more model calls",
-                           code="rollout_closed")
+        raise _auth_error(rollout_id, -4, status)
 
 
 def _json_body() -> Any:
@@ -100,13 +116,14 @@ def validate_body(body: Any, endpoint: str) -> dict:
     return body
 
 
-def _admit(rollout_id: str) -> tuple[str, int]:
-    """Take a lease, or refuse retryably while paused (or wait, in hold mode)."""
+def _admit(rollout_id: str, token_sha256: str) -> tuple[str, int]:
+    """Authenticate and take a lease in one script, or refuse retryably while paused (or
+    wait, in hold mode)."""
     state = _state()
     s = state.settings
     deadline = time.monotonic() + s.hold_timeout_s
     while True:
-        status, lease_id, version = state.admission.admit(rollout_id)
+        status, lease_id, version = state.admission.admit(rollout_id, token_sha256)
         if status == 1:
             return lease_id, version
         if status == -1:
@@ -115,35 +132,53 @@ def _admit(rollout_id: str) -> tuple[str, int]:
                                "(gateway.max_concurrent_per_rollout)",
                                type_="rate_limit_error", code="too_many_concurrent",
                                retry_after=1.0)
+        if status < -1:
+            rollout_status = "closed"
+            if status == -4:
+                rollout_status = state.redis.hget(keys.rollout(rollout_id), "status") or "closed"
+            raise _auth_error(rollout_id, status, rollout_status)
         wait = state.admission.retry_after_s(s.retry_after_s)
         if not s.hold or time.monotonic() >= deadline:
             raise retryable("the model is being updated; retry after the pause", wait)
         time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
 
 
+def _cancelled_error() -> GatewayError:
+    return retryable("request cancelled by a weight update; retry",
+                     _state().settings.retry_after_s, code="cancelled_by_update")
+
+
 def _forward(rollout_id: str, endpoint: str):
-    authenticate(rollout_id)
-    body = validate_body(_json_body(), endpoint)
+    token = _bearer()
     state = _state()
     s = state.settings
-    upstream = state.upstreams.pick(rollout_id)
-    if upstream is None:
-        raise retryable("no inference server is reachable", s.retry_after_s,
-                        code="upstream_unavailable")
-    wants_lp, wants_ids = capture.agent_wants(body, endpoint)
-    up_body = capture.prepare_upstream_body(body, endpoint, s.model, s.default_max_tokens,
-                                            s.default_temperature)
-    lease_id, version = _admit(rollout_id)
+    # Authentication comes first (as in the OpenAI API) and rides in the admission script;
+    # a request that then proves malformed gives its lease back.
+    lease_id, version = _admit(rollout_id, hashlib.sha256(token.encode()).hexdigest())
+    try:
+        body = validate_body(_json_body(), endpoint)
+        upstream = state.upstreams.pick(rollout_id)
+        if upstream is None:
+            raise retryable("no inference server is reachable", s.retry_after_s,
+                            code="upstream_unavailable")
+        wants_lp, wants_ids = capture.agent_wants(body, endpoint)
+        up_body = capture.prepare_upstream_body(body, endpoint, s.model, s.default_max_tokens,
+                                                s.default_temperature)
+        stream = bool(body.get("stream"))
+    except BaseException:
+        state.admission.release(lease_id)
+        raise
     cancel = state.leases.add(lease_id)
     started = time.time()
     try:
-        resp = _call_upstream(state, upstream + ENDPOINT_PATHS[endpoint], up_body,
-                              bool(body.get("stream")), cancel)
-    except _Cancelled:
+        with state.leases.abortable(lease_id):
+            resp = state.upstreams.post(upstream + ENDPOINT_PATHS[endpoint],
+                                        json.dumps(up_body).encode(), s.upstream_timeout_s,
+                                        stream=stream)
+    except UpstreamCancelled:
         _release(state, lease_id)
-        raise retryable("request cancelled by a weight update; retry", s.retry_after_s,
-                        code="cancelled_by_update") from None
-    except requests.RequestException as exc:
+        raise _cancelled_error() from None
+    except urllib3.exceptions.HTTPError as exc:
         _release(state, lease_id)
         state.upstreams.mark_down(upstream)
         raise retryable(f"inference server unreachable ({exc.__class__.__name__})",
@@ -151,70 +186,58 @@ def _forward(rollout_id: str, endpoint: str):
     except BaseException:
         _release(state, lease_id)
         raise
-    if resp.status_code >= 400:
+    if resp.status >= 400:
+        if stream:
+            resp.read()
         _release(state, lease_id)
         raise _upstream_error(resp)
     meta = dict(endpoint=endpoint, version=version, temperature=float(up_body["temperature"]),
                 upstream=upstream, started_at=started)
-    if body.get("stream"):
+    if stream:
         return Response(_stream(state, resp, rollout_id, lease_id, cancel, meta, wants_lp,
                                 wants_ids),
                         mimetype="text/event-stream",
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
-        data = resp.json()
-        if cancel.is_set():
-            raise retryable("request cancelled by a weight update; retry", s.retry_after_s,
-                            code="cancelled_by_update")
-        _record(state, rollout_id, capture.calls_from_response(data, **meta))
-    finally:
+        data = json.loads(resp.data)
+        calls = capture.calls_from_response(data, **meta)
+    except BaseException:
         _release(state, lease_id)
+        raise
+    if not _record_and_release(state, lease_id, calls):
+        raise _cancelled_error()
     return jsonify(capture.strip_for_agent(data, endpoint, wants_lp, wants_ids))
 
 
-class _Cancelled(Exception):
-    pass
+def _lines(resp: urllib3.BaseHTTPResponse) -> Iterator[str]:
+    buf = b""
+    for chunk in resp.stream(8192):
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            yield line.rstrip(b"\r").decode("utf-8")
+    if buf:
+        yield buf.decode("utf-8")
 
 
-def _call_upstream(state, url: str, body: dict, stream: bool, cancel) -> requests.Response:
-    """POST upstream; under gevent (gunicorn's worker) the call can be abandoned when a
-    drain times out: killing the greenlet closes the socket, which makes vLLM abort it."""
-    timeout = (5, state.settings.upstream_timeout_s)
-    try:
-        import gevent
-        from gevent import monkey
-    except ImportError:  # pragma: no cover - the gateway always runs under gevent
-        gevent = None
-    if gevent is None or not monkey.is_module_patched("socket"):
-        return state.upstreams.session.post(url, json=body, timeout=timeout, stream=stream)
-    job = gevent.spawn(state.upstreams.session.post, url, json=body, timeout=timeout,
-                       stream=stream)
-    while not job.ready():
-        job.join(timeout=0.05)
-        if cancel.is_set() and not job.ready():
-            job.kill(block=True, timeout=1)
-            raise _Cancelled
-    return job.get()
-
-
-def _stream(state, resp: requests.Response, rollout_id: str, lease_id: str, cancel, meta: dict,
-            wants_lp: bool, wants_ids: bool) -> Iterator[str]:
+def _stream(state, resp: urllib3.BaseHTTPResponse, rollout_id: str, lease_id: str, cancel,
+            meta: dict, wants_lp: bool, wants_ids: bool) -> Iterator[str]:
     acc = capture.StreamAccumulator(meta["endpoint"])
-    done = False
+    released = False
     try:
-        for line in resp.iter_lines(decode_unicode=True):
+        for line in _lines(resp):
             if cancel.is_set():
-                err = retryable("request cancelled by a weight update; retry", 1.0,
-                                code="cancelled_by_update")
-                yield f"data: {json.dumps(err.body())}\n\n"
+                yield f"data: {json.dumps(_cancelled_error().body())}\n\n"
                 return
             if not line or not line.startswith("data:"):
                 continue
             payload = line[5:].strip()
             if payload == "[DONE]":
-                done = True
-                _record(state, rollout_id,
-                        capture.calls_from_response(acc.response(), stream=True, **meta))
+                released = True
+                calls = capture.calls_from_response(acc.response(), stream=True, **meta)
+                if not _record_and_release(state, lease_id, calls):
+                    yield f"data: {json.dumps(_cancelled_error().body())}\n\n"
+                    return
                 yield "data: [DONE]\n\n"
                 continue
             chunk = json.loads(payload)
@@ -222,18 +245,15 @@ def _stream(state, resp: requests.Response, rollout_id: str, lease_id: str, canc
             shown = capture.strip_for_agent(chunk, meta["endpoint"], wants_lp, wants_ids)
             yield f"data: {json.dumps(shown, separators=(',', ':'))}\n\n"
     finally:
-        resp.close()
-        _release(state, lease_id)
-        if not done:
+        resp.release_conn()
+        if not released:
+            _release(state, lease_id)
             log.info("stream for %s ended early; nothing captured", rollout_id)
 
 
-def _record(state, rollout_id: str, calls: list) -> None:
-    if not calls:
-        return
-    # Written before the lease is released: once a drain sees no leases, every admitted
-    # call is already in Redis.
-    state.redis.rpush(keys.rollout_calls(rollout_id), *[c.to_json() for c in calls])
+def _record_and_release(state, lease_id: str, calls: list) -> bool:
+    state.leases.discard(lease_id)
+    return state.admission.record_and_release(lease_id, [c.to_json() for c in calls])
 
 
 def _release(state, lease_id: str) -> None:
@@ -241,16 +261,16 @@ def _release(state, lease_id: str) -> None:
     state.admission.release(lease_id)
 
 
-def _upstream_error(resp: requests.Response) -> GatewayError:
+def _upstream_error(resp: urllib3.BaseHTTPResponse) -> GatewayError:
     try:
-        err = resp.json().get("error", {})
+        err = json.loads(resp.data).get("error", {})
         if isinstance(err, str):
             err = {"message": err}
-    except ValueError:
+    except (ValueError, AttributeError):
         err = {}
-    message = err.get("message") or f"inference server answered {resp.status_code}"
-    if resp.status_code < 500:
-        return GatewayError(resp.status_code, message, type_=err.get("type") or
+    message = err.get("message") or f"inference server answered {resp.status}"
+    if resp.status < 500:
+        return GatewayError(resp.status, message, type_=err.get("type") or
                             "invalid_request_error", code=err.get("code"), param=err.get("param"))
     return GatewayError(502, f"inference server error: {message}", type_="server_error",
                         code="upstream_error")

@@ -123,7 +123,7 @@ INVALID = [
     (["data.train_batch_size=0"], "data.train_batch_size: value 0 must be a positive integer"),
     (["data.train_batch_size=2.5"], "data.train_batch_size: value 2.5 must be a positive integer"),
     (["data.train_batch_size=true"],
-     "data.train_batch_size: value True must be a positive integer"),
+     "data.train_batch_size: value true must be a positive integer"),
     (["actor_rollout_ref.rollout.n=1"],
      "actor_rollout_ref.rollout.n: value 1 must be >= 2 for the group-relative estimator"),
     (["actor_rollout_ref.rollout.n=-4"],

@@ -97,6 +97,19 @@ def _publish(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: di
     return version
 
 
+def pause_during_update(cfg: Any, device: str) -> bool:
+    """Whether the gateway stays paused for the whole update (``trainer.pause_during_update``).
+
+    ``auto``: yes on CUDA, where the engine sleeps and lends its accelerator memory to the
+    update; no on CPU, where nothing has to be freed, so rollouts keep going while the update
+    runs and the pause covers only loading the new weights (the samples made meanwhile come
+    from the previous version: their staleness is measured and corrected like any other)."""
+    setting = cfg.trainer.pause_during_update
+    if setting == "auto":
+        return device.startswith("cuda")
+    return bool(setting)
+
+
 def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
     done = client.get(keys.run_step_result(run_id, step))
     if done is not None:
@@ -117,6 +130,21 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
     timings: dict[str, float] = {}
     metrics: dict[str, Any] = {}
     urls = list(cfg.inference.urls)
+    collocated = pause_during_update(cfg, trainer.device)
+
+    def update() -> None:
+        t = time.monotonic()
+        if collocated:
+            sleep_note = weights.sleep_engine(urls, trainer.device)
+            if sleep_note.startswith("skipped") and not resident.get("sleep_logged"):
+                log.info("engine sleep %s", sleep_note)
+                resident["sleep_logged"] = True
+        batch = to_batch(samples, trainer.pad_id, trainer.device)
+        metrics.update(trainer.update(batch))
+        timings["update"] = time.monotonic() - t
+
+    if not collocated:
+        update()  # rollouts go on meanwhile; the pause below covers only the weight load
     t0 = time.monotonic()
     inflight = adm.pause(pause_ttl_s=float(cfg.trainer.step_timeout_s))
     try:
@@ -125,18 +153,10 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
         metrics["training/async/proxy_inflight_at_pause"] = inflight
         metrics["training/async/proxy_drain_seconds"] = drained.seconds
         metrics["training/async/proxy_cancelled_at_drain_timeout"] = drained.cancelled
-
-        t = time.monotonic()
-        sleep_note = weights.sleep_engine(urls, trainer.device)
-        if sleep_note.startswith("skipped") and not resident.get("sleep_logged"):
-            log.info("engine sleep %s", sleep_note)
-            resident["sleep_logged"] = True
-        batch = to_batch(samples, trainer.pad_id, trainer.device)
-        metrics.update(trainer.update(batch))
-        timings["update"] = time.monotonic() - t
-
+        if collocated:
+            update()
         version = _publish(client, cfg, trainer, resident, resident["probe_prev"], metrics,
-                           timings, wake=True)
+                           timings, wake=collocated)
     finally:
         t = time.monotonic()
         paused_for = adm.resume()
