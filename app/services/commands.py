@@ -84,6 +84,15 @@ def inference_command(cfg: Any) -> Command:
     ]
     # Dev mode exposes /collective_rpc (weight reload) and /reset_prefix_cache.
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    threads = int(inf.cpu_threads)
+    if threads:
+        # Bound to the last cores, so the trainer's threads (first cores) and the engine's
+        # OpenMP threads do not spin against each other on a small machine.
+        cores = os.cpu_count() or 1
+        first = max(cores - threads, 0)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"{first}-{cores - 1}" if cores - first > 1 \
+            else str(first)
+        env["OMP_NUM_THREADS"] = str(min(threads, cores))
     return Command("inference", argv, env)
 
 

@@ -38,3 +38,22 @@ def test_weight_sync_bench_json():
     assert set(r["median_seconds"]) == {"pause_drain", "update", "save", "reload", "probe",
                                         "resume", "cycle"}
     assert all(v >= 0 for v in r["median_seconds"].values())
+
+
+def test_async_vs_sync_bench_json(tmp_path):
+    r = run_bench("bench.async_vs_sync", "--sigmas", "1.0", "--no-fixed", "--ratios", "2",
+                  "--steps", "3", "--slots", "4", "--tbs", "1", "--n", "2", "--median-s", "0.2",
+                  "--out", str(tmp_path))
+    assert r["benchmark"] == "async_vs_sync" and "trainer" in r
+    modes = {x["mode"] for x in r["results"]}
+    assert modes == {"sync", "async x2"}
+    for x in r["results"]:
+        assert x["steps_timed"] == 2  # the first step (start-up) is not timed
+        assert x["steps_per_min"] > 0 and x["ideal_steps_per_min"] > 0
+        assert 0 <= x["slot_utilisation"] <= 1.0 + 1e-6
+        assert x["trainer_idle_fraction"] <= 1.0
+        assert x["fraction_of_ideal"] > 0
+    sync = next(x for x in r["results"] if x["mode"] == "sync")
+    assert sync["speedup_vs_sync"] == 1.0 and sync["carry_over_age_max"] == 0
+    png = (tmp_path / "async_vs_sync.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"

@@ -104,6 +104,8 @@ class PolicyTrainer:
 
         self.cfg = cfg
         self.device = pick_device(cfg.trainer.device)
+        if self.device == "cpu" and int(cfg.trainer.cpu_threads):
+            torch.set_num_threads(int(cfg.trainer.cpu_threads))
         actor = cfg.actor_rollout_ref.actor
         torch.manual_seed(int(cfg.data.seed))
         self.model = AutoModelForCausalLM.from_pretrained(

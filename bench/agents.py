@@ -1,0 +1,40 @@
+"""Benchmark agents: one real model call through the gateway, then a sleep whose length
+comes from a configured distribution (the agent's "tool" and "thinking" time).
+
+Durations are a pure function of (seed, group sequence number, sibling index), so the n-th
+group gets the same durations in every mode of a benchmark: sync and async runs see the
+same workload.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from typing import Any
+
+import httpx
+import openai
+
+_HTTP = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=512))
+
+
+def duration(dist: str, median_s: float, sigma: float, seed: int, seq: int, index: int
+             ) -> float:
+    if dist == "fixed":
+        return median_s
+    rng = random.Random(f"{seed}:{seq}:{index}")
+    return median_s * math.exp(rng.gauss(0.0, sigma))
+
+
+def timed(sample: dict, llm: Any, *, dist: str = "lognormal", median_s: float = 0.5,
+          sigma: float = 1.0, seed: int = 0, max_s: float = 60.0, **_: Any) -> float:
+    group, index, _attempt = llm.rollout_id.rsplit(".", 2)
+    seq = int(group.rsplit("-g", 1)[1])
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=20,
+                           timeout=120, http_client=_HTTP)
+    out = client.chat.completions.create(
+        model=llm.model, max_tokens=2,
+        messages=[{"role": "user", "content": f"reverse {sample.get('text', 'abc')}"}])
+    time.sleep(min(duration(dist, median_s, sigma, seed, seq, int(index)), max_s))
+    return float(len(out.choices[0].message.content or "") % 2)
