@@ -8,10 +8,13 @@ stack on the default ports is never touched.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
+import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -134,3 +137,54 @@ def new_rollout(redis_client, cfg):
         return rid, token, f"{base}/rollout/{rid}/v1"
 
     return make
+
+
+def wait_http(url: str, timeout: float = 30) -> None:
+    import requests
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=1).status_code < 500:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@contextlib.contextmanager
+def standin_gateway(tmp_root: Path, name: str, *overrides: str):
+    """A second gateway (gunicorn, its own port) in front of the instant OpenAI stand-in
+    (``bench/standin.py``, ``standin_delay_s`` in a request makes it slow), sharing the
+    session's Redis. Yields (gateway URL, gunicorn master Popen)."""
+    import signal
+    import subprocess
+
+    bin_dir = Path(sys.executable).parent
+    standin_port, gw_port = free_port(), free_port()
+    logs = open(tmp_root / "logs" / f"{name}.log", "ab")  # noqa: SIM115
+    standin = subprocess.Popen(
+        [str(bin_dir / "gunicorn"), "-k", "gevent", "-w", "1", "-b",
+         f"127.0.0.1:{standin_port}", "bench.standin:create_app()"], cwd=REPO, stdout=logs,
+        stderr=logs, start_new_session=True)
+    env_overrides = json.loads(os.environ["CARRYOVER_OVERRIDES"]) + [
+        f"gateway.port={gw_port}", f"gateway.url=http://127.0.0.1:{gw_port}",
+        f"inference.urls=[http://127.0.0.1:{standin_port}]", *overrides]
+    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(env_overrides)}
+    gateway = subprocess.Popen(
+        [str(bin_dir / "gunicorn"), "-c", "gateway/gunicorn.conf.py", "gateway:create_app()"],
+        cwd=REPO, env=env, stdout=logs, stderr=logs, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{standin_port}/health")
+        wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        yield f"http://127.0.0.1:{gw_port}", gateway
+    finally:
+        for p in (gateway, standin):
+            os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:  # a deliberately slow request is still open
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        logs.close()

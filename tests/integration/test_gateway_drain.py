@@ -4,10 +4,7 @@ timeout, a SIGKILLed gateway worker whose lease expires, and hold mode."""
 
 from __future__ import annotations
 
-import json
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -20,53 +17,17 @@ import requests
 from app.client import GatewayClient
 from app.state import keys
 from gateway.admission import Admission
-from tests.conftest import REPO, free_port
+from tests.conftest import standin_gateway
 
 BIN = Path(sys.executable).parent
 LEASE_TTL = 2.0
 
 
-def _wait_http(url: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if requests.get(url, timeout=1).status_code < 500:
-                return
-        except requests.RequestException:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(url)
-
-
 @pytest.fixture(scope="module")
 def slow_gateway(redis_service, tmp_root):
-    standin_port, gw_port = free_port(), free_port()
-    logs = open(tmp_root / "logs" / "drain-tests.log", "ab")  # noqa: SIM115
-    standin = subprocess.Popen(
-        [str(BIN / "gunicorn"), "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{standin_port}",
-         "bench.standin:create_app()"], cwd=REPO, stdout=logs, stderr=logs,
-        start_new_session=True)
-    overrides = json.loads(os.environ["CARRYOVER_OVERRIDES"]) + [
-        f"gateway.port={gw_port}", f"gateway.url=http://127.0.0.1:{gw_port}",
-        f"inference.urls=[http://127.0.0.1:{standin_port}]", f"gateway.lease_ttl_s={LEASE_TTL}",
-        "gateway.hold=true", "gateway.hold_timeout_s=30"]
-    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides)}
-    gateway = subprocess.Popen(
-        [str(BIN / "gunicorn"), "-c", "gateway/gunicorn.conf.py", "gateway:create_app()"],
-        cwd=REPO, env=env, stdout=logs, stderr=logs, start_new_session=True)
-    try:
-        _wait_http(f"http://127.0.0.1:{standin_port}/health")
-        _wait_http(f"http://127.0.0.1:{gw_port}/healthz")
-        yield f"http://127.0.0.1:{gw_port}", gateway
-    finally:
-        for p in (gateway, standin):
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:  # a deliberately slow request is still open
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
-        logs.close()
+    with standin_gateway(tmp_root, "drain-tests", f"gateway.lease_ttl_s={LEASE_TTL}",
+                         "gateway.hold=true", "gateway.hold_timeout_s=30") as (url, gateway):
+        yield url, gateway
 
 
 @pytest.fixture
