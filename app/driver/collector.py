@@ -92,8 +92,9 @@ class Collector:
             run.cursor, run.epoch = 0, run.epoch + 1
         return index
 
-    def top_up(self, policy_version: int) -> int:
-        """Dispatch new groups until ``active_target`` are active; returns how many."""
+    def top_up(self, policy_version: int, dispatch_step: int | None = None) -> int:
+        """Dispatch new groups until ``active_target`` are active; returns how many.
+        ``dispatch_step``: the step the groups are dispatched for (default: the run's step)."""
         active = self.r.zcard(keys.run_active(self.run_id))
         run = self.run()
         sent = 0
@@ -104,7 +105,8 @@ class Collector:
             gid = f"{self.run_id}-g{seq}"
             rec = GroupRecord(group_id=gid, run_id=self.run_id, sample_index=index,
                               sample=self.samples[index], n=self.n, seq=seq,
-                              dispatch_step=run.step, dispatch_version=policy_version,
+                              dispatch_step=run.step if dispatch_step is None
+                              else dispatch_step, dispatch_version=policy_version,
                               dispatched_at=time.time())
             pipe = self.r.pipeline(transaction=True)
             pipe.hset(keys.group(gid), mapping=rec.to_hash())

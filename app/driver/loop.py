@@ -89,11 +89,13 @@ def train(cfg: Any, resume: str | None = None, *,
                              f"the inference server: {exc.__class__.__name__}: {exc}") from exc
     last_counters = collector.counters()
     n = collector.n
+    is_async = bool(cfg.agentlightning.async_rollout.enabled)
+    carried = collector.active_count()
     try:
         while step < total:
             t_step = time.monotonic()
             version = int(client.get(keys.policy_version()) or 0)
-            prev_carry = collector.active_count()
+            prev_carry = carried
             collector.cancel_stale(step)
             collector.top_up(version)
             groups_key = keys.run_step_groups(run_id, step)
@@ -105,6 +107,11 @@ def train(cfg: Any, resume: str | None = None, *,
                 waited = collector.wait_ready(on_wait=lambda v=version: collector.top_up(v))
                 selection = collector.select(step, prev_carry, waited)
                 sel_groups = selection.group_ids
+            carried = collector.active_count()
+            if is_async and step + 1 < total:
+                # Refill now, not after the update: the freed slots work while the trainer
+                # does (the groups count as dispatched for the next step).
+                collector.top_up(version, dispatch_step=step + 1)
             t_train = time.monotonic()
             result = celery_app.send_task("workers.trainer.tasks.train_step",
                                           args=[run_id, step])

@@ -157,8 +157,11 @@ def test_age_cap_cancels_and_requeues(stack, tmp_path):
     assert [r["training/async/n_cancelled_groups"] for r in rows] == [0, 0, 1]
     assert stack.hget(keys.group(f"{run_id}-g0"), "status") == "cancelled"
     assert len(json.loads(stack.hget(keys.group(f"{run_id}-g0"), "task_ids"))) == 2  # revoked
-    # the cancelled prompt is dispatched again right away (re-queued prompts go first)
-    assert stack.hget(keys.group(f"{run_id}-g3"), "sample_index") == "0"
+    # the cancelled prompt is dispatched again by the next top-up (re-queued prompts go
+    # first): one later group carries sample 0, dispatched at or after the cancel (step 2)
+    again = [g for g in (f"{run_id}-g{i}" for i in range(1, 7))
+             if stack.hget(keys.group(g), "sample_index") == "0"]
+    assert len(again) == 1 and int(stack.hget(keys.group(again[0]), "dispatch_step")) >= 2
 
 
 def test_duplicate_callback_and_redelivered_sibling_change_nothing(stack, tmp_path):
