@@ -22,3 +22,4 @@ lint:
 bench: setup
 	@.venv/bin/python -m bench.gateway
 	@.venv/bin/python -m bench.weight_sync
+	@.venv/bin/python -m bench.async_vs_sync

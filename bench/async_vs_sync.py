@@ -13,8 +13,8 @@ fraction of the ideal:
 
 (the slots busy all the time on exactly the rollouts one update needs, plus the update).
 
-Usage: python -m bench.async_vs_sync [--sigmas 0.5,1.0,1.5] [--ratios 1.5,2,3] [--steps 8]
-       [--slots 16] [--tbs 4] [--n 4] [--median-s 0.5] [--out var/bench]
+Usage: python -m bench.async_vs_sync [--sigmas 0.5,1.0,1.5] [--ratios 1.5,2,3] [--steps 6]
+       [--slots 16] [--tbs 4] [--n 4] [--median-s 2.0] [--out var/bench]
 Prints JSON, then a markdown table; writes a PNG of throughput vs async_train_batch_size.
 """
 
@@ -139,11 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sigmas", default="0.5,1.0,1.5")
     ap.add_argument("--no-fixed", action="store_true", help="skip the fixed-duration control")
     ap.add_argument("--ratios", default="1.5,2,3")
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--slots", type=int, default=16)
     ap.add_argument("--tbs", type=int, default=4)
     ap.add_argument("--n", type=int, default=4)
-    ap.add_argument("--median-s", type=float, default=0.5)
+    ap.add_argument("--median-s", type=float, default=2.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=str(REPO / "var" / "bench"))
     args = ap.parse_args(argv)
