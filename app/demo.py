@@ -99,10 +99,13 @@ def plot_run(rows: list[dict], path: Path, label: str) -> Path:
     ax.set_title("reward by step")
     ax.set_ylim(0, 1)
     ax = axes[0][1]
-    for name, key in (("inherited", "n_prev_carry_over_rollouts"),
-                      ("consumed", "n_completed_rollouts"),
-                      ("carried over", "n_new_carry_over_rollouts")):
-        ax.plot(steps, [r.get(CARRY + key) or 0 for r in rows], label=name)
+    # Distinct line styles: the three series are often equal (e.g. 64 each) and would hide
+    # each other.
+    for (name, key), style in zip((("inherited", "n_prev_carry_over_rollouts"),
+                                   ("consumed", "n_completed_rollouts"),
+                                   ("carried over", "n_new_carry_over_rollouts")),
+                                  ("-", "--", ":"), strict=True):
+        ax.plot(steps, [r.get(CARRY + key) or 0 for r in rows], style, lw=2, label=name)
     ax.set_title("rollouts per step")
     ax.legend()
     ax = axes[1][0]
