@@ -52,20 +52,10 @@ local v = redis.call('GET', KEYS[4])
 return {1, tonumber(v or '0')}
 """
 
-# KEYS: leases, rollout_inflight, cancelled   ARGV: lease_id
-RELEASE = """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
-  local n = redis.call('DECR', KEYS[2])
-  if n <= 0 then redis.call('DEL', KEYS[2]) end
-end
-redis.call('SREM', KEYS[3], ARGV[1])
-return 1
-"""
-
 # KEYS: leases, rollout_inflight, cancelled, rollout_calls   ARGV: lease_id, calls...
 # -> 1 recorded (or nothing to record), 0 the lease was cancelled by a drain timeout: nothing
 # is recorded. The calls are written before the lease goes, in one step: once a drain sees
-# no leases, every admitted call is in Redis.
+# no leases, every admitted call is in Redis. With no calls it is the plain release.
 RECORD_RELEASE = """
 local cancelled = redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1
 if not cancelled and #ARGV > 1 then
@@ -148,7 +138,6 @@ class Admission:
         self.ttl_ms = int(lease_ttl_s * 1000)
         self.max_per_rollout = max_per_rollout
         self._admit = client.register_script(ADMIT)
-        self._release = client.register_script(RELEASE)
         self._record_release = client.register_script(RECORD_RELEASE)
         self._refresh = client.register_script(REFRESH)
         self._pause = client.register_script(PAUSE)
@@ -178,9 +167,8 @@ class Admission:
             args=[lease_id, *calls]))
 
     def release(self, lease_id: str) -> None:
-        rollout_id = lease_id.split("|", 1)[0]
-        self._release(keys=[keys.leases(), keys.rollout_inflight(rollout_id), keys.cancelled()],
-                      args=[lease_id])
+        """Give the lease back without recording anything (a refused or failed call)."""
+        self.record_and_release(lease_id, [])
 
     def refresh(self, lease_ids: list[str]) -> int:
         if not lease_ids:

@@ -29,7 +29,7 @@ def main() -> int:
     from app.driver.dataset import load_samples
     from examples.reverse.agent import ask, score
     from workers.trainer.batch import Sample, to_batch
-    from workers.trainer.update import PolicyTrainer
+    from workers.trainer.update import PolicyTrainer, token_log_probs
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=80)
@@ -89,7 +89,6 @@ def main() -> int:
                                       float(ro.temperature), 0))
         batch = to_batch(samples, trainer.pad_id)
         with torch.no_grad():
-            from workers.trainer.update import token_log_probs
             batch.rollout_log_probs = token_log_probs(trainer.model, batch)[0].detach()
         metrics = trainer.update(batch)
         mean = sum(sum(s) / len(s) for s in scores) / len(scores)

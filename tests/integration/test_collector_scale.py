@@ -40,16 +40,21 @@ def counting_client(cfg) -> redis.Redis:
                    health_check_interval=0)
 
 
+def undispatched_cfg(tmp_path, monkeypatch, samples: int, *overrides: str):
+    """A run config over ``samples`` prompts whose chords are never sent (bookkeeping only)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps({"text": str(i)}) + "\n" for i in range(samples)))
+    monkeypatch.setattr(Collector, "_send", lambda self, gid: None)
+    return load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
+                              f"data.train_files={data}", *overrides])
+
+
 def one_step_cost(tmp_path, active: int, monkeypatch) -> int:
     tmp_path.mkdir()
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": str(i)}) + "\n" for i in range(50)))
-    cfg = load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
-                             f"data.train_files={data}", "data.train_batch_size=4",
-                             "actor_rollout_ref.rollout.n=2",
-                             "agentlightning.async_rollout.max_carry_over_age_steps=5",
-                             f"agentlightning.async_rollout.async_train_batch_size={active}"])
-    monkeypatch.setattr(Collector, "_send", lambda self, gid: None)
+    cfg = undispatched_cfg(tmp_path, monkeypatch, 50, "data.train_batch_size=4",
+                           "actor_rollout_ref.rollout.n=2",
+                           "agentlightning.async_rollout.max_carry_over_age_steps=5",
+                           f"agentlightning.async_rollout.async_train_batch_size={active}")
     client = counting_client(cfg)
     run_id = f"scale-{tmp_path.name}-{active}"
     Collector.create_run(client, run_id, {}, "async")
@@ -79,14 +84,10 @@ def test_step_bookkeeping_is_flat_in_active_groups(redis_client, tmp_path, monke
 
 
 def test_age_cap_cancels_every_stale_group_oldest_first(redis_client, tmp_path, monkeypatch):
-    data = tmp_path / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": str(i)}) + "\n" for i in range(20)))
-    cfg = load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
-                             f"data.train_files={data}", "data.train_batch_size=2",
-                             "data.shuffle=false",
-                             "agentlightning.async_rollout.async_train_batch_size=5",
-                             "agentlightning.async_rollout.max_carry_over_age_steps=1"])
-    monkeypatch.setattr(Collector, "_send", lambda self, gid: None)
+    cfg = undispatched_cfg(tmp_path, monkeypatch, 20, "data.train_batch_size=2",
+                           "data.shuffle=false",
+                           "agentlightning.async_rollout.async_train_batch_size=5",
+                           "agentlightning.async_rollout.max_carry_over_age_steps=1")
     Collector.create_run(redis_client, "stale", {}, "async")
     col = Collector(redis_client, "stale", cfg)
     col.top_up(0)  # five groups dispatched at step 0

@@ -88,6 +88,17 @@ def finish(box: dict, timeout: float = 30.0) -> dict:
     return box
 
 
+def started_job(tmp_path, standin, redis_client, **run_kw) -> tuple[StandIn, str, dict]:
+    """A controller run in a thread, returned once its Job exists in the stand-in:
+    (stand-in, Job name, box of the run)."""
+    s, server = standin
+    llm = endpoint()
+    box = run_async(controller(make_cfg(tmp_path, server), redis_client), llm, **run_kw)
+    name = job_name(llm.rollout_id)
+    wait_for(lambda: name in s.jobs)
+    return s, name, box
+
+
 def test_manifest_fields_and_client_model_round_trip(tmp_path, standin):
     from kubernetes.client import ApiClient
 
@@ -148,12 +159,7 @@ def test_long_ids_make_valid_names():
 
 
 def test_job_succeeds_with_posted_reward(tmp_path, standin, redis_client):
-    s, server = standin
-    ctl = controller(make_cfg(tmp_path, server), redis_client)
-    llm = endpoint()
-    box = run_async(ctl, llm, posted=lambda: 0.75)
-    name = job_name(llm.rollout_id)
-    wait_for(lambda: name in s.jobs)
+    s, name, box = started_job(tmp_path, standin, redis_client, posted=lambda: 0.75)
     assert s.created()[0].path == "/apis/batch/v1/namespaces/agents/jobs"
     assert s.created()[0].body["spec"]["backoffLimit"] == 0
     time.sleep(0.3)
@@ -165,33 +171,19 @@ def test_job_succeeds_with_posted_reward(tmp_path, standin, redis_client):
 
 
 def test_reward_from_the_last_log_line_when_none_posted(tmp_path, standin, redis_client):
-    s, server = standin
-    ctl = controller(make_cfg(tmp_path, server), redis_client)
-    llm = endpoint()
-    box = run_async(ctl, llm)
-    name = job_name(llm.rollout_id)
-    wait_for(lambda: name in s.jobs)
+    s, name, box = started_job(tmp_path, standin, redis_client)
     s.finish(name, succeeded=True, log='working\n{"reward": 0.4}\n')
     assert finish(box).get("reward") == 0.4
 
 
 def test_succeeded_without_reward_fails_the_attempt(tmp_path, standin, redis_client):
-    s, server = standin
-    ctl = controller(make_cfg(tmp_path, server), redis_client)
-    llm = endpoint()
-    box = run_async(ctl, llm)
-    wait_for(lambda: job_name(llm.rollout_id) in s.jobs)
-    s.finish(job_name(llm.rollout_id), succeeded=True, log="no number here\n")
+    s, name, box = started_job(tmp_path, standin, redis_client)
+    s.finish(name, succeeded=True, log="no number here\n")
     assert "posted no reward" in str(finish(box)["error"])
 
 
 def test_failed_job_reports_reason_and_log(tmp_path, standin, redis_client):
-    s, server = standin
-    ctl = controller(make_cfg(tmp_path, server), redis_client)
-    llm = endpoint()
-    box = run_async(ctl, llm)
-    name = job_name(llm.rollout_id)
-    wait_for(lambda: name in s.jobs)
+    s, name, box = started_job(tmp_path, standin, redis_client)
     s.finish(name, succeeded=False, reason="DeadlineExceeded",
              message="Job was active longer than specified deadline", log="Traceback: boom\n")
     err = finish(box)["error"]
@@ -210,13 +202,9 @@ def test_permanent_api_error_fails_at_once_with_the_api_message(tmp_path, standi
 
 
 def test_transient_api_errors_are_retried(tmp_path, standin, redis_client):
-    s, server = standin
-    s.create_errors = [(503, "etcd leader changed"), (503, "etcd leader changed")]
-    ctl = controller(make_cfg(tmp_path, server), redis_client)
-    llm = endpoint()
-    box = run_async(ctl, llm, posted=lambda: 1.0)
-    wait_for(lambda: job_name(llm.rollout_id) in s.jobs)
-    s.finish(job_name(llm.rollout_id), succeeded=True)
+    standin[0].create_errors = [(503, "etcd leader changed"), (503, "etcd leader changed")]
+    s, name, box = started_job(tmp_path, standin, redis_client, posted=lambda: 1.0)
+    s.finish(name, succeeded=True)
     assert finish(box).get("reward") == 1.0
     assert len(s.created()) == 3
 
@@ -233,13 +221,9 @@ def test_transient_errors_past_the_retry_budget_fail_the_attempt(tmp_path, stand
 
 @pytest.mark.parametrize("why", ["cancel", "timeout"])
 def test_cancel_and_timeout_delete_the_job_with_its_pods(tmp_path, standin, redis_client, why):
-    s, server = standin
-    ctl = controller(make_cfg(tmp_path, server), redis_client)
-    llm = endpoint()
     flag = threading.Event()
-    box = run_async(ctl, llm, cancelled=flag.is_set, timeout_s=1.5 if why == "timeout" else 60)
-    name = job_name(llm.rollout_id)
-    wait_for(lambda: name in s.jobs)
+    s, name, box = started_job(tmp_path, standin, redis_client, cancelled=flag.is_set,
+                               timeout_s=1.5 if why == "timeout" else 60)
     if why == "cancel":
         flag.set()
     err = finish(box)["error"]

@@ -86,6 +86,17 @@ class PauseAwareClock:
             self.active += dt
 
 
+def stop_reason(clock: PauseAwareClock, timeout_s: float, cancelled: Callable[[], bool]
+                ) -> str | None:
+    """Advance the clock; why the attempt must stop now (timeout, cancel), or None."""
+    clock.tick()
+    if clock.active > timeout_s:
+        return f"agent timed out after {timeout_s:.0f}s (controller.rollout_timeout_s)"
+    if cancelled():
+        return "rollout cancelled"
+    return None
+
+
 class Controller:
     def adopt(self) -> str | None:
         """The rollout id of this sibling's agent that is still running from an earlier
@@ -124,14 +135,11 @@ class PythonController(Controller):
         while thread.is_alive():
             # Coarse ticks: many agents share one worker process and its GIL.
             thread.join(0.5)
-            clock.tick()
-            if clock.active > timeout_s:
+            reason = stop_reason(clock, timeout_s, cancelled)
+            if reason:
                 # A thread cannot be killed; the rollout is closed in the gateway instead,
                 # so the abandoned agent's next model call fails and it ends.
-                raise AgentError(f"agent timed out after {timeout_s:.0f}s "
-                                 "(controller.rollout_timeout_s)")
-            if cancelled():
-                raise AgentError("rollout cancelled")
+                raise AgentError(reason)
         if "error" in box:
             exc = box["error"]
             raise AgentError(f"agent raised {exc.__class__.__name__}: {exc}")
@@ -166,11 +174,7 @@ class ProcessController(Controller):
         reason = None
         while proc.poll() is None:
             time.sleep(0.2)
-            clock.tick()
-            if clock.active > timeout_s:
-                reason = f"agent timed out after {timeout_s:.0f}s (controller.rollout_timeout_s)"
-            elif cancelled():
-                reason = "rollout cancelled"
+            reason = stop_reason(clock, timeout_s, cancelled)
             if reason:
                 _kill_group(proc)
                 break

@@ -34,6 +34,7 @@ from workers.rollout.controller import (
     LLMEndpoint,
     PauseAwareClock,
     parse_reward,
+    stop_reason,
 )
 
 log = logging.getLogger(__name__)
@@ -313,12 +314,9 @@ class KubernetesController(Controller):
         from kubernetes import watch
 
         def check() -> None:
-            clock.tick()
-            if clock.active > timeout_s:
-                raise _Stop(f"agent timed out after {timeout_s:.0f}s "
-                            "(controller.rollout_timeout_s)")
-            if cancelled():
-                raise _Stop("rollout cancelled")
+            reason = stop_reason(clock, timeout_s, cancelled)
+            if reason:
+                raise _Stop(reason)
 
         window = int(self.kcfg.watch_timeout_s)
         while True:
