@@ -30,7 +30,7 @@ class GatewayState:
         self.admission = Admission(self.redis, settings.lease_ttl_s,
                                    settings.max_concurrent_per_rollout)
         self.leases = LocalLeases(self.admission, refresh_every_s=settings.lease_ttl_s / 3)
-        self.upstreams = Upstreams(list(settings.upstreams))
+        self.upstreams = Upstreams(list(settings.upstreams), client=self.redis)
 
 
 def create_app(settings: GatewaySettings | None = None, cfg: Any | None = None) -> Flask:

@@ -89,6 +89,15 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 return redis.call('ZCARD', KEYS[3])
 """
 
+# KEYS: paused, pause_started   ARGV: token, pause_ttl_ms -> 1 extended, 0 not our pause
+# The pause is a lease: its holder keeps extending it, so it ends soon after the holder dies.
+EXTEND_PAUSE = """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+return 1
+"""
+
 # KEYS: leases   -> live leases after dropping expired ones
 LIVE = _NOW_MS + """
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -141,6 +150,8 @@ class Admission:
         self._record_release = client.register_script(RECORD_RELEASE)
         self._refresh = client.register_script(REFRESH)
         self._pause = client.register_script(PAUSE)
+        self._extend_pause = client.register_script(EXTEND_PAUSE)
+        self.pause_token = ""
         self._live = client.register_script(LIVE)
         self._resume = client.register_script(RESUME)
         self._estimate = client.register_script(PAUSE_ESTIMATE)
@@ -196,9 +207,17 @@ class Admission:
 
     def pause(self, pause_ttl_s: float = 900.0) -> int:
         """Set the pause flag (expiring after ``pause_ttl_s`` unless resumed) and return the
-        number of requests in flight at that moment."""
+        number of requests in flight at that moment. A short TTL kept alive with
+        ``extend_pause`` makes the pause a lease of its holder."""
+        self.pause_token = uuid.uuid4().hex
         return int(self._pause(keys=[keys.paused(), keys.pause_started(), keys.leases()],
-                               args=[uuid.uuid4().hex, int(pause_ttl_s * 1000)]))
+                               args=[self.pause_token, int(pause_ttl_s * 1000)]))
+
+    def extend_pause(self, pause_ttl_s: float) -> bool:
+        """Push the expiry of this object's pause ``pause_ttl_s`` ahead; False if the pause
+        is gone or another holder took it over."""
+        return bool(self._extend_pause(keys=[keys.paused(), keys.pause_started()],
+                                       args=[self.pause_token, int(pause_ttl_s * 1000)]))
 
     def live_leases(self) -> int:
         return int(self._live(keys=[keys.leases()]))

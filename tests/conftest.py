@@ -40,6 +40,7 @@ def stack_overrides(tmp: Path) -> list[str]:
         f"gateway.url=http://127.0.0.1:{gw_port}",
         f"services.flower_port={flower_port}",
         "gateway.workers=2",
+        "services.worker_heartbeat_s=3",  # fault tests wait this long for a dead worker
     ]
 
 

@@ -226,6 +226,9 @@ RULES: dict[str, Check] = {
     "trainer.checkpoint_dir": string,
     "trainer.probe_tolerance": positive_num,
     "trainer.step_timeout_s": positive_num,
+    "trainer.heartbeat_s": positive_num,
+    "trainer.step_retries": non_negative_int,
+    "trainer.upstream_check_s": positive_num,
     "trainer.pause_during_update": one_of("auto", True, False),
     "trainer.cpu_threads": non_negative_int,
     "logging.dir": string,
@@ -234,6 +237,7 @@ RULES: dict[str, Check] = {
     "logging.console": boolean,
     "services.flower_port": port,
     "services.rollout_concurrency": positive_int,
+    "services.worker_heartbeat_s": positive_num,
 }
 
 

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 from app.config.loader import REPO_ROOT
 from app.driver.collector import Collector
 from app.driver.metrics import CARRY, MetricsSink, console_line
+from app.driver.trainer_call import call_trainer
 from app.state import keys
 from app.state.connection import connect, resolve_redis_url
 from app.state.runs import read_run, run_config
@@ -81,9 +82,8 @@ def train(cfg: Any, resume: str | None = None, *,
         log.info("resuming run %s at step %d with %d active groups (%d re-sent)",
                  run_id, step, collector.active_count(), resent)
     # The engine must serve this run's policy before any rollout of it starts.
-    init = celery_app.send_task("workers.trainer.tasks.init_run", args=[run_id])
     try:
-        init.get(timeout=float(cfg.trainer.step_timeout_s), disable_sync_subtasks=False)
+        call_trainer(client, cfg, "workers.trainer.tasks.init_run", run_id, "init", [run_id])
     except Exception as exc:
         raise TrainingFailed(f"the trainer worker could not load run {run_id}'s policy into "
                              f"the inference server: {exc.__class__.__name__}: {exc}") from exc
@@ -113,11 +113,9 @@ def train(cfg: Any, resume: str | None = None, *,
                 # does (the groups count as dispatched for the next step).
                 collector.top_up(version, dispatch_step=step + 1)
             t_train = time.monotonic()
-            result = celery_app.send_task("workers.trainer.tasks.train_step",
-                                          args=[run_id, step])
             try:
-                trainer_metrics = result.get(timeout=float(cfg.trainer.step_timeout_s),
-                                             propagate=True, disable_sync_subtasks=False)
+                trainer_metrics = call_trainer(client, cfg, "workers.trainer.tasks.train_step",
+                                               run_id, str(step), [run_id, step])
             except Exception as exc:
                 raise TrainingFailed(f"update {step} failed in the trainer worker: "
                                      f"{exc.__class__.__name__}: {exc}") from exc

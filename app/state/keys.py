@@ -131,6 +131,57 @@ def run_step_result(run_id: str, step: int) -> str:
     return PREFIX + "run:" + run_id + ":step:" + str(step) + ":result"
 
 
+def trainer_heartbeat(run_id: str, task: str) -> str:
+    """STRING the trainer worker id, with a short TTL refreshed while a trainer task
+    (``task``: ``init`` or a step number) runs. Read by the driver: a key that was seen and
+    expired without a result means the trainer worker died, and the task is sent again."""
+    return PREFIX + "run:" + run_id + ":trainer:" + task
+
+
+# --- inference servers: which weights they hold ------------------------------------------
+
+def policy_published() -> str:
+    """HASH of the weights the inference servers should hold: ``version``, ``path`` (the
+    weight directory) and ``probe`` (JSON list of the trainer's probe log-probs). Written by
+    the trainer after every verified publish; read by its upstream keeper to reload a
+    restarted server."""
+    return PREFIX + "policy:published"
+
+
+def upstreams_stale() -> str:
+    """SET inference URLs that went down and must not serve rollouts until the current
+    weights are loaded into them again. Added to by the gateway (a connection to it failed)
+    and by the trainer's upstream keeper (its health check failed); removed from by the
+    keeper after a verified reload. The gateway routes around its members."""
+    return PREFIX + "upstreams:stale"
+
+
+# --- rollout workers: finding the deliveries of a dead one --------------------------------
+
+def rollout_workers() -> str:
+    """SET ids of rollout and groups worker processes (one id per process start). Added at
+    start; removed by the reaper once that worker's deliveries are restored."""
+    return PREFIX + "workers:rollout"
+
+
+def worker_alive(worker_id: str) -> str:
+    """STRING with a short TTL, refreshed by the worker's heartbeat thread. Its absence
+    means the worker process is dead."""
+    return PREFIX + "worker:" + worker_id + ":alive"
+
+
+def worker_deliveries(worker_id: str) -> str:
+    """HASH broker delivery tag -> task id of every message the worker received
+    (kept until the message is acknowledged). The reaper requeues the unacknowledged ones
+    of a dead worker."""
+    return PREFIX + "worker:" + worker_id + ":deliveries"
+
+
+def reaper_lock() -> str:
+    """STRING (SET NX PX): one reaper pass at a time across all rollout workers."""
+    return PREFIX + "workers:reaper_lock"
+
+
 # --- controllers -----------------------------------------------------------------------
 
 def k8s_create_pace() -> str:

@@ -127,6 +127,8 @@ class GroupRecord(_HashRecord):
     dispatched_at: float = 0.0
     status: str = "active"       # active | complete | selected | dropped | cancelled
     completed_at: float = 0.0
+    callback_early: int = 0      # 1: the chord callback fired before every sibling stored its
+                                 # result; the last sibling completes the group
 
 
 @dataclass

@@ -180,7 +180,10 @@ def _forward(rollout_id: str, endpoint: str):
         raise _cancelled_error() from None
     except urllib3.exceptions.HTTPError as exc:
         _release(state, lease_id)
-        state.upstreams.mark_down(upstream)
+        # Refused or cut connections mean the server is gone (perhaps restarting with its
+        # initial weights); a read timeout is only a slow answer.
+        state.upstreams.mark_down(upstream, restarted=not isinstance(
+            exc, urllib3.exceptions.ReadTimeoutError))
         raise retryable(f"inference server unreachable ({exc.__class__.__name__})",
                         s.retry_after_s, code="upstream_unavailable") from None
     except BaseException:

@@ -28,10 +28,16 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
     group = read_group(client, group_id)
     results = sibling_results(client, group_id)
     if len(results) < group.n:
-        # Only a chord that fired early could get here; never mark a partial group.
-        log.error("group %s: callback saw %d of %d siblings; not completing",
-                  group_id, len(results), group.n)
-        return "incomplete"
+        # Only a chord that fired early could get here (a sibling that ran twice: a worker
+        # wrongly presumed dead). Never mark a partial group; flag it so the last sibling
+        # to store its result finishes it (flag first, then look again: one of the two
+        # sides always sees the other).
+        client.hset(keys.group(group_id), "callback_early", "1")
+        results = sibling_results(client, group_id)
+        if len(results) < group.n:
+            log.warning("group %s: callback saw %d of %d siblings; the last sibling will "
+                        "complete it", group_id, len(results), group.n)
+            return "incomplete"
     if not client.set(keys.group_done(group_id), "1", nx=True):
         log.info("group %s: completion already recorded (duplicate callback)", group_id)
         return "duplicate"

@@ -81,6 +81,12 @@ def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult
                                attempts=0, seconds=0.0, error=f"{exc.__class__.__name__}: {exc}")
     result.finished_at = time.time()
     client.hset(keys.group_results(group_id), str(index), result.to_json())
+    if client.hget(keys.group(group_id), "callback_early") == "1":
+        from workers.rollout.completion import finish_group
+
+        log.info("group %s: the chord callback fired early; sibling %d completes the group",
+                 group_id, index)
+        finish_group(client, group_id)
     return result
 
 

@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+from celery.signals import task_received, worker_ready, worker_shutdown
+
 from app.celery_app import celery_app, task_redis
 
 
@@ -24,3 +28,31 @@ def finish_group(results: list, group_id: str) -> str:
 
     # ``results`` (what the siblings returned) is not trusted: Redis holds the truth.
     return finish(task_redis(), group_id)
+
+
+# --- liveness: a dead worker's deliveries are requeued by its peers (workers.rollout.reaper)
+
+@worker_ready.connect
+def _start_reaper(sender: Any = None, **_: Any) -> None:
+    if not {"rollout", "groups"} & set(celery_app.amqp.queues.consume_from or {}):
+        return  # the trainer worker: acknowledges on receipt, re-sent by the driver
+    from app.config import service_config
+    from workers.rollout.reaper import start_reaper
+
+    start_reaper(task_redis(), celery_app, float(service_config().services.worker_heartbeat_s))
+
+
+@task_received.connect
+def _record_delivery(sender: Any = None, request: Any = None, **_: Any) -> None:
+    from workers.rollout.reaper import running_reaper
+
+    reaper = running_reaper()
+    if reaper is not None and request is not None:
+        reaper.received(request.message.delivery_tag, request.id)
+
+
+@worker_shutdown.connect
+def _stop_reaper(sender: Any = None, **_: Any) -> None:
+    from workers.rollout.reaper import stop_reaper
+
+    stop_reaper()

@@ -5,10 +5,14 @@ wake engine + reload + reset prefix cache -> verify with a probe -> bump policy 
 resume gateway.
 
 Invariants:
-- The gateway is resumed whatever happens after the pause (``finally``); its pause flag
-  also expires on its own, so even a killed trainer cannot leave it paused.
+- The gateway is resumed whatever happens after the pause (``finally``); the pause is also a
+  lease the trainer keeps extending (``liveness.Beats``), so a SIGKILLed trainer leaves the
+  gateway paused for at most ``trainer.heartbeat_s``.
 - A step is trained at most once: its result is stored under ``run_step_result`` and a
   redelivered task returns it; each group is claimed for one step only (``group_trained``).
+- A trainer process that takes up a run it did not start (the previous worker died) restores
+  the run's last checkpoint and loads those weights into every inference server before it
+  trains: the servers, the trainer and the policy version agree again.
 """
 
 from __future__ import annotations
@@ -17,10 +21,13 @@ import json
 import logging
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import redis
+import requests
 
 from app.config.loader import REPO_ROOT
 from app.state import keys
@@ -28,6 +35,8 @@ from app.state.runs import run_config
 from gateway.admission import Admission
 from workers.trainer import checkpoint, weights
 from workers.trainer.batch import collect_samples, to_batch
+from workers.trainer.keeper import publish_lock, running_keeper
+from workers.trainer.liveness import Beats
 from workers.trainer.update import PolicyTrainer
 
 log = logging.getLogger(__name__)
@@ -45,12 +54,24 @@ def _path(p: str) -> Path:
 
 
 def resident_trainer(run_id: str, cfg: Any) -> tuple[PolicyTrainer, dict]:
-    """The model and optimizer stay in this process between steps of a run."""
+    """The model and optimizer stay in this process between steps of a run. Loaded from the
+    run's last checkpoint when it has one (a resumed run, or a restarted worker)."""
     if _resident.get("run_id") != run_id:
         _resident.clear()
         trainer = PolicyTrainer(cfg, str(_path(cfg.actor_rollout_ref.model.path)))
-        _resident.update(run_id=run_id, trainer=trainer, probe_prev=None)
+        _resident.update(run_id=run_id, trainer=trainer, probe_prev=None, restored_step=None,
+                         published=False)
         log.info("loaded policy for run %s on %s", run_id, trainer.device)
+        latest = checkpoint.latest_checkpoint(_path(cfg.trainer.checkpoint_dir), run_id)
+        if latest is not None:
+            meta = checkpoint.load_checkpoint(trainer, latest)
+            _resident["restored_step"] = meta["step"]
+            log.info("run %s: restored trainer state from %s (step %d)", run_id, latest,
+                     meta["step"])
+        keeper = running_keeper()
+        if keeper is not None:
+            keeper.configure(list(cfg.inference.urls), cfg.inference.served_model_name,
+                             float(cfg.trainer.probe_tolerance))
     return _resident["trainer"], _resident
 
 
@@ -81,20 +102,72 @@ def _publish(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: di
     t = time.monotonic()
     if wake:
         weights.wake_engine(urls, trainer.device)
-    for url in urls:
-        weights.reload_weights(url, path)
+    loaded = _reload_reachable(client, urls, path, version, float(cfg.trainer.step_timeout_s),
+                               float(cfg.trainer.upstream_check_s))
     timings["reload"] = time.monotonic() - t
 
     t = time.monotonic()
     expected = weights.trainer_probe_logprobs(
         trainer.model, weights.PROBE_IDS, weights.engine_dtype(cfg.inference.dtype))
-    for url in urls:
+    for url in loaded:
         metrics.update(weights.verify_sync(url, cfg.inference.served_model_name, expected,
                                            previous, float(cfg.trainer.probe_tolerance)))
+    client.srem(keys.upstreams_stale(), *[u.rstrip("/") for u in loaded])
     resident["probe_prev"] = expected
+    resident["published"] = True
     timings["probe"] = time.monotonic() - t
+    client.hset(keys.policy_published(), mapping={
+        "version": version, "path": str(path.resolve()), "probe": json.dumps(expected)})
     client.set(keys.policy_version(), version)
     return version
+
+
+def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version: int,
+                      wait_s: float, every_s: float) -> list[str]:
+    """Load ``path`` into every server that answers; returns those. A server that is down
+    is marked stale (the upstream keeper loads it when it is back, the gateway routes around
+    it meanwhile). With none reachable, keep trying for ``wait_s`` (the gateway stays
+    paused: a restarted server must hold the current weights before agents reach it)."""
+    deadline = time.monotonic() + wait_s
+    errors: dict[str, str] = {}
+    while True:
+        loaded = []
+        for url in urls:
+            try:
+                weights.reload_weights(url, path)
+                loaded.append(url)
+            except requests.ConnectionError as exc:
+                client.sadd(keys.upstreams_stale(), url.rstrip("/"))
+                if url not in errors:
+                    log.warning("inference server %s is unreachable; it gets version %d when "
+                                "it is back", url, version)
+                errors[url] = f"{exc.__class__.__name__}: {exc}"
+        if loaded:
+            return loaded
+        if time.monotonic() >= deadline:
+            raise weights.WeightSyncError(
+                f"no inference server could be reached to load version {version} within "
+                f"{wait_s:.0f} s (Connection refused or lost): "
+                + "; ".join(f"{u} ({e})" for u, e in errors.items()))
+        time.sleep(every_s)
+
+
+@contextmanager
+def _paused(adm: Admission, cfg: Any, beats: Beats, out: dict[str, float]) -> Iterator[int]:
+    """Pause the gateway as a lease kept alive by ``beats``; always resume. Yields the
+    requests in flight at the pause; ``out["paused_for"]`` is set on the way out. Holds the
+    publish lock so the upstream keeper never reloads a server in between."""
+    ttl = float(cfg.trainer.heartbeat_s)
+    with publish_lock:
+        inflight = adm.pause(pause_ttl_s=ttl)
+        beats.add("pause", lambda: adm.extend_pause(ttl))
+        try:
+            yield inflight
+        finally:
+            beats.remove("pause")
+            t = time.monotonic()
+            out["paused_for"] = adm.resume()
+            out["resume"] = time.monotonic() - t
 
 
 def pause_during_update(cfg: Any, device: str) -> bool:
@@ -117,7 +190,34 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
                  step, run_id)
         return json.loads(done)
     cfg = run_config(client, run_id)
+    with Beats(client, keys.trainer_heartbeat(run_id, str(step)),
+               float(cfg.trainer.heartbeat_s)) as beats:
+        return _train_step(client, run_id, step, cfg, beats)
+
+
+def _restore_servers(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: dict,
+                     beats: Beats, step: int) -> dict[str, Any]:
+    """This process took up a run mid-way (its previous trainer worker died): bring every
+    inference server back to the weights it restored before training on."""
+    log.warning("trainer worker took up run %s at step %d: restored from the checkpoint of "
+                "step %s; loading those weights into the inference servers", resident["run_id"],
+                step, resident["restored_step"])
+    adm = Admission(client, float(cfg.gateway.lease_ttl_s))
+    metrics: dict[str, Any] = {}
+    out: dict[str, float] = {}
+    with _paused(adm, cfg, beats, out):
+        adm.drain(float(cfg.gateway.drain_timeout_s))
+        version = _publish(client, cfg, trainer, resident, None, metrics, {}, wake=False)
+    return {"trainer/restored_from_step": resident["restored_step"],
+            "trainer/restored_policy_version": version}
+
+
+def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Beats
+                ) -> dict[str, Any]:
     trainer, resident = resident_trainer(run_id, cfg)
+    metrics: dict[str, Any] = {}
+    if not resident["published"]:
+        metrics.update(_restore_servers(client, cfg, trainer, resident, beats, step))
     group_ids = _claim_groups(client, client.lrange(keys.run_step_groups(run_id, step), 0, -1),
                               step)
     zero = cfg.controller.on_failure == "zero_reward"
@@ -128,7 +228,6 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
 
     adm = Admission(client, float(cfg.gateway.lease_ttl_s))
     timings: dict[str, float] = {}
-    metrics: dict[str, Any] = {}
     urls = list(cfg.inference.urls)
     collocated = pause_during_update(cfg, trainer.device)
 
@@ -146,8 +245,8 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
     if not collocated:
         update()  # rollouts go on meanwhile; the pause below covers only the weight load
     t0 = time.monotonic()
-    inflight = adm.pause(pause_ttl_s=float(cfg.trainer.step_timeout_s))
-    try:
+    out: dict[str, float] = {}
+    with _paused(adm, cfg, beats, out) as inflight:
         drained = adm.drain(float(cfg.gateway.drain_timeout_s))
         timings["pause_drain"] = time.monotonic() - t0
         metrics["training/async/proxy_inflight_at_pause"] = inflight
@@ -157,11 +256,8 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
             update()
         version = _publish(client, cfg, trainer, resident, resident["probe_prev"], metrics,
                            timings, wake=collocated)
-    finally:
-        t = time.monotonic()
-        paused_for = adm.resume()
-        timings["resume"] = time.monotonic() - t
-    metrics["timing/gateway_paused_seconds"] = paused_for
+    timings["resume"] = out["resume"]
+    metrics["timing/gateway_paused_seconds"] = out["paused_for"]
     metrics.update({f"timing/trainer_{k}_seconds": v for k, v in timings.items()})
     rewards = stats.rewards
     metrics.update({
@@ -188,24 +284,19 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
 
 
 def init_run(client: redis.Redis, run_id: str) -> dict[str, Any]:
-    """Load the run's policy into this worker and make every inference server serve exactly
-    it (a previous run may have left other weights there). Verified by the probe."""
+    """Load the run's policy into this worker (from its last checkpoint, if any) and make
+    every inference server serve exactly it (a previous run may have left other weights
+    there). Verified by the probe."""
     cfg = run_config(client, run_id)
     _resident.clear()
     trainer, resident = resident_trainer(run_id, cfg)
-    resumed_from = checkpoint.latest_checkpoint(_path(cfg.trainer.checkpoint_dir), run_id)
-    if resumed_from is not None:
-        meta = checkpoint.load_checkpoint(trainer, resumed_from)
-        log.info("run %s: resumed trainer state from %s (step %d)", run_id, resumed_from,
-                 meta["step"])
+    metrics: dict[str, Any] = {}
+    out: dict[str, float] = {}
     adm = Admission(client, float(cfg.gateway.lease_ttl_s))
-    adm.pause(pause_ttl_s=float(cfg.trainer.step_timeout_s))
-    try:
+    with Beats(client, keys.trainer_heartbeat(run_id, "init"),
+               float(cfg.trainer.heartbeat_s)) as beats, _paused(adm, cfg, beats, out):
         adm.drain(float(cfg.gateway.drain_timeout_s))
-        metrics: dict[str, Any] = {}
         version = _publish(client, cfg, trainer, resident, None, metrics, {}, wake=False)
-    finally:
-        adm.resume()
     metrics["policy/version"] = version
-    metrics["resumed_from_step"] = meta["step"] if resumed_from is not None else None
+    metrics["resumed_from_step"] = resident["restored_step"]
     return metrics

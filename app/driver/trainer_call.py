@@ -1,0 +1,74 @@
+"""Calling the trainer worker, surviving its death.
+
+Trainer tasks are acknowledged on receipt (``acks_late=False`` in ``workers.trainer.tasks``):
+the broker never redelivers them on its own, hours later. Instead the driver watches the
+task's heartbeat (``keys.trainer_heartbeat``, refreshed by the worker every
+``trainer.heartbeat_s / 4``). A heartbeat that was seen and then expired without a result
+means the worker died mid-task; the driver sends the task again (up to
+``trainer.step_retries`` times) and the restarted worker resumes from the run's last
+checkpoint. Trainer tasks are idempotent, so a slow-but-alive worker finishing the first copy
+costs only a cached answer to the second.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import redis
+from celery.exceptions import TimeoutError as CeleryTimeout
+
+from app.state import keys
+
+log = logging.getLogger(__name__)
+
+
+class TrainerLost(RuntimeError):
+    """The trainer worker died during the task (its heartbeat expired)."""
+
+
+class TrainerTimeout(RuntimeError):
+    pass
+
+
+def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: float,
+           poll_s: float) -> dict:
+    start = time.monotonic()
+    seen = False
+    while True:
+        try:
+            return result.get(timeout=poll_s, propagate=True, disable_sync_subtasks=False)
+        except CeleryTimeout:
+            pass
+        alive = bool(client.exists(heartbeat_key))
+        if alive:
+            seen = True
+        elif seen and not result.ready():
+            raise TrainerLost(f"the trainer worker's heartbeat ({heartbeat_key}) expired "
+                              f"without a result")
+        if time.monotonic() - start > timeout_s:
+            raise TrainerTimeout(
+                f"no result after {timeout_s:.0f} s (trainer.step_timeout_s)"
+                + ("" if seen else "; no trainer worker took the task: is one running on "
+                   "queue 'trainer'?"))
+
+
+def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: str,
+                 args: list[Any], poll_s: float = 0.5) -> dict:
+    """Run trainer task ``task`` and return its result, re-sending it when the worker dies."""
+    from app.celery_app import celery_app
+
+    retries = int(cfg.trainer.step_retries)
+    key = keys.trainer_heartbeat(run_id, label)
+    for attempt in range(retries + 1):
+        result = celery_app.send_task(task, args=args)
+        try:
+            return _await(client, result, key, float(cfg.trainer.step_timeout_s), poll_s)
+        except TrainerLost as exc:
+            if attempt == retries:
+                raise TrainerLost(f"{exc}; gave up after {retries + 1} attempts "
+                                  f"(trainer.step_retries {retries})") from None
+            log.warning("%s (%s %s): sending it again (attempt %d of %d)", exc, task, label,
+                        attempt + 2, retries + 1)
+    raise AssertionError("unreachable")
