@@ -51,6 +51,7 @@ def make_cfg(tmp_path: Path, samples: list[dict], *overrides: str):
         f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
         "logging.console=false",
         f"trainer.weights_dir={tmp_path / 'weights'}",
+        f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}",
         "actor_rollout_ref.rollout.n=2",
         *overrides,
     ])
