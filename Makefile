@@ -23,3 +23,5 @@ bench: setup
 	@.venv/bin/python -m bench.gateway
 	@.venv/bin/python -m bench.weight_sync
 	@.venv/bin/python -m bench.async_vs_sync
+	@.venv/bin/python -m bench.overhead
+	@.venv/bin/python -m bench.scale

@@ -38,3 +38,18 @@ def timed(sample: dict, llm: Any, *, dist: str = "lognormal", median_s: float = 
         messages=[{"role": "user", "content": f"reverse {sample.get('text', 'abc')}"}])
     time.sleep(min(duration(dist, median_s, sigma, seed, seq, int(index)), max_s))
     return float(len(out.choices[0].message.content or "") % 2)
+
+
+def instant(sample: dict, llm: Any, **_: Any) -> float:
+    """No model call, no wait: what is left is the orchestration."""
+    return 1.0
+
+
+def sleeping(sample: dict, llm: Any, *, median_s: float = 1.0, sigma: float = 0.5,
+             seed: int = 0, max_s: float = 30.0, **_: Any) -> float:
+    """No model call; sleeps a log-normal duration (a cheap stand-in for a waiting agent:
+    the scale benchmark keeps thousands of them in flight)."""
+    group, index, _attempt = llm.rollout_id.rsplit(".", 2)
+    seq = int(group.rsplit("-g", 1)[1])
+    time.sleep(min(duration("lognormal", median_s, sigma, seed, seq, int(index)), max_s))
+    return 1.0

@@ -57,3 +57,28 @@ def test_async_vs_sync_bench_json(tmp_path):
     assert sync["speedup_vs_sync"] == 1.0 and sync["carry_over_age_max"] == 0
     png = (tmp_path / "async_vs_sync.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_overhead_bench_json():
+    r = run_bench("bench.overhead", "--steps", "4", "--warmup", "1", "--tbs", "2", "--n", "2",
+                  "--slots", "4")
+    assert r["benchmark"] == "overhead"
+    assert r["groups_selected"] == 8 and r["rollouts"] == 16
+    lat = r["dispatch_to_selected_ms"]
+    assert 0 < lat["p50"] <= lat["p99"]
+    # every rollout costs Redis work (broker, result backend, our records)
+    assert r["redis_commands_per_rollout"] > 5
+    assert r["celery_tasks_per_s"] > 0 and r["rollouts_per_s"] > 0
+
+
+def test_scale_bench_json():
+    r = run_bench("bench.scale", "--sizes", "20,60", "--steps", "3", "--tbs", "4", "--n", "2",
+                  "--slots", "32", "--median-s", "0.05")
+    assert r["benchmark"] == "scale"
+    assert [x["active_groups"] for x in r["results"]] == [20, 60]
+    for x in r["results"]:
+        assert x["active_rollouts"] == 2 * x["active_groups"]
+        assert x["fill_s"] > 0 and x["bookkeeping_ms_per_selected_group"] > 0
+        assert x["redis_bytes_per_active_rollout"] > 0
+        assert x["completed_to_selected_ms"]["p50"] <= x["completed_to_selected_ms"]["p99"]
+    assert r["results"][0]["bookkeeping_vs_smallest"] == 1.0

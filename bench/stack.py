@@ -1,0 +1,64 @@
+"""A private stack for one benchmark: free ports, a temporary Redis directory, the roles it
+needs started by the project's own supervisor (and stopped, whatever happens).
+
+The overrides go into ``$CARRYOVER_OVERRIDES`` before any project module builds the Celery
+app, so the benchmark process and every worker it starts agree on the ports.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stack_overrides(tmp: Path, *extra: str) -> list[str]:
+    ports = {k: free_port() for k in ("redis", "inference", "gateway", "flower")}
+    return [f"redis.port={ports['redis']}", f"redis.dir={tmp / 'redis'}",
+            f"inference.port={ports['inference']}",
+            f"inference.urls=[http://127.0.0.1:{ports['inference']}]",
+            f"gateway.port={ports['gateway']}",
+            f"gateway.url=http://127.0.0.1:{ports['gateway']}",
+            f"services.flower_port={ports['flower']}", *extra]
+
+
+@contextmanager
+def bench_stack(roles: list[str], *extra: str) -> Iterator[tuple[list[str], Path]]:
+    """Start ``roles``; yields (the overrides every run config must include, a temp dir)."""
+    tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
+    base = stack_overrides(tmp, *extra)
+    os.environ.pop("REDIS_URL", None)
+    os.environ["CARRYOVER_OVERRIDES"] = json.dumps(base)
+    os.environ.setdefault("CARRYOVER_ADMIN_TOKEN", "bench")
+    from app.config import service_config
+    from app.services.supervisor import Supervisor
+
+    with Supervisor(service_config(), log_dir=tmp / "logs",
+                    env={"PYTHONPATH": str(REPO)}) as sup:
+        sup.start(roles)
+        yield base, tmp
+
+
+def redis_calls(client) -> int:
+    """Commands the server has executed so far (every client: driver, workers, Celery)."""
+    return sum(int(v["calls"]) for v in client.info("commandstats").values())
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    xs = sorted(values)
+    k = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
+    return xs[k]
