@@ -90,7 +90,7 @@ def main() -> int:
         batch = to_batch(samples, trainer.pad_id)
         with torch.no_grad():
             batch.rollout_log_probs = token_log_probs(trainer.model, batch)[0].detach()
-        metrics = trainer.update(batch)
+        metrics = trainer.update(batch, step)
         mean = sum(sum(s) / len(s) for s in scores) / len(scores)
         rewards_by_step.append(mean)
         if step < 2:

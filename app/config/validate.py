@@ -73,6 +73,10 @@ def non_negative_num(v: Any) -> str | None:
     return None if _is_num(v) and v >= 0 else "must be a number >= 0"
 
 
+def fraction(v: Any) -> str | None:
+    return None if _is_num(v) and 0 <= v <= 1 else "must be a number from 0 to 1"
+
+
 def boolean(v: Any) -> str | None:
     return None if isinstance(v, bool) else "must be true or false"
 
@@ -149,6 +153,8 @@ RULES: dict[str, Check] = {
     "actor_rollout_ref.rollout.temperature": positive_num,
     "actor_rollout_ref.rollout.max_tokens": positive_int,
     "actor_rollout_ref.actor.lr": positive_num,
+    "actor_rollout_ref.actor.lr_schedule": one_of("constant", "cosine"),
+    "actor_rollout_ref.actor.min_lr_ratio": fraction,
     "actor_rollout_ref.actor.weight_decay": non_negative_num,
     "actor_rollout_ref.actor.ppo_epochs": positive_int,
     "actor_rollout_ref.actor.ppo_mini_batch_size": non_negative_int,

@@ -56,3 +56,17 @@ def test_one_update_follows_the_advantage():
     assert gain[1] < 0 and gain[3] < 0  # negative advantage: less likely
     assert metrics["rollout_corr/rollout_is_mean"] == 1.0
     assert "actor/pg_loss" in metrics and "actor/grad_norm" in metrics
+
+
+def test_lr_schedule_is_a_function_of_the_step():
+    from types import SimpleNamespace
+
+    cosine = load_config(None, ["actor_rollout_ref.actor.lr=1e-3", "trainer.total_steps=11",
+                                "actor_rollout_ref.actor.lr_schedule=cosine",
+                                "actor_rollout_ref.actor.min_lr_ratio=0.2"])
+    lrs = [PolicyTrainer.lr_at(SimpleNamespace(cfg=cosine), s) for s in range(11)]
+    assert abs(lrs[0] - 1e-3) < 1e-12 and abs(lrs[-1] - 2e-4) < 1e-12
+    assert abs(lrs[5] - 6e-4) < 1e-12  # half way: the mean of the two ends
+    assert all(a > b for a, b in zip(lrs, lrs[1:], strict=False))
+    const = load_config(None, ["actor_rollout_ref.actor.lr=1e-3"])
+    assert {PolicyTrainer.lr_at(SimpleNamespace(cfg=const), s) for s in (0, 7, 99)} == {1e-3}

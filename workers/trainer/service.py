@@ -239,7 +239,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Be
                 log.info("engine sleep %s", sleep_note)
                 resident["sleep_logged"] = True
         batch = to_batch(samples, trainer.pad_id, trainer.device)
-        metrics.update(trainer.update(batch))
+        metrics.update(trainer.update(batch, step))
         timings["update"] = time.monotonic() - t
 
     if not collocated:
