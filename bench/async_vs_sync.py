@@ -29,7 +29,6 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -151,33 +150,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "var" / "bench"))
     args = ap.parse_args(argv)
 
-    from bench.gateway import free_port
+    from bench.stack import bench_stack
 
-    tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
-    ports = {k: free_port() for k in ("redis", "inference", "gateway", "flower")}
-    base = [f"redis.port={ports['redis']}", f"redis.dir={tmp / 'redis'}",
-            f"inference.port={ports['inference']}",
-            f"inference.urls=[http://127.0.0.1:{ports['inference']}]",
-            f"gateway.port={ports['gateway']}",
-            f"gateway.url=http://127.0.0.1:{ports['gateway']}",
-            f"services.flower_port={ports['flower']}",
-            f"services.rollout_concurrency={args.slots}"]
-    os.environ.pop("REDIS_URL", None)
-    os.environ["CARRYOVER_OVERRIDES"] = json.dumps(base)
-    os.environ.setdefault("CARRYOVER_ADMIN_TOKEN", "bench")
-    from app.config import service_config
-    from app.services.supervisor import Supervisor
-
-    data = tmp / "data.jsonl"
-    data.write_text("".join(json.dumps({"text": t, "target": t[::-1]}) + "\n"
-                            for t in ("abc", "bad", "cab", "dab", "bcd", "dca", "acd", "bba")))
     dists = ([] if args.no_fixed else [("fixed", 0.0)]) + [
         ("lognormal", s) for s in parse_floats(args.sigmas)]
     ratios: list[float | None] = [None, *parse_floats(args.ratios)]
     results: list[dict] = []
-    cfg = service_config()
-    with Supervisor(cfg, log_dir=tmp / "logs", env={"PYTHONPATH": str(REPO)}) as sup:
-        sup.start(ROLES)
+    with bench_stack(ROLES, f"services.rollout_concurrency={args.slots}") as (base, tmp):
+        data = tmp / "data.jsonl"
+        data.write_text("".join(json.dumps({"text": t, "target": t[::-1]}) + "\n"
+                                for t in ("abc", "bad", "cab", "dab", "bcd", "dca", "acd", "bba")))
         for dist, sigma in dists:
             label = "fixed" if dist == "fixed" else f"lognormal sigma {sigma:g}"
             for ratio in ratios:  # interleaved: every mode of one workload back to back
