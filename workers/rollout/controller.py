@@ -133,8 +133,9 @@ class PythonController(Controller):
         thread = threading.Thread(target=target, name=f"agent-{llm.rollout_id}", daemon=True)
         thread.start()
         while thread.is_alive():
-            # Coarse ticks: many agents share one worker process and its GIL.
-            thread.join(0.5)
+            # Coarse ticks: many agents share one worker process and its GIL (the join
+            # returns at once when the agent ends; only timeout and cancel wait a tick).
+            thread.join(1.0)
             reason = stop_reason(clock, timeout_s, cancelled)
             if reason:
                 # A thread cannot be killed; the rollout is closed in the gateway instead,

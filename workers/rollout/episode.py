@@ -67,6 +67,19 @@ def existing_result(client: redis.Redis, group_id: str, index: int) -> SiblingRe
     return SiblingResult.from_json(raw) if raw else None
 
 
+_paused_seen = {"at": float("-inf"), "value": False}
+
+
+def gateway_paused(client: redis.Redis, max_age_s: float = 0.5) -> bool:
+    """The gateway's pause flag, read at most every ``max_age_s`` per worker process: a
+    worker runs hundreds of agents, and each one's clock asks every tick."""
+    now = time.monotonic()
+    if now - _paused_seen["at"] >= max_age_s:
+        _paused_seen["value"] = bool(client.exists(keys.paused()))
+        _paused_seen["at"] = now
+    return bool(_paused_seen["value"])
+
+
 def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
     done = existing_result(client, group_id, index)
     if done is not None:
@@ -105,7 +118,7 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
 
     error = ""
     rollout_id = ""
-    clock = PauseAwareClock(lambda: bool(client.exists(keys.paused())))
+    clock = PauseAwareClock(lambda: gateway_paused(client))
     # An agent still running from an earlier delivery of this task is watched, not restarted.
     try:
         adopted = controller.adopt()
