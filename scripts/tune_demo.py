@@ -11,10 +11,12 @@ Usage: python scripts/tune_demo.py --steps 80 [key=value overrides of config/dem
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,6 +37,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=80)
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--stale", type=int, default=0,
+                    help="sample with the weights of this many updates ago (the live async "
+                         "demo trains on samples one version old)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = load_config(REPO / "config/demo.yaml", args.overrides)
@@ -49,6 +54,8 @@ def main() -> int:
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     groups, n = int(cfg.data.train_batch_size), int(ro.n)
     first, rewards_by_step = [], []
+    sampler = copy.deepcopy(trainer.model) if args.stale else trainer.model
+    snapshots: deque = deque(maxlen=args.stale + 1)
     t0 = time.time()
     for step in range(args.steps):
         picks = [rng.choice(rows) for _ in range(groups)]
@@ -56,7 +63,11 @@ def main() -> int:
                  for p in picks for _ in range(n)]
         scores: list[list[float]] = [[] for _ in convs]
         calls: list[list[tuple[list[int], list[int]]]] = [[] for _ in convs]
-        trainer.model.eval()
+        if args.stale:
+            snapshots.append({k: v.detach().clone() for k, v in
+                              trainer.model.state_dict().items()})
+            sampler.load_state_dict(snapshots[0])
+        sampler.eval()
         for turn in range(turns):
             prompts = [tok.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
                                                return_dict=False) for c in convs]
@@ -65,7 +76,7 @@ def main() -> int:
             ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
             att = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
             with torch.no_grad():
-                out = trainer.model.generate(
+                out = sampler.generate(
                     input_ids=ids, attention_mask=att, do_sample=True,
                     temperature=float(ro.temperature), top_k=0, top_p=1.0,
                     max_new_tokens=int(ro.max_tokens), eos_token_id=eos, pad_token_id=0)
@@ -89,7 +100,7 @@ def main() -> int:
                                       float(ro.temperature), 0))
         batch = to_batch(samples, trainer.pad_id)
         with torch.no_grad():
-            batch.rollout_log_probs = token_log_probs(trainer.model, batch)[0].detach()
+            batch.rollout_log_probs = token_log_probs(sampler, batch)[0].detach()
         metrics = trainer.update(batch, step)
         mean = sum(sum(s) / len(s) for s in scores) / len(scores)
         rewards_by_step.append(mean)
