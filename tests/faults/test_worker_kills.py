@@ -55,6 +55,13 @@ def train_in_thread(run_cfg, run_id: str) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
+def finished(thread: threading.Thread, out: dict, timeout: float, steps: int, what: str) -> None:
+    thread.join(timeout)
+    assert not thread.is_alive(), f"training did not finish after {what}"
+    assert "error" not in out, out.get("error")
+    assert out["result"]["steps"] == steps
+
+
 def assert_trained_once_and_whole(client, run_id: str, steps: int, per_step: int,
                                   n: int) -> list[str]:
     trained = [g for s in range(steps) for g in client.lrange(keys.run_step_groups(run_id, s),
@@ -80,10 +87,7 @@ def test_rollout_worker_sigkilled_mid_rollout(stack, tmp_path, celery_workers): 
     sigkill(celery_workers, "rollout")
     stack.set("test:gate:after-kill", 1)  # the re-run siblings pass straight through
     celery_workers.start(["rollout"])
-    thread.join(180)
-    assert not thread.is_alive(), "training did not finish after the rollout worker died"
-    assert "error" not in out, out.get("error")
-    assert out["result"]["steps"] == 2
+    finished(thread, out, 180, 2, "the rollout worker died")
     assert_trained_once_and_whole(stack, run_id, 2, 2, 2)
     run = stack.hgetall(keys.run(run_id))
     assert int(run.get("n_dropped", 0)) == 0  # requeued messages, not failed siblings
@@ -114,10 +118,7 @@ def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # n
                       "the pause to expire")
     assert waited <= heartbeat + 1.0
     celery_workers.start(["trainer"])
-    thread.join(240)
-    assert not thread.is_alive(), "training did not finish after the trainer worker died"
-    assert "error" not in out, out.get("error")
-    assert out["result"]["steps"] == 4
+    finished(thread, out, 240, 4, "the trainer worker died")
     assert_trained_once_and_whole(stack, run_id, 4, 2, 2)
     rows = [json.loads(r) for r in stack.lrange(keys.run_metrics(run_id), 0, -1)]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
