@@ -182,6 +182,36 @@ def test_duplicate_callback_and_redelivered_sibling_change_nothing(stack, tmp_pa
     assert len(list(stack.scan_iter(f"co:rollout:{gid}.0.*:calls"))) == 1
 
 
+def test_early_chord_callback_is_completed_by_the_last_sibling(redis_client, tmp_path):
+    """A sibling that ran twice (its worker wrongly presumed dead) counts twice in the
+    chord, so the callback can fire before the last sibling stored its result: the group
+    must not be completed partially, and the last sibling completes it."""
+    from omegaconf import OmegaConf
+
+    from app.driver.collector import Collector
+    from app.state.records import GroupRecord
+    from workers.rollout.completion import finish_group
+    from workers.rollout.episode import store_result
+
+    cfg = make_cfg(tmp_path, [{}])
+    Collector.create_run(redis_client, "early", OmegaConf.to_container(cfg), "async")
+    gid = "early-g0"
+    redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, "early", 0, n=2).to_hash())
+    redis_client.zadd(keys.run_active("early"), {gid: 0})
+
+    def result(i: int) -> SiblingResult:
+        return SiblingResult(i, f"{gid}.{i}.x", "ok", 0.5, 1, 0.1)
+
+    store_result(redis_client, gid, result(0))
+    assert finish_group(redis_client, gid) == "incomplete"  # the early callback
+    assert redis_client.zscore(keys.run_ready("early"), gid) is None
+    assert not redis_client.exists(keys.group_done(gid))
+    store_result(redis_client, gid, result(1))  # the last sibling completes the group
+    assert redis_client.hget(keys.group(gid), "status") == "complete"
+    assert redis_client.zscore(keys.run_ready("early"), gid) == 0
+    assert finish_group(redis_client, gid) == "duplicate"
+
+
 def test_driver_killed_and_resumed_keeps_its_carry_over(stack, tmp_path):
     samples = [{}, {"gate": "end"}, {"sleep": 0.5}, {"sleep": 0.5}] + [{} for _ in range(8)]
     cfg = make_cfg(tmp_path, samples, "data.train_batch_size=1",

@@ -93,14 +93,21 @@ def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult
         result = SiblingResult(index=index, rollout_id="", status="failed", reward=None,
                                attempts=0, seconds=0.0, error=f"{exc.__class__.__name__}: {exc}")
     result.finished_at = time.time()
-    client.hset(keys.group_results(group_id), str(index), result.to_json())
+    store_result(client, group_id, result)
+    return result
+
+
+def store_result(client: redis.Redis, group_id: str, result: SiblingResult) -> None:
+    """Store a sibling's result; if the chord callback already fired without it (a sibling
+    that ran twice), this last sibling completes the group (store first, then look: see
+    ``completion.finish_group``)."""
+    client.hset(keys.group_results(group_id), str(result.index), result.to_json())
     if client.hget(keys.group(group_id), "callback_early") == "1":
         from workers.rollout.completion import finish_group
 
         log.info("group %s: the chord callback fired early; sibling %d completes the group",
-                 group_id, index)
+                 group_id, result.index)
         finish_group(client, group_id)
-    return result
 
 
 def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
