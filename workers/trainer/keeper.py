@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import redis
@@ -36,8 +37,6 @@ class UpstreamKeeper:
         self.model_name = model_name
         self.tolerance = tolerance
         self.every_s = every_s
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def configure(self, urls: list[str], model_name: str, tolerance: float) -> None:
         """Follow the running run's config (it may name other servers than the worker's)."""
@@ -46,16 +45,12 @@ class UpstreamKeeper:
         self.tolerance = tolerance
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="upstream-keeper", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
+        # A daemon for the life of the trainer worker process.
+        threading.Thread(target=self._run, name="upstream-keeper", daemon=True).start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.every_s):
+        while True:
+            time.sleep(self.every_s)
             try:
                 self.tick()
             except Exception as exc:  # noqa: BLE001 - the keeper must outlive any one failure

@@ -195,6 +195,16 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
         return _train_step(client, run_id, step, cfg, beats)
 
 
+def _serve_resident(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: dict,
+                    beats: Beats, metrics: dict[str, Any]) -> int:
+    """Make every inference server serve the resident weights as they are (no update):
+    pause, drain, publish, resume. Returns the new policy version."""
+    adm = Admission(client, float(cfg.gateway.lease_ttl_s))
+    with _paused(adm, cfg, beats, {}):
+        adm.drain(float(cfg.gateway.drain_timeout_s))
+        return _publish(client, cfg, trainer, resident, None, metrics, {}, wake=False)
+
+
 def _restore_servers(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: dict,
                      beats: Beats, step: int) -> dict[str, Any]:
     """This process took up a run mid-way (its previous trainer worker died): bring every
@@ -202,12 +212,7 @@ def _restore_servers(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resi
     log.warning("trainer worker took up run %s at step %d: restored from the checkpoint of "
                 "step %s; loading those weights into the inference servers", resident["run_id"],
                 step, resident["restored_step"])
-    adm = Admission(client, float(cfg.gateway.lease_ttl_s))
-    metrics: dict[str, Any] = {}
-    out: dict[str, float] = {}
-    with _paused(adm, cfg, beats, out):
-        adm.drain(float(cfg.gateway.drain_timeout_s))
-        version = _publish(client, cfg, trainer, resident, None, metrics, {}, wake=False)
+    version = _serve_resident(client, cfg, trainer, resident, beats, {})
     return {"trainer/restored_from_step": resident["restored_step"],
             "trainer/restored_policy_version": version}
 
@@ -291,12 +296,9 @@ def init_run(client: redis.Redis, run_id: str) -> dict[str, Any]:
     _resident.clear()
     trainer, resident = resident_trainer(run_id, cfg)
     metrics: dict[str, Any] = {}
-    out: dict[str, float] = {}
-    adm = Admission(client, float(cfg.gateway.lease_ttl_s))
     with Beats(client, keys.trainer_heartbeat(run_id, "init"),
-               float(cfg.trainer.heartbeat_s)) as beats, _paused(adm, cfg, beats, out):
-        adm.drain(float(cfg.gateway.drain_timeout_s))
-        version = _publish(client, cfg, trainer, resident, None, metrics, {}, wake=False)
+               float(cfg.trainer.heartbeat_s)) as beats:
+        version = _serve_resident(client, cfg, trainer, resident, beats, metrics)
     metrics["policy/version"] = version
     metrics["resumed_from_step"] = resident["restored_step"]
     return metrics
