@@ -97,7 +97,7 @@ def main() -> int:
             reward = sum(scores[i]) / len(scores[i])
             for p, r in cs:
                 samples.append(Sample(p, r, [0.0] * len(r), reward, f"g{i // n}",
-                                      float(ro.temperature), 0))
+                                      float(ro.temperature), 0, f"r{i}"))
         batch = to_batch(samples, trainer.pad_id)
         with torch.no_grad():
             batch.rollout_log_probs = token_log_probs(sampler, batch)[0].detach()

@@ -4,6 +4,11 @@ Every captured model call of a rollout is one sample; all samples of a rollout s
 reward, all samples of a group share the group id (the GRPO/RLOO index). Samples whose
 capture is unusable (missing or non-finite log-probs, empty response, lengths that do not
 line up) are excluded and counted, never trained.
+
+A multi-turn rollout's later call usually re-sends the whole conversation: its prompt begins
+with the earlier call's prompt and response. Such calls share one row of the batch (one
+forward pass computes the logits of every response in it, each with exactly the causal
+context it was sampled with), which halves the tokens a two-turn agent costs the update.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Sample:
     group_id: str
     temperature: float
     policy_version: int
+    rollout_id: str = ""   # consecutive calls of one rollout may share a row; "" never does
 
 
 @dataclass
@@ -65,7 +71,8 @@ def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failu
                     continue
                 samples.append(Sample(call.prompt_ids, call.response_ids,
                                       [float(x) for x in call.logprobs],  # type: ignore[arg-type]
-                                      reward, gid, call.temperature, call.policy_version))
+                                      reward, gid, call.temperature, call.policy_version,
+                                      result.rollout_id))
                 stats.versions.append(call.policy_version)
     stats.samples = len(samples)
     return samples, stats
@@ -82,6 +89,7 @@ class Batch:
     rewards: object          # [B] float
     temperatures: object     # [B, 1] float
     group_ids: list[str]
+    calls: list[int] = field(default_factory=list)  # samples (model calls) in each row
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -93,34 +101,71 @@ class Batch:
         return Batch(self.input_ids[idx], self.attention_mask[idx], self.response_index[idx],
                      self.response_ids[idx], self.response_mask[idx],
                      self.rollout_log_probs[idx], self.rewards[idx], self.temperatures[idx],
-                     [self.group_ids[i] for i in rows])
+                     [self.group_ids[i] for i in rows], [self.calls[i] for i in rows])
+
+
+@dataclass
+class Row:
+    """One batch row: a token sequence and the positions of the response tokens in it."""
+
+    tokens: list[int]
+    positions: list[int]      # index in ``tokens`` of each response token
+    response_ids: list[int]
+    logprobs: list[float]
+    first: Sample             # reward, group and temperature (shared by the row's calls)
+    calls: int = 1
+
+
+def pack_turns(samples: list[Sample]) -> list[Row]:
+    """Rows of ``samples``; a call joins the previous call's row when both belong to the same
+    rollout, use the same temperature and the call's prompt begins with the row's tokens."""
+    rows: list[Row] = []
+    for s in samples:
+        last = rows[-1] if rows else None
+        n = len(last.tokens) if last else 0
+        if (last is not None and s.rollout_id and s.rollout_id == last.first.rollout_id
+                and s.temperature == last.first.temperature
+                and len(s.prompt_ids) >= n and s.prompt_ids[:n] == last.tokens):
+            start = len(s.prompt_ids)
+            last.tokens = s.prompt_ids + s.response_ids
+            last.positions += range(start, start + len(s.response_ids))
+            last.response_ids += s.response_ids
+            last.logprobs += s.rollout_logprobs
+            last.calls += 1
+            continue
+        p = len(s.prompt_ids)
+        rows.append(Row(s.prompt_ids + s.response_ids, list(range(p, p + len(s.response_ids))),
+                        list(s.response_ids), list(s.rollout_logprobs), s))
+    return rows
 
 
 def to_batch(samples: list[Sample], pad_id: int, device: str = "cpu") -> Batch:
-    """Right-padded ``prompt + response`` rows; response tokens gathered into [B, R]."""
+    """Right-padded rows (see ``pack_turns``); response tokens gathered into [B, R]."""
     import torch
 
-    seq_len = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-    resp_len = max(len(s.response_ids) for s in samples)
-    b = len(samples)
+    rows = pack_turns(samples)
+    seq_len = max(len(r.tokens) for r in rows)
+    resp_len = max(len(r.response_ids) for r in rows)
+    b = len(rows)
     input_ids = torch.full((b, seq_len), pad_id, dtype=torch.long)
     attention = torch.zeros((b, seq_len), dtype=torch.long)
     response_index = torch.zeros((b, resp_len), dtype=torch.long)
     response_ids = torch.full((b, resp_len), pad_id, dtype=torch.long)
     response_mask = torch.zeros((b, resp_len), dtype=torch.float32)
     rollout_lp = torch.zeros((b, resp_len), dtype=torch.float32)
-    for i, s in enumerate(samples):
-        p, r = len(s.prompt_ids), len(s.response_ids)
-        input_ids[i, :p + r] = torch.tensor(s.prompt_ids + s.response_ids)
-        attention[i, :p + r] = 1
+    for i, row in enumerate(rows):
+        t, r = len(row.tokens), len(row.response_ids)
+        input_ids[i, :t] = torch.tensor(row.tokens)
+        attention[i, :t] = 1
         # the logits at position t predict token t+1
-        response_index[i, :r] = torch.arange(p - 1, p + r - 1)
-        response_ids[i, :r] = torch.tensor(s.response_ids)
+        response_index[i, :r] = torch.tensor(row.positions) - 1
+        response_ids[i, :r] = torch.tensor(row.response_ids)
         response_mask[i, :r] = 1.0
-        rollout_lp[i, :r] = torch.tensor(s.rollout_logprobs)
+        rollout_lp[i, :r] = torch.tensor(row.logprobs)
     return Batch(
         input_ids.to(device), attention.to(device), response_index.to(device),
         response_ids.to(device), response_mask.to(device), rollout_lp.to(device),
-        torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device),
-        torch.tensor([[s.temperature] for s in samples], dtype=torch.float32, device=device),
-        [s.group_id for s in samples])
+        torch.tensor([r.first.reward for r in rows], dtype=torch.float32, device=device),
+        torch.tensor([[r.first.temperature] for r in rows], dtype=torch.float32,
+                     device=device),
+        [r.first.group_id for r in rows], [r.calls for r in rows])

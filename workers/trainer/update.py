@@ -203,5 +203,8 @@ class PolicyTrainer:
         out["actor/lr"] = lr
         out["actor/advantage_abs_mean"] = float(
             (advantages.abs() * batch.response_mask).sum() / batch.response_mask.sum())
-        out["actor/response_length_mean"] = float(batch.response_mask.sum(-1).mean())
+        out["batch/rows"] = float(len(batch))
+        # per model call (a row may hold several turns of one rollout)
+        out["actor/response_length_mean"] = float(
+            batch.response_mask.sum() / max(sum(batch.calls), 1))
         return out
