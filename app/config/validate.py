@@ -169,6 +169,7 @@ RULES: dict[str, Check] = {
     # null only when train_batch_size is itself invalid (it is derived from it otherwise)
     "agentlightning.async_rollout.async_train_batch_size": optional(positive_int),
     "agentlightning.async_rollout.max_carry_over_age_steps": optional(positive_int),
+    "agentlightning.async_rollout.refill": one_of("during_update", "after_update"),
     "algorithm.adv_estimator": one_of(*ADV_ESTIMATORS),
     "algorithm.norm_adv_by_std_in_grpo": boolean,
     "algorithm.rollout_correction.rollout_is": one_of(*ROLLOUT_IS_MODES),

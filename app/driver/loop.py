@@ -90,6 +90,7 @@ def train(cfg: Any, resume: str | None = None, *,
     last_counters = collector.counters()
     n = collector.n
     is_async = bool(cfg.agentlightning.async_rollout.enabled)
+    refill_during_update = cfg.agentlightning.async_rollout.refill == "during_update"
     carried = collector.active_count()
     try:
         while step < total:
@@ -108,14 +109,19 @@ def train(cfg: Any, resume: str | None = None, *,
                 selection = collector.select(step, prev_carry, waited)
                 sel_groups = selection.group_ids
             carried = collector.active_count()
-            if is_async and step + 1 < total:
-                # Refill now, not after the update: the freed slots work while the trainer
-                # does (the groups count as dispatched for the next step).
-                collector.top_up(version, dispatch_step=step + 1)
+
+            def refill(v: int = version, s: int = step) -> None:
+                # The groups count as dispatched for the next step.
+                collector.top_up(v, dispatch_step=s + 1)
+
+            # during_update: the freed slots work while the trainer does, on the old weights.
+            # after_update: the loop's top_up at the next step starts them on the new ones.
+            refill_early = is_async and step + 1 < total and refill_during_update
             t_train = time.monotonic()
             try:
-                trainer_metrics = call_trainer(client, cfg, "workers.trainer.tasks.train_step",
-                                               run_id, str(step), [run_id, step])
+                trainer_metrics = call_trainer(
+                    client, cfg, "workers.trainer.tasks.train_step", run_id, str(step),
+                    [run_id, step], while_running=refill if refill_early else None)
             except Exception as exc:
                 raise TrainingFailed(f"update {step} failed in the trainer worker: "
                                      f"{exc.__class__.__name__}: {exc}") from exc

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -55,14 +56,20 @@ def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: floa
 
 
 def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: str,
-                 args: list[Any], poll_s: float = 0.5) -> dict:
-    """Run trainer task ``task`` and return its result, re-sending it when the worker dies."""
+                 args: list[Any], poll_s: float = 0.5,
+                 while_running: Callable[[], Any] | None = None) -> dict:
+    """Run trainer task ``task`` and return its result, re-sending it when the worker dies.
+
+    ``while_running`` is called once, right after the first send: work the driver does while
+    the trainer does its own."""
     from app.celery_app import celery_app
 
     retries = int(cfg.trainer.step_retries)
     key = keys.trainer_heartbeat(run_id, label)
     for attempt in range(retries + 1):
         result = celery_app.send_task(task, args=args)
+        if while_running is not None and attempt == 0:
+            while_running()
         try:
             return _await(client, result, key, float(cfg.trainer.step_timeout_s), poll_s)
         except TrainerLost as exc:

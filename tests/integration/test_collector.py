@@ -99,9 +99,30 @@ def test_scripted_carry_over_scenario(stack, tmp_path):
         assert stack.get(keys.group_trained(gid)) is not None
     # still active and carried past the end: the two groups held by the "end" gate
     assert sorted(stack.zrange(keys.run_active(run_id), 0, -1)) == sorted([g[6], g[7]])
+    # refill during the update: the groups sent for step s left before step s-1's weights
+    for gid in g[4:]:
+        dispatched = int(stack.hget(keys.group(gid), "dispatch_step"))
+        assert int(stack.hget(keys.group(gid), "dispatch_version")) \
+            < rows[dispatched - 1]["policy/version"]
     for r in rows:
         assert r["training/async/proxy_inflight_at_pause"] >= 0
         assert r["training/async/proxy_drain_seconds"] >= 0
+
+
+def test_refill_after_update_starts_groups_on_the_new_weights(stack, tmp_path):
+    cfg = make_cfg(tmp_path, [{} for _ in range(10)], "data.train_batch_size=2",
+                   "agentlightning.async_rollout.async_train_batch_size=4",
+                   "agentlightning.async_rollout.refill=after_update", "trainer.total_steps=3")
+    result, rows = run(cfg)
+    run_id = result["run_id"]
+    later = [g for g in (f"{run_id}-g{i}" for i in range(4, 8))]
+    for gid in later:
+        dispatched = int(stack.hget(keys.group(gid), "dispatch_step"))
+        assert dispatched >= 1
+        assert int(stack.hget(keys.group(gid), "dispatch_version")) \
+            == rows[dispatched - 1]["policy/version"]
+    assert all(r["policy/sample_version_lag_mean"] <= 1 for r in rows)
+    assert [carry(r)[:3] for r in rows] == [(0, 4, 4), (4, 4, 4), (4, 4, 4)]
 
 
 def test_sync_baseline_has_no_carry_over(stack, tmp_path):
