@@ -81,9 +81,15 @@ def inference_command(cfg: Any) -> Command:
         "--logprobs-mode", inf.logprobs_mode,
         "--enforce-eager",
         "--disable-uvicorn-access-log",
+        # One device per server: the model runs in the engine process. The multiprocess
+        # executor's worker busy-polls its shared-memory queue (sched_yield for a second
+        # after every step), which costs a whole core on a small CPU machine.
+        "--distributed-executor-backend", "uni",
     ]
     # Dev mode exposes /collective_rpc (weight reload) and /reset_prefix_cache.
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+           # lets the CPU platform keep the "uni" executor (it forces "mp" otherwise)
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     threads = int(inf.cpu_threads)
     if threads:
         # Bound to the last cores, so the trainer's threads (first cores) and the engine's

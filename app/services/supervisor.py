@@ -45,6 +45,28 @@ def _ready_check(cfg: Any, role: str) -> Callable[[], bool]:
     return worker_up
 
 
+def _listen_address(cfg: Any, role: str) -> tuple[str, int, str] | None:
+    """(host, port, config key) a role's server binds to, for the roles that listen."""
+    if role == "redis":
+        return cfg.redis.host, int(cfg.redis.port), "redis.port"
+    if role == "inference":
+        return cfg.inference.host, int(cfg.inference.port), "inference.port"
+    if role == "gateway":
+        return cfg.gateway.host, int(cfg.gateway.port), "gateway.port"
+    if role == "flower":
+        return "127.0.0.1", int(cfg.services.flower_port), "services.flower_port"
+    return None
+
+
+def _in_use(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(0.5)
+        return sock.connect_ex((host if host not in ("0.0.0.0", "") else "127.0.0.1",
+                                port)) == 0
+
+
 class Supervisor:
     def __init__(self, cfg: Any, log_dir: Path | None = None, env: dict[str, str] | None = None):
         self.cfg = cfg
@@ -60,6 +82,14 @@ class Supervisor:
         if cmd.idle_reason:
             log.info("%s: not started (%s)", cmd.role, cmd.idle_reason)
             return
+        address = _listen_address(self.cfg, cmd.role)
+        if address is not None and _in_use(address[0], address[1]):
+            # Checked first: the readiness probe would otherwise find the other server and
+            # call this one ready while it fails to bind.
+            raise StartupError(
+                f"{cmd.role}: port {address[1]} on {address[0]} is already in use (another "
+                f"carryover stack still running or stopping?); "
+                f"or choose another port with {address[2]}=...")
         logfile = open(self.log_path(cmd.role), "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(
             cmd.argv, cwd=REPO_ROOT, env={**self.env, **cmd.env}, stdout=logfile,

@@ -11,15 +11,26 @@ from __future__ import annotations
 
 import math
 import random
+import ssl
+import threading
 import time
 from typing import Any
 
 import httpx
 import openai
 
-# One connection pool for every agent in this process: building an OpenAI client with its
-# own httpx client costs about 0.2 s of CPU (TLS context), more than the whole rollout.
-_HTTP = httpx.Client(timeout=120, limits=httpx.Limits(max_connections=512))
+# Building a TLS context costs about 0.2 s of CPU, more than a whole rollout: one for all.
+_TLS = ssl.create_default_context()
+_local = threading.local()
+
+
+def http_client() -> httpx.Client:
+    """This thread's HTTP client. One pool shared by hundreds of agent threads is scanned in
+    full on every request (httpcore), which was most of a rollout worker's CPU."""
+    client = getattr(_local, "client", None)
+    if client is None:
+        client = _local.client = httpx.Client(timeout=120, verify=_TLS)
+    return client
 
 
 def score(answer: str, target: str) -> float:
@@ -46,7 +57,7 @@ def ask(text: str, turn: int) -> str:
 def run(sample: dict, llm: Any, *, tool_median_s: float = 0.3, tool_sigma: float = 1.0,
         max_tool_s: float = 30.0, seed: int | None = None, **_: Any) -> float:
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=8,
-                           timeout=120, http_client=_HTTP)
+                           timeout=120, http_client=http_client())
     rng = random.Random(seed)
     text, target = sample["text"], sample["target"]
     messages = [{"role": "user", "content": ask(text, 0)}]

@@ -92,3 +92,20 @@ def test_honcho_brings_up_every_role_and_stops_cleanly(tmp_path):
         time.sleep(0.5)
     left = [(p.pid, " ".join(p.cmdline())[:80]) for p in _ours(marker)]
     assert left == [], f"still running after Ctrl-C: {left}"
+
+
+def test_a_port_already_in_use_is_a_clear_start_error(tmp_path):
+    import socket
+
+    from app.config import load_config
+    from app.services.supervisor import StartupError, Supervisor
+
+    cfg = load_config(None, stack_overrides(tmp_path))
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", int(cfg.services.flower_port)))
+        busy.listen()
+        sup = Supervisor(cfg, log_dir=tmp_path / "logs")
+        with pytest.raises(StartupError, match=r"flower: port \d+ on 127.0.0.1 is already in "
+                                               r"use.*services.flower_port"):
+            sup.start(["flower"])
+    assert sup.procs == {}  # nothing was started

@@ -80,6 +80,23 @@ def gateway_paused(client: redis.Redis, max_age_s: float = 0.5) -> bool:
     return bool(_paused_seen["value"])
 
 
+_status_seen: dict[str, tuple[float, str | None]] = {}
+
+
+def group_status(client: redis.Redis, group_id: str, max_age_s: float = 0.5) -> str | None:
+    """A group's status, read at most every ``max_age_s`` per worker process: its ``n``
+    siblings' agents all ask on every tick."""
+    now = time.monotonic()
+    seen = _status_seen.get(group_id)
+    if seen is None or now - seen[0] >= max_age_s:
+        if len(_status_seen) > 4096:  # forget finished groups now and then
+            for gid, (at, _) in list(_status_seen.items()):  # a copy: other threads insert
+                if now - at > 60:
+                    _status_seen.pop(gid, None)
+        seen = _status_seen[group_id] = (now, client.hget(keys.group(group_id), "status"))
+    return seen[1]
+
+
 def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
     done = existing_result(client, group_id, index)
     if done is not None:
@@ -121,7 +138,7 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
                                  run_id=group.run_id, group_id=group_id, index=index)
 
     def cancelled() -> bool:
-        return client.hget(keys.group(group_id), "status") == "cancelled"
+        return group_status(client, group_id) == "cancelled"
 
     error = ""
     rollout_id = ""
