@@ -90,6 +90,21 @@ class RawClient:
         self.sock.close()
 
 
+def _tree(pid: int) -> list:
+    import psutil
+
+    parent = psutil.Process(pid)
+    return [parent, *parent.children(recursive=True)]
+
+
+def _cpu_seconds(procs: list) -> float:
+    total = 0.0
+    for p in procs:
+        t = p.cpu_times()
+        total += t.user + t.system
+    return total
+
+
 def run_load(url: str, headers: dict, connections: int, total: int) -> dict:
     body = {"model": "m", "messages": [{"role": "user", "content": "abc"}], "max_tokens": 4}
     per = total // connections
@@ -173,12 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         run_load(via, auth, 8, 400)  # warm-up: connections, imports, scripts
         run_load(direct, {}, 8, 400)
         results: dict[str, list[dict]] = {}
+        gateway_tree = _tree(procs[2].pid)
+        cpu: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             for conns in (1, 8):
                 n = args.requests // (4 if conns == 1 else 1)
                 for name, url, hdr in (("direct", direct, {}), ("gateway", via, auth)):
-                    results.setdefault(f"{name}@{conns}", []).append(
-                        run_load(url, hdr, conns, n))
+                    before = _cpu_seconds(gateway_tree)
+                    row = run_load(url, hdr, conns, n)
+                    results.setdefault(f"{name}@{conns}", []).append(row)
+                    if name == "gateway":
+                        cpu.setdefault(f"gateway@{conns}", []).append(
+                            1000 * (_cpu_seconds(gateway_tree) - before) / row["requests"])
         captured = client.llen(f"co:rollout:{rid}:calls")
     finally:
         for p in reversed(procs):
@@ -204,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
         summary[f"added_p99_ms@{conns}"] = med(f"gateway@{conns}", "p99_ms") - med(
             f"direct@{conns}", "p99_ms")
     summary["gateway_rps@8"] = med("gateway@8", "rps")
+    # CPU the gateway's processes spend per proxied call: what bounds requests/s on 2 cores
+    for key, values in cpu.items():
+        summary[f"gateway_cpu_ms_per_request@{key.split('@')[1]}"] = statistics.median(values)
     print(json.dumps(summary, indent=1))
     print("\n| path | conns | req/s | p50 ms | p99 ms |\n|---|---|---|---|---|")
     for key, r in summary["results"].items():
