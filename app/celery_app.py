@@ -45,6 +45,9 @@ def make_celery() -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
+        # kombu's Redis transport, fixed so a worker survives a broker restart while it holds
+        # unacknowledged messages (see app/broker_transport.py)
+        broker_transport="app.broker_transport:Transport",
         broker_transport_options={
             # Agents may run for hours; redelivery of a live task on timeout would start a
             # second agent. Lost workers are found through acks_late + the restore scan.
