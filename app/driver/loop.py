@@ -12,6 +12,7 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -109,14 +110,11 @@ def train(cfg: Any, resume: str | None = None, *,
                 selection = collector.select(step, prev_carry, waited)
                 sel_groups = selection.group_ids
             carried = collector.active_count()
-
-            def refill(v: int = version, s: int = step) -> None:
-                # The groups count as dispatched for the next step.
-                collector.top_up(v, dispatch_step=s + 1)
-
-            # during_update: the freed slots work while the trainer does, on the old weights.
-            # after_update: the loop's top_up at the next step starts them on the new ones.
+            # during_update: the freed slots work while the trainer does, on the old weights
+            # (the groups count as dispatched for the next step). after_update: the loop's
+            # top_up at the next step starts them on the new ones.
             refill_early = is_async and step + 1 < total and refill_during_update
+            refill = partial(collector.top_up, version, dispatch_step=step + 1)
             t_train = time.monotonic()
             try:
                 trainer_metrics = call_trainer(

@@ -115,8 +115,7 @@ def test_refill_after_update_starts_groups_on_the_new_weights(stack, tmp_path):
                    "agentlightning.async_rollout.refill=after_update", "trainer.total_steps=3")
     result, rows = run(cfg)
     run_id = result["run_id"]
-    later = [g for g in (f"{run_id}-g{i}" for i in range(4, 8))]
-    for gid in later:
+    for gid in (f"{run_id}-g{i}" for i in range(4, 8)):
         dispatched = int(stack.hget(keys.group(gid), "dispatch_step"))
         assert dispatched >= 1
         assert int(stack.hget(keys.group(gid), "dispatch_version")) \

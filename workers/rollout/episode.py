@@ -16,6 +16,7 @@ import json
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -67,34 +68,35 @@ def existing_result(client: redis.Redis, group_id: str, index: int) -> SiblingRe
     return SiblingResult.from_json(raw) if raw else None
 
 
-_paused_seen = {"at": float("-inf"), "value": False}
+# Reads many agents of one worker process repeat every tick: (key) -> (read at, value).
+_seen: dict[str, tuple[float, Any]] = {}
+
+
+def _read_cached(key: str, max_age_s: float, read: Callable[[], Any]) -> Any:
+    """``read()``, at most every ``max_age_s`` per worker process for ``key``."""
+    now = time.monotonic()
+    seen = _seen.get(key)
+    if seen is None or now - seen[0] >= max_age_s:
+        if len(_seen) > 4096:  # forget finished groups now and then
+            for k, (at, _) in list(_seen.items()):  # a copy: other threads insert
+                if now - at > 60:
+                    _seen.pop(k, None)
+        seen = _seen[key] = (now, read())
+    return seen[1]
 
 
 def gateway_paused(client: redis.Redis, max_age_s: float = 0.5) -> bool:
     """The gateway's pause flag, read at most every ``max_age_s`` per worker process: a
     worker runs hundreds of agents, and each one's clock asks every tick."""
-    now = time.monotonic()
-    if now - _paused_seen["at"] >= max_age_s:
-        _paused_seen["value"] = bool(client.exists(keys.paused()))
-        _paused_seen["at"] = now
-    return bool(_paused_seen["value"])
-
-
-_status_seen: dict[str, tuple[float, str | None]] = {}
+    return bool(_read_cached(keys.paused(), max_age_s,
+                             lambda: client.exists(keys.paused())))
 
 
 def group_status(client: redis.Redis, group_id: str, max_age_s: float = 0.5) -> str | None:
     """A group's status, read at most every ``max_age_s`` per worker process: its ``n``
     siblings' agents all ask on every tick."""
-    now = time.monotonic()
-    seen = _status_seen.get(group_id)
-    if seen is None or now - seen[0] >= max_age_s:
-        if len(_status_seen) > 4096:  # forget finished groups now and then
-            for gid, (at, _) in list(_status_seen.items()):  # a copy: other threads insert
-                if now - at > 60:
-                    _status_seen.pop(gid, None)
-        seen = _status_seen[group_id] = (now, client.hget(keys.group(group_id), "status"))
-    return seen[1]
+    return _read_cached(keys.group(group_id), max_age_s,
+                        lambda: client.hget(keys.group(group_id), "status"))
 
 
 def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
