@@ -29,6 +29,8 @@ def test_gateway_bench_json():
         assert set(r["results"][key]) == {"rps", "p50_ms", "p99_ms"}
         assert r["results"][key]["rps"] > 0
     assert {"added_p50_ms@1", "added_p99_ms@8", "gateway_rps@8"} <= set(r)
+    for conns in (1, 8):  # the gateway's own CPU per call was measured
+        assert r[f"gateway_cpu_ms_per_request@{conns}"] > 0
     assert r["captured_calls"] >= 80  # every call through the gateway was captured
 
 
