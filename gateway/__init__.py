@@ -27,7 +27,9 @@ class GatewayState:
 
         self.settings = settings
         self.redis = connect(settings.redis_url, max_connections=1024)
-        self.admission = Admission(self.redis, settings.lease_ttl_s,
+        # Admission and capture (two calls per model call) share one connection
+        self.admission = Admission(connect(settings.redis_url, single_connection=True),
+                                   settings.lease_ttl_s,
                                    settings.max_concurrent_per_rollout)
         self.leases = LocalLeases(self.admission, refresh_every_s=settings.lease_ttl_s / 3)
         self.upstreams = Upstreams(list(settings.upstreams), client=self.redis)

@@ -13,13 +13,152 @@ upstream keeper has loaded the current weights into it again.
 from __future__ import annotations
 
 import hashlib
+import http.client
 import threading
 import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
 
 import redis
-import urllib3
 
 from app.state import keys
+
+CONNECT_TIMEOUT_S = 5.0
+# A pooled connection the server has since closed fails like this before any answer byte;
+# the request never reached the engine, so it is sent once more on a fresh connection.
+_STALE_REUSE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError,
+                ConnectionAbortedError)
+
+
+class UpstreamUnreachable(Exception):
+    """The inference server could not be reached or stopped answering."""
+
+    def __init__(self, reason: str, timed_out: bool = False) -> None:
+        super().__init__(reason)
+        self.timed_out = timed_out
+
+
+class UpstreamResponse:
+    """An answer from an inference server; ``release()`` hands its connection back."""
+
+    def __init__(self, pool: _ConnectionPool, conn: http.client.HTTPConnection,
+                 resp: http.client.HTTPResponse) -> None:
+        self._pool, self._conn, self._resp = pool, conn, resp
+        self.status = resp.status
+        self._released = False
+
+    def read(self) -> bytes:
+        try:
+            data = self._resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            self._release(reuse=False)
+            raise UpstreamUnreachable(f"answer cut off ({exc.__class__.__name__})") from exc
+        self._release(reuse=True)
+        return data
+
+    def lines(self) -> Iterator[bytes]:
+        """The body line by line (server-sent events), as it arrives."""
+        while True:
+            line = self._resp.readline()
+            if not line:
+                return
+            yield line
+
+    def release(self) -> None:
+        """Give the connection back; one whose answer was not read to the end is closed."""
+        self._release(reuse=self._resp.isclosed())
+
+    def _release(self, reuse: bool) -> None:
+        if self._released:
+            return
+        self._released = True
+        if reuse and not self._resp.will_close:
+            self._pool.put(self._conn)
+        else:
+            self._conn.close()
+
+
+class _OneSend:
+    """``http.client`` sends a request's head and body in two ``send`` calls; this holds
+    the head back and sends both at once (on loopback each send wakes the server)."""
+
+    hold_head = False  # set for a request with a non-empty body: its first send is the head
+    _head: bytes | None = None
+
+    def send(self, data):  # type: ignore[no-untyped-def]
+        if self.hold_head:
+            if self._head is None:
+                self._head = bytes(data)
+                return
+            data, self._head, self.hold_head = self._head + bytes(data), None, False
+        super().send(data)  # type: ignore[misc]
+
+
+class _HTTPConnection(_OneSend, http.client.HTTPConnection):
+    pass
+
+
+class _HTTPSConnection(_OneSend, http.client.HTTPSConnection):
+    pass
+
+
+class _ConnectionPool:
+    """Keep-alive connections to one server, most recently used first.
+
+    ``http.client`` directly: it sends headers and a bytes body in one ``send`` (urllib3
+    sends them apart and polls each pooled socket before reuse), and on loopback every
+    send wakes the peer process: the gateway's CPU per call is mostly such wake-ups."""
+
+    def __init__(self, url: str, maxsize: int) -> None:
+        u = urlsplit(url)
+        self.https = u.scheme == "https"
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or (443 if self.https else 80)
+        self.maxsize = maxsize
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def get(self) -> tuple[http.client.HTTPConnection, bool]:
+        """-> (connection, reused)."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+        cls = _HTTPSConnection if self.https else _HTTPConnection
+        return cls(self.host, self.port, timeout=CONNECT_TIMEOUT_S), False
+
+    def put(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            if len(self._idle) < self.maxsize:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def post(self, path: str, body: bytes, timeout_s: float) -> UpstreamResponse:
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        while True:
+            conn, reused = self.get()
+            ok = False
+            try:
+                if conn.sock is None:
+                    conn.connect()  # under CONNECT_TIMEOUT_S
+                conn.sock.settimeout(timeout_s)
+                conn.hold_head = bool(body)
+                conn.request("POST", path, body, headers)
+                resp = conn.getresponse()
+                ok = True
+                return UpstreamResponse(self, conn, resp)
+            except _STALE_REUSE as exc:
+                if reused:
+                    continue
+                raise UpstreamUnreachable(exc.__class__.__name__) from exc
+            except TimeoutError as exc:
+                # a connect that timed out left no socket; a read timeout is a slow answer
+                raise UpstreamUnreachable("timed out", timed_out=conn.sock is not None) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                raise UpstreamUnreachable(exc.__class__.__name__) from exc
+            finally:
+                if not ok:  # failed, or cancelled mid-call (UpstreamCancelled): never reuse
+                    conn.close()
 
 
 class Upstreams:
@@ -35,17 +174,14 @@ class Upstreams:
         self._stale: set[str] = set()
         self._stale_read_at = float("-inf")
         self._lock = threading.Lock()
-        # urllib3 directly: ``requests`` cost a third of the gateway's CPU per call.
         # No retries here (the agent retries on our 503), no proxy lookups.
-        self.pool = urllib3.PoolManager(num_pools=max(len(self.urls), 1), maxsize=pool_size,
-                                        block=False, retries=False)
+        self._pools = {u: _ConnectionPool(u, pool_size) for u in self.urls}
 
-    def post(self, url: str, body: bytes, timeout_s: float, stream: bool = False
-             ) -> urllib3.BaseHTTPResponse:
-        """POST JSON; raises ``urllib3.exceptions.HTTPError`` when the server is unreachable."""
-        return self.pool.request(
-            "POST", url, body=body, headers={"Content-Type": "application/json"},
-            timeout=urllib3.Timeout(connect=5.0, read=timeout_s), preload_content=not stream)
+    def post(self, upstream: str, path: str, body: bytes, timeout_s: float
+             ) -> UpstreamResponse:
+        """POST JSON to one of ``self.urls``; raises :class:`UpstreamUnreachable` when the
+        server cannot be reached or times out (connect: 5 s, each read: ``timeout_s``)."""
+        return self._pools[upstream].post(path, body, timeout_s)
 
     def ranking(self, key: str) -> list[str]:
         def score(url: str) -> bytes:

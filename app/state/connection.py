@@ -39,13 +39,18 @@ def redact(url: str) -> str:
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
-def connect(url: str, max_connections: int = 512, **kwargs: Any) -> redis.Redis:
+def connect(url: str, max_connections: int = 512, single_connection: bool = False,
+            **kwargs: Any) -> redis.Redis:
     """A client with string responses and retries on the transient errors a Redis restart
     causes (the AOF brings the data back; callers just need to ride the gap).
 
     The pool blocks when full instead of raising: a rollout worker runs hundreds of agent
     threads, and redis-py's default pool (100, raising ``MaxConnectionsError``) would fail
-    agents for no reason of their own."""
+    agents for no reason of their own.
+
+    ``single_connection``: every call shares one connection, taken in turn under a lock.
+    For short, frequent calls (the gateway's hot path) this skips the pool's per-call
+    checkout, which polls the socket before every command."""
     from redis.backoff import ExponentialBackoff
     from redis.retry import Retry
 
@@ -60,4 +65,5 @@ def connect(url: str, max_connections: int = 512, **kwargs: Any) -> redis.Redis:
     pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
                                                  timeout=60, **{k: v for k, v in opts.items()
                                                                 if k not in ("retry",)})
-    return redis.Redis(connection_pool=pool, retry=opts.get("retry"))
+    return redis.Redis(connection_pool=pool, retry=opts.get("retry"),
+                       single_connection_client=single_connection)
