@@ -1,8 +1,12 @@
 """Gateway overhead: requests/s and added latency against calling the upstream directly.
 
 Starts its own Redis, an instant OpenAI-compatible stand-in upstream (returns token ids and
-log-probs, so the gateway's admission and capture paths run) and the gateway under gunicorn,
-then measures direct vs through-gateway at 1 and 8 connections, interleaved in one run.
+log-probs, so the gateway's admission and capture paths run), the gateway under gunicorn and,
+as the reference point, a bare Flask proxy under gunicorn (``bench/bare_proxy.py``: forwards
+and nothing else). Then measures direct, through the bare proxy and through the gateway at 1
+and 8 connections, interleaved in one run: the bare proxy's figures say what Flask + gunicorn
++ one upstream call cost on this machine at this moment, so the gateway's can be read against
+them.
 
 Usage: python -m bench.gateway [--requests 2000] [--rounds 3]     (prints JSON, then a table)
 """
@@ -151,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
-    redis_port, standin_port, gw_port = free_port(), free_port(), free_port()
+    redis_port, standin_port, gw_port, bare_port = (free_port() for _ in range(4))
     overrides = [f"redis.port={redis_port}", f"redis.dir={tmp}", f"gateway.port={gw_port}",
                  f"gateway.url=http://127.0.0.1:{gw_port}",
                  f"gateway.workers={args.gateway_workers}",
@@ -171,10 +175,16 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.Popen([str(BIN / "gunicorn"), "-c", "gateway/gunicorn.conf.py",
                           "gateway:create_app()"], cwd=REPO, env=env, stdout=log, stderr=log,
                          start_new_session=True),
+        subprocess.Popen([str(BIN / "gunicorn"), "-k", "gevent", "-w",
+                          str(args.gateway_workers), "-b", f"127.0.0.1:{bare_port}",
+                          "--log-level", "warning",
+                          f"bench.bare_proxy:create_app('http://127.0.0.1:{standin_port}')"],
+                         cwd=REPO, stdout=log, stderr=log, start_new_session=True),
     ]
     try:
         wait_http(f"http://127.0.0.1:{standin_port}/health")
         wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        wait_http(f"http://127.0.0.1:{bare_port}/health")
         os.environ["CARRYOVER_OVERRIDES"] = env["CARRYOVER_OVERRIDES"]
         from app.config import service_config
         from app.state.connection import connect, resolve_redis_url
@@ -184,22 +194,24 @@ def main(argv: list[str] | None = None) -> int:
         rid, token = _start_attempt(client, "bench", "bench-g", 0, 1)
         direct = f"http://127.0.0.1:{standin_port}/v1/chat/completions"
         via = f"http://127.0.0.1:{gw_port}/rollout/{rid}/v1/chat/completions"
+        bare = f"http://127.0.0.1:{bare_port}/rollout/{rid}/v1/chat/completions"
         auth = {"Authorization": f"Bearer {token}"}
-        run_load(via, auth, 8, 400)  # warm-up: connections, imports, scripts
-        run_load(direct, {}, 8, 400)
+        paths = (("direct", direct, {}, None), ("bare_proxy", bare, {}, _tree(procs[3].pid)),
+                 ("gateway", via, auth, _tree(procs[2].pid)))
+        for _name, url, hdr, _procs in paths:
+            run_load(url, hdr, 8, 400)  # warm-up: connections, imports, scripts
         results: dict[str, list[dict]] = {}
-        gateway_tree = _tree(procs[2].pid)
         cpu: dict[str, list[float]] = {}
         for _ in range(args.rounds):
             for conns in (1, 8):
                 n = args.requests // (4 if conns == 1 else 1)
-                for name, url, hdr in (("direct", direct, {}), ("gateway", via, auth)):
-                    before = _cpu_seconds(gateway_tree)
+                for name, url, hdr, tree in paths:
+                    before = _cpu_seconds(tree) if tree else 0.0
                     row = run_load(url, hdr, conns, n)
                     results.setdefault(f"{name}@{conns}", []).append(row)
-                    if name == "gateway":
-                        cpu.setdefault(f"gateway@{conns}", []).append(
-                            1000 * (_cpu_seconds(gateway_tree) - before) / row["requests"])
+                    if tree:
+                        cpu.setdefault(f"{name}@{conns}", []).append(
+                            1000 * (_cpu_seconds(tree) - before) / row["requests"])
         captured = client.llen(f"co:rollout:{rid}:calls")
     finally:
         for p in reversed(procs):
@@ -220,14 +232,18 @@ def main(argv: list[str] | None = None) -> int:
         "results": {k: {f: med(k, f) for f in ("rps", "p50_ms", "p99_ms")} for k in results},
     }
     for conns in (1, 8):
-        summary[f"added_p50_ms@{conns}"] = med(f"gateway@{conns}", "p50_ms") - med(
-            f"direct@{conns}", "p50_ms")
-        summary[f"added_p99_ms@{conns}"] = med(f"gateway@{conns}", "p99_ms") - med(
-            f"direct@{conns}", "p99_ms")
+        for name, prefix in (("gateway", ""), ("bare_proxy", "bare_proxy_")):
+            for q in ("p50", "p99"):
+                summary[f"{prefix}added_{q}_ms@{conns}"] = med(
+                    f"{name}@{conns}", f"{q}_ms") - med(f"direct@{conns}", f"{q}_ms")
     summary["gateway_rps@8"] = med("gateway@8", "rps")
-    # CPU the gateway's processes spend per proxied call: what bounds requests/s on 2 cores
+    summary["bare_proxy_rps@8"] = med("bare_proxy@8", "rps")
+    summary["gateway_rps_vs_bare_proxy@8"] = summary["gateway_rps@8"] / summary[
+        "bare_proxy_rps@8"]
+    # CPU the proxies' processes spend per call: what bounds requests/s on 2 cores
     for key, values in cpu.items():
-        summary[f"gateway_cpu_ms_per_request@{key.split('@')[1]}"] = statistics.median(values)
+        name, conns = key.split("@")
+        summary[f"{name}_cpu_ms_per_request@{conns}"] = statistics.median(values)
     print(json.dumps(summary, indent=1))
     print("\n| path | conns | req/s | p50 ms | p99 ms |\n|---|---|---|---|---|")
     for key, r in summary["results"].items():

@@ -25,12 +25,17 @@ def run_bench(*args: str) -> dict:
 def test_gateway_bench_json():
     r = run_bench("bench.gateway", "--requests", "80", "--rounds", "1")
     assert r["benchmark"] == "gateway"
-    for key in ("direct@1", "gateway@1", "direct@8", "gateway@8"):
+    for key in ("direct@1", "gateway@1", "bare_proxy@1", "direct@8", "gateway@8",
+                "bare_proxy@8"):
         assert set(r["results"][key]) == {"rps", "p50_ms", "p99_ms"}
         assert r["results"][key]["rps"] > 0
-    assert {"added_p50_ms@1", "added_p99_ms@8", "gateway_rps@8"} <= set(r)
-    for conns in (1, 8):  # the gateway's own CPU per call was measured
+    assert {"added_p50_ms@1", "added_p99_ms@8", "gateway_rps@8", "bare_proxy_added_p50_ms@1",
+            "bare_proxy_rps@8"} <= set(r)
+    ratio = r["gateway_rps@8"] / r["bare_proxy_rps@8"]
+    assert r["gateway_rps_vs_bare_proxy@8"] == pytest.approx(ratio)
+    for conns in (1, 8):  # each proxy's own CPU per call was measured
         assert r[f"gateway_cpu_ms_per_request@{conns}"] > 0
+        assert r[f"bare_proxy_cpu_ms_per_request@{conns}"] > 0
     assert r["captured_calls"] >= 80  # every call through the gateway was captured
 
 
