@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -50,6 +51,17 @@ os.environ.pop("CARRYOVER_CONFIG", None)
 os.environ["CARRYOVER_OVERRIDES"] = json.dumps(stack_overrides(_TMP))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ["CARRYOVER_ADMIN_TOKEN"] = "test-admin-token"
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The stacks the fixtures start run in their own sessions. A pytest stopped with SIGTERM
+    # (``timeout``, a CI runner) would exit without fixture teardown and leave them running;
+    # as a KeyboardInterrupt, pytest still tears its fixtures down.
+    signal.signal(signal.SIGTERM, _interrupt)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
