@@ -105,9 +105,10 @@ class _HTTPSConnection(_OneSend, http.client.HTTPSConnection):
 class _ConnectionPool:
     """Keep-alive connections to one server, most recently used first.
 
-    ``http.client`` directly: it sends headers and a bytes body in one ``send`` (urllib3
-    sends them apart and polls each pooled socket before reuse), and on loopback every
-    send wakes the peer process: the gateway's CPU per call is mostly such wake-ups."""
+    ``http.client`` rather than urllib3: with ``_OneSend`` a request is one ``send``, and a
+    pooled connection is reused without polling its socket first (a closed one is caught by
+    ``post`` instead). urllib3 does both, and on loopback each send and poll costs the
+    gateway about as much as the work it does for the call."""
 
     def __init__(self, url: str, maxsize: int) -> None:
         u = urlsplit(url)

@@ -1,0 +1,106 @@
+"""The gateway's upstream connections (gateway/upstream.py) against raw local servers."""
+
+from __future__ import annotations
+
+import socket
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from gateway.upstream import Upstreams, UpstreamUnreachable, _HTTPConnection
+
+ANSWER = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}'
+
+
+def _read_request(conn: socket.socket) -> bytes:
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = conn.recv(65536)
+        if not chunk:
+            return b""
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        body += conn.recv(65536)
+    return data
+
+
+@pytest.fixture
+def server() -> Iterator[Callable]:
+    """server(handle) -> url; ``handle(conn)`` serves one accepted connection."""
+    socks: list[socket.socket] = []
+
+    def start(handle: Callable[[socket.socket], None]) -> str:
+        lsock = socket.create_server(("127.0.0.1", 0))
+        socks.append(lsock)
+
+        def accept_loop() -> None:
+            while True:
+                try:
+                    conn, _ = lsock.accept()
+                except OSError:
+                    return
+                socks.append(conn)
+                threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+        threading.Thread(target=accept_loop, daemon=True).start()
+        return f"http://127.0.0.1:{lsock.getsockname()[1]}"
+
+    yield start
+    for s in socks:
+        s.close()
+
+
+def test_head_and_body_leave_in_one_send():
+    sent: list[bytes] = []
+
+    class Recorder:
+        def sendall(self, data: bytes) -> None:
+            sent.append(bytes(data))
+
+    conn = _HTTPConnection("127.0.0.1", 1)
+    conn.sock = Recorder()  # type: ignore[assignment]
+    conn.hold_head = True
+    conn.request("POST", "/v1/completions", b'{"prompt": "x"}',
+                 {"Content-Type": "application/json"})
+    assert len(sent) == 1
+    assert sent[0].startswith(b"POST /v1/completions HTTP/1.1\r\n")
+    assert sent[0].endswith(b'\r\n\r\n{"prompt": "x"}')
+
+
+def test_a_connection_the_server_closed_is_replaced(server):
+    served = []
+
+    def answer_once_then_hang_up(conn: socket.socket) -> None:
+        served.append(_read_request(conn))
+        conn.sendall(ANSWER)   # keep-alive answer, then the server closes anyway
+        conn.close()
+
+    url = server(answer_once_then_hang_up)
+    ups = Upstreams([url])
+    for _ in range(3):
+        resp = ups.post(url, "/v1/completions", b"{}", 5)
+        assert (resp.status, resp.read()) == (200, b"{}")
+    assert len(served) == 3   # each request reached the server exactly once
+
+
+def test_refused_connection_is_unreachable_not_slow():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"   # bound, never listening
+        with pytest.raises(UpstreamUnreachable) as err:
+            Upstreams([url]).post(url, "/v1/completions", b"{}", 5)
+    assert not err.value.timed_out
+
+
+def test_a_silent_server_times_out_as_a_slow_answer(server):
+    def never_answer(conn: socket.socket) -> None:
+        _read_request(conn)
+
+    url = server(never_answer)
+    with pytest.raises(UpstreamUnreachable) as err:
+        Upstreams([url]).post(url, "/v1/completions", b"{}", 0.3)
+    assert err.value.timed_out
