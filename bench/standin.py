@@ -2,7 +2,9 @@
 
 Answers ``/v1/chat/completions`` and ``/v1/completions`` with token ids and log-probs (so the
 gateway's capture path runs) without a model. A request may carry ``standin_delay_s`` to be
-slow on purpose. Serve with gunicorn: ``gunicorn -k gevent 'bench.standin:create_app()'``.
+slow on purpose, and ``POST /standin/health {"ok": false}`` makes ``/health`` answer 503 (per
+worker process: tests run it with one). Serve with gunicorn:
+``gunicorn -k gevent 'bench.standin:create_app()'``.
 """
 
 from __future__ import annotations
@@ -47,8 +49,15 @@ def create_app() -> Flask:
     def completions():
         return answer("completions")
 
+    healthy = {"ok": True}
+
     @app.get("/health")
     def health():
+        return ("", 200) if healthy["ok"] else ("engine dead", 503)
+
+    @app.post("/standin/health")
+    def set_health():
+        healthy["ok"] = bool(request.get_json(force=True).get("ok"))
         return ""
 
     return app

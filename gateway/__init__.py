@@ -32,7 +32,8 @@ class GatewayState:
                                    settings.lease_ttl_s,
                                    settings.max_concurrent_per_rollout)
         self.leases = LocalLeases(self.admission, refresh_every_s=settings.lease_ttl_s / 3)
-        self.upstreams = Upstreams(list(settings.upstreams), client=self.redis)
+        self.upstreams = Upstreams(list(settings.upstreams), client=self.redis,
+                                   health_every_s=settings.upstream_health_s)
 
 
 def create_app(settings: GatewaySettings | None = None, cfg: Any | None = None) -> Flask:

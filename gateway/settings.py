@@ -44,6 +44,7 @@ class GatewaySettings:
     max_body_bytes: int
     max_concurrent_per_rollout: int
     upstream_timeout_s: float
+    upstream_health_s: float
     default_max_tokens: int
     default_temperature: float
 
@@ -62,6 +63,7 @@ class GatewaySettings:
             max_body_bytes=int(g.max_body_bytes),
             max_concurrent_per_rollout=int(g.max_concurrent_per_rollout),
             upstream_timeout_s=float(g.upstream_timeout_s),
+            upstream_health_s=float(g.upstream_health_s),
             default_max_tokens=int(cfg.actor_rollout_ref.rollout.max_tokens),
             default_temperature=float(cfg.actor_rollout_ref.rollout.temperature),
         )

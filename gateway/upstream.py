@@ -4,6 +4,10 @@ A rollout sticks to one upstream (rendezvous hash of its id) so its multi-turn p
 that server's prefix cache; an upstream that fails is skipped for a cool-down and the
 rollout moves to the next one in its own ranking.
 
+Each gateway process also checks every server's ``/health`` every ``health_every_s``: one
+that does not answer 200 is skipped until it does again, so a dead engine behind a live HTTP
+server, or a server that went away between calls, costs no agent a failed call.
+
 A server whose connection failed may have restarted with its initial weights, so it is also
 added to the shared ``upstreams_stale`` set in Redis, and every gateway process routes around
 the members of that set (re-read at most every ``stale_refresh_s``) until the trainer's
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import http.client
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -22,6 +27,8 @@ from urllib.parse import urlsplit
 import redis
 
 from app.state import keys
+
+log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 5.0
 # A pooled connection the server has since closed fails like this before any answer byte;
@@ -134,6 +141,19 @@ class _ConnectionPool:
                 return
         conn.close()
 
+    def get_health(self, timeout_s: float) -> int:
+        """Status of ``GET /health`` on a fresh connection (a check must not take, or
+        spoil, a connection the calls use)."""
+        cls = _HTTPSConnection if self.https else _HTTPConnection
+        conn = cls(self.host, self.port, timeout=timeout_s)
+        try:
+            conn.request("GET", "/health")
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status
+        finally:
+            conn.close()
+
     def post(self, path: str, body: bytes, timeout_s: float) -> UpstreamResponse:
         headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
         while True:
@@ -164,12 +184,16 @@ class _ConnectionPool:
 
 class Upstreams:
     def __init__(self, urls: list[str], cooldown_s: float = 5.0, pool_size: int = 64,
-                 client: redis.Redis | None = None, stale_refresh_s: float = 0.5) -> None:
+                 client: redis.Redis | None = None, stale_refresh_s: float = 0.5,
+                 health_every_s: float = 0.0) -> None:
         if not urls:
             raise ValueError("at least one inference URL is needed (inference.urls)")
         self.urls = [u.rstrip("/") for u in urls]
         self.cooldown_s = cooldown_s
         self._down_until: dict[str, float] = {}
+        self._unhealthy: set[str] = set()
+        self._failures: dict[str, int] = {}
+        self.health_every_s = health_every_s
         self.client = client
         self.stale_refresh_s = stale_refresh_s
         self._stale: set[str] = set()
@@ -177,6 +201,9 @@ class Upstreams:
         self._lock = threading.Lock()
         # No retries here (the agent retries on our 503), no proxy lookups.
         self._pools = {u: _ConnectionPool(u, pool_size) for u in self.urls}
+        if health_every_s > 0:
+            threading.Thread(target=self._check_forever, name="upstream-health",
+                             daemon=True).start()
 
     def post(self, upstream: str, path: str, body: bytes, timeout_s: float
              ) -> UpstreamResponse:
@@ -202,7 +229,50 @@ class Upstreams:
         return self._stale
 
     def _usable(self, url: str, now: float, stale: set[str]) -> bool:
-        return self._down_until.get(url, 0.0) <= now and url not in stale
+        return (self._down_until.get(url, 0.0) <= now and url not in stale
+                and url not in self._unhealthy)
+
+    def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
+        """GET every server's ``/health``; -> {url: passed}. A server is skipped after two
+        failed checks in a row (one slow answer under load is not an outage) or at once when
+        it refuses the connection, which also marks it stale (it may come back with its
+        initial weights); it is used again as soon as a check passes."""
+        results = {}
+        for url in self.urls:
+            refused = False
+            try:
+                status: int | str = self._pools[url].get_health(timeout_s)
+            except (ConnectionRefusedError, ConnectionResetError) as exc:
+                status, refused = exc.__class__.__name__, True
+            except (OSError, http.client.HTTPException) as exc:
+                status = exc.__class__.__name__
+            passed = status == 200
+            results[url] = passed
+            with self._lock:
+                was_unhealthy = url in self._unhealthy
+                self._failures[url] = 0 if passed else self._failures.get(url, 0) + 1
+                if passed:
+                    self._unhealthy.discard(url)
+                    self._down_until.pop(url, None)
+                elif refused or self._failures[url] >= 2:
+                    self._unhealthy.add(url)
+                now_unhealthy = url in self._unhealthy
+            if was_unhealthy and not now_unhealthy:
+                log.info("inference server %s passes its health check again", url)
+            elif now_unhealthy and not was_unhealthy:
+                log.warning("inference server %s failed its health check (%s); skipped", url,
+                            status)
+            if refused:
+                self.mark_down(url, restarted=True)
+        return results
+
+    def _check_forever(self) -> None:
+        while True:
+            try:
+                self.check_health()
+            except Exception:  # noqa: BLE001 - the checker must outlive any one failure
+                log.warning("upstream health check failed", exc_info=True)
+            time.sleep(self.health_every_s)
 
     def pick(self, key: str) -> str | None:
         now = time.monotonic()

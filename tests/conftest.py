@@ -167,33 +167,41 @@ def wait_http(url: str, timeout: float = 30) -> None:
 
 
 @contextlib.contextmanager
-def standin_gateway(tmp_root: Path, name: str, *overrides: str):
-    """A second gateway (gunicorn, its own port) in front of the instant OpenAI stand-in
-    (``bench/standin.py``, ``standin_delay_s`` in a request makes it slow), sharing the
-    session's Redis. Yields (gateway URL, gunicorn master Popen)."""
+def standin_gateway(tmp_root: Path, name: str, *overrides: str, standins: int = 1):
+    """A second gateway (gunicorn, its own port) in front of ``standins`` instant OpenAI
+    stand-ins (``bench/standin.py``, ``standin_delay_s`` in a request makes it slow), sharing
+    the session's Redis. Yields (gateway URL, gunicorn master Popen, [(stand-in URL,
+    Popen)])."""
     import signal
     import subprocess
 
     bin_dir = Path(sys.executable).parent
-    standin_port, gw_port = free_port(), free_port()
     logs = open(tmp_root / "logs" / f"{name}.log", "ab")  # noqa: SIM115
-    standin = subprocess.Popen(
-        [str(bin_dir / "gunicorn"), "-k", "gevent", "-w", "1", "-b",
-         f"127.0.0.1:{standin_port}", "bench.standin:create_app()"], cwd=REPO, stdout=logs,
-        stderr=logs, start_new_session=True)
+    upstreams = []
+    for _ in range(standins):
+        port = free_port()
+        upstreams.append((f"http://127.0.0.1:{port}", subprocess.Popen(
+            [str(bin_dir / "gunicorn"), "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{port}",
+             "bench.standin:create_app()"], cwd=REPO, stdout=logs, stderr=logs,
+            start_new_session=True)))
+    gw_port = free_port()
+    urls = ",".join(u for u, _ in upstreams)
     env_overrides = json.loads(os.environ["CARRYOVER_OVERRIDES"]) + [
         f"gateway.port={gw_port}", f"gateway.url=http://127.0.0.1:{gw_port}",
-        f"inference.urls=[http://127.0.0.1:{standin_port}]", *overrides]
+        f"inference.urls=[{urls}]", *overrides]
     env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(env_overrides)}
     gateway = subprocess.Popen(
         [str(bin_dir / "gunicorn"), "-c", "gateway/gunicorn.conf.py", "gateway:create_app()"],
         cwd=REPO, env=env, stdout=logs, stderr=logs, start_new_session=True)
     try:
-        wait_http(f"http://127.0.0.1:{standin_port}/health")
+        for url, _ in upstreams:
+            wait_http(f"{url}/health")
         wait_http(f"http://127.0.0.1:{gw_port}/healthz")
-        yield f"http://127.0.0.1:{gw_port}", gateway
+        yield f"http://127.0.0.1:{gw_port}", gateway, upstreams
     finally:
-        for p in (gateway, standin):
+        for p in (gateway, *(proc for _, proc in upstreams)):
+            if p.poll() is not None:
+                continue
             os.killpg(p.pid, signal.SIGTERM)
             try:
                 p.wait(5)

@@ -204,6 +204,7 @@ RULES: dict[str, Check] = {
     "gateway.max_body_bytes": positive_int,
     "gateway.max_concurrent_per_rollout": positive_int,
     "gateway.upstream_timeout_s": positive_num,
+    "gateway.upstream_health_s": non_negative_num,
     "controller.backend": one_of(*BACKENDS),
     "controller.agent": agent_ref,
     "controller.rollout_timeout_s": positive_num,

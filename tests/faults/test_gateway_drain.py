@@ -26,7 +26,7 @@ LEASE_TTL = 2.0
 @pytest.fixture(scope="module")
 def slow_gateway(redis_service, tmp_root):
     with standin_gateway(tmp_root, "drain-tests", f"gateway.lease_ttl_s={LEASE_TTL}",
-                         "gateway.hold=true", "gateway.hold_timeout_s=30") as (url, gateway):
+                         "gateway.hold=true", "gateway.hold_timeout_s=30") as (url, gateway, _):
         yield url, gateway
 
 

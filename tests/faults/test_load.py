@@ -20,7 +20,7 @@ PAUSES = 8
 
 def test_load_with_pauses_loses_and_duplicates_nothing(redis_client, tmp_root, new_rollout):
     with standin_gateway(tmp_root, "load-test", "gateway.workers=2",
-                         "gateway.max_concurrent_per_rollout=4") as (url, _):
+                         "gateway.max_concurrent_per_rollout=4") as (url, _, _):
         rollouts = [new_rollout(url) for _ in range(AGENTS)]
         answered = [0] * AGENTS
         refused = [0] * AGENTS

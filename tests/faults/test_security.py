@@ -67,7 +67,7 @@ def test_redis_password_end_to_end(tmp_path, tmp_root):
         from workers.rollout.episode import _start_attempt
 
         rid, token = _start_attempt(client, "pw-run", "pw-g0", 0, 1)
-        with standin_gateway(tmp_root, "redis-password", *overrides) as (gw, _):
+        with standin_gateway(tmp_root, "redis-password", *overrides) as (gw, _, _):
             r = requests.post(f"{gw}/rollout/{rid}/v1/chat/completions", timeout=10,
                               headers={"Authorization": f"Bearer {token}"},
                               json={"messages": [{"role": "user", "content": "abc"}]})
@@ -97,7 +97,7 @@ def test_redis_password_end_to_end(tmp_path, tmp_root):
 
 
 def test_tokens_never_reach_the_logs(redis_client, tmp_root, new_rollout):
-    with standin_gateway(tmp_root, "token-logs") as (gw, _):
+    with standin_gateway(tmp_root, "token-logs") as (gw, _, _):
         rid, token, base = new_rollout(gw)
         ok = requests.post(base + "/chat/completions", timeout=10,
                            headers={"Authorization": f"Bearer {token}"},

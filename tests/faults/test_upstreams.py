@@ -1,0 +1,104 @@
+"""Several inference servers behind one gateway: stickiness, health checks, failover.
+
+Two instant stand-ins behind a gunicorn gateway that checks their ``/health`` every 0.5 s.
+Which server served a call is read from the call's capture record (``upstream``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+import requests
+
+from app.state import keys
+from gateway.upstream import Upstreams
+from tests.conftest import standin_gateway
+
+CHECK_S = 0.5
+ROLLOUTS = 16
+
+
+@pytest.fixture
+def two_upstreams(tmp_root, redis_client):
+    with standin_gateway(tmp_root, "two-upstreams", f"gateway.upstream_health_s={CHECK_S}",
+                         standins=2) as (gw, _, standins):
+        yield gw, standins
+
+
+def _call(gw: str, rid: str, token: str) -> requests.Response:
+    return requests.post(f"{gw}/rollout/{rid}/v1/chat/completions", timeout=10,
+                         headers={"Authorization": f"Bearer {token}"},
+                         json={"model": "m", "max_tokens": 2,
+                               "messages": [{"role": "user", "content": "hi"}]})
+
+
+def _served_by(redis_client, rid: str) -> list[str]:
+    return [json.loads(c)["upstream"] for c in redis_client.lrange(keys.rollout_calls(rid), 0, -1)]
+
+
+def _rollouts(new_rollout, gw, urls):
+    """-> [(rollout id, token, the server its ranking puts first)]"""
+    ranking = Upstreams(urls)
+    out = []
+    for _ in range(ROLLOUTS):
+        rid, token, _ = new_rollout(gw)
+        out.append((rid, token, ranking.ranking(rid)[0]))
+    return out
+
+
+def test_a_rollout_sticks_to_one_server_and_rollouts_spread(two_upstreams, new_rollout,
+                                                            redis_client):
+    gw, standins = two_upstreams
+    urls = [u for u, _ in standins]
+    rollouts = _rollouts(new_rollout, gw, urls)
+    for rid, token, _ in rollouts:
+        for _ in range(3):
+            assert _call(gw, rid, token).status_code == 200
+    for rid, _, first in rollouts:
+        assert _served_by(redis_client, rid) == [first] * 3
+    assert {first for _, _, first in rollouts} == set(urls)   # both servers got rollouts
+
+
+def _wait_until(predicate, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.1)
+
+
+def test_an_unhealthy_server_is_skipped_until_it_passes_again(two_upstreams, new_rollout,
+                                                               redis_client):
+    gw, standins = two_upstreams
+    (sick, _), (well, _) = standins
+    rollouts = _rollouts(new_rollout, gw, [sick, well])
+    requests.post(f"{sick}/standin/health", json={"ok": False}, timeout=5)
+    time.sleep(2 * CHECK_S + 1.0)   # two failed checks in a row, in every gateway worker
+    for rid, token, _ in rollouts:
+        assert _call(gw, rid, token).status_code == 200
+        assert _served_by(redis_client, rid)[-1] == well   # no call went to the sick one
+    requests.post(f"{sick}/standin/health", json={"ok": True}, timeout=5)
+    time.sleep(CHECK_S + 1.0)
+    for rid, token, first in rollouts:
+        assert _call(gw, rid, token).status_code == 200
+        assert _served_by(redis_client, rid)[-1] == first   # back to its own server
+    assert not redis_client.sismember(keys.upstreams_stale(), sick)   # alive throughout
+
+
+def test_a_dead_server_is_skipped_before_any_call_fails(two_upstreams, new_rollout,
+                                                        redis_client):
+    gw, standins = two_upstreams
+    (dead, proc), (alive, _) = standins
+    rollouts = _rollouts(new_rollout, gw, [dead, alive])
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+    # a refused health check marks it stale for every gateway process (it may come back
+    # with its initial weights: the trainer's keeper reloads them before it is used again)
+    _wait_until(lambda: redis_client.sismember(keys.upstreams_stale(), dead), 5)
+    time.sleep(CHECK_S + 1.0)   # every worker has checked (or read the stale set) since
+    for rid, token, _ in rollouts:
+        r = _call(gw, rid, token)
+        assert r.status_code == 200, r.text
+        assert _served_by(redis_client, rid)[-1] == alive
