@@ -61,6 +61,8 @@ def connect(url: str, max_connections: int = 512, single_connection: bool = Fals
         "retry": Retry(ExponentialBackoff(cap=2.0, base=0.05), retries=20),
         "retry_on_error": [redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError],
     }
+    if url.startswith("unix://"):
+        opts.pop("socket_keepalive")  # a TCP option
     opts.update(kwargs)
     pool = redis.BlockingConnectionPool.from_url(url, max_connections=max_connections,
                                                  timeout=60, **{k: v for k, v in opts.items()
