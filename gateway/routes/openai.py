@@ -147,10 +147,14 @@ def _admit(rollout_id: str, token_sha256: str) -> tuple[str, int]:
             if status == -4:
                 rollout_status = state.redis.hget(keys.rollout(rollout_id), "status") or "closed"
             raise _auth_error(rollout_id, status, rollout_status)
-        wait = state.admission.retry_after_s(s.retry_after_s)
         if not s.hold or time.monotonic() >= deadline:
-            raise retryable("the model is being updated; retry after the pause", wait)
-        time.sleep(min(0.05, max(deadline - time.monotonic(), 0)))
+            raise retryable("the model is being updated; retry after the pause",
+                            state.admission.retry_after_s(s.retry_after_s))
+        # Held: wait on this process's view of the flag (one Redis read per 50 ms for all
+        # its held requests, not one script per request), then try to get in again.
+        time.sleep(0.05)
+        while state.admission.paused_recently(0.05) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def _cancelled_error() -> GatewayError:

@@ -167,3 +167,33 @@ def test_hold_mode_waits_inside_the_gateway(slow_gateway, adm, new_rollout, redi
     thread.join(10)
     assert out["resp"].status_code == 200  # no client retry was needed
     assert redis_client.llen(keys.rollout_calls(rid)) == 1
+
+
+def test_held_requests_wait_without_polling_redis_each(slow_gateway, adm, new_rollout,
+                                                       redis_client):
+    """Held requests watch their process's view of the pause flag; they do not each run the
+    admission script every 50 ms while the trainer works (2 scripts x 20 per second each)."""
+    url, _ = slow_gateway
+    held = 20
+    rollouts = [new_rollout(url) for _ in range(held)]
+    adm.pause()
+    answers: list = []
+
+    def call(token: str, base: str) -> None:
+        answers.append(requests.post(base + "/chat/completions", timeout=60,
+                                     headers={"Authorization": f"Bearer {token}"},
+                                     json={"messages": [{"role": "user", "content": "a"}]}))
+
+    threads = [threading.Thread(target=call, args=(token, base)) for _, token, base in rollouts]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)  # every request has arrived and is held
+    before = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    time.sleep(2.0)
+    during = redis_client.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0) - before
+    adm.resume()
+    for t in threads:
+        t.join(20)
+    assert [a.status_code for a in answers] == [200] * held
+    # polling each would be about held x 2 s / 50 ms x 2 = 1,600 scripts
+    assert during < 50, during
