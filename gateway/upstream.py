@@ -193,6 +193,7 @@ class Upstreams:
         self._down_until: dict[str, float] = {}
         self._unhealthy: set[str] = set()
         self._failures: dict[str, int] = {}
+        self._seen_healthy: set[str] = set()
         self.health_every_s = health_every_s
         self.client = client
         self.stale_refresh_s = stale_refresh_s
@@ -235,8 +236,9 @@ class Upstreams:
     def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
         """GET every server's ``/health``; -> {url: passed}. A server is skipped after two
         failed checks in a row (one slow answer under load is not an outage) or at once when
-        it refuses the connection, which also marks it stale (it may come back with its
-        initial weights); it is used again as soon as a check passes."""
+        it refuses the connection; it is used again as soon as a check passes. A server that
+        passed before and now refuses also goes into the stale set (it may come back with
+        its initial weights); one that has not come up yet does not."""
         results = {}
         for url in self.urls:
             refused = False
@@ -250,19 +252,21 @@ class Upstreams:
             results[url] = passed
             with self._lock:
                 was_unhealthy = url in self._unhealthy
+                went_away = refused and url in self._seen_healthy
                 self._failures[url] = 0 if passed else self._failures.get(url, 0) + 1
                 if passed:
+                    self._seen_healthy.add(url)
                     self._unhealthy.discard(url)
                     self._down_until.pop(url, None)
                 elif refused or self._failures[url] >= 2:
                     self._unhealthy.add(url)
                 now_unhealthy = url in self._unhealthy
             if was_unhealthy and not now_unhealthy:
-                log.info("inference server %s passes its health check again", url)
+                log.warning("inference server %s passes its health check again", url)
             elif now_unhealthy and not was_unhealthy:
                 log.warning("inference server %s failed its health check (%s); skipped", url,
                             status)
-            if refused:
+            if went_away:  # not a server still starting up: it may come back fresh
                 self.mark_down(url, restarted=True)
         return results
 

@@ -5,9 +5,11 @@ Which server served a call is read from the call's capture record (``upstream``)
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -15,7 +17,7 @@ import requests
 
 from app.state import keys
 from gateway.upstream import Upstreams
-from tests.conftest import standin_gateway
+from tests.conftest import free_port, standin_gateway
 
 CHECK_S = 0.5
 ROLLOUTS = 16
@@ -102,3 +104,36 @@ def test_a_dead_server_is_skipped_before_any_call_fails(two_upstreams, new_rollo
         r = _call(gw, rid, token)
         assert r.status_code == 200, r.text
         assert _served_by(redis_client, rid)[-1] == alive
+
+
+def test_a_server_still_starting_is_skipped_but_not_marked_stale(redis_client):
+    """A gateway that comes up before its inference server skips it until it answers, and
+    does not mark it stale: stale means "came back, perhaps with its initial weights"."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    ups = Upstreams([url], client=redis_client)
+    assert ups.check_health(timeout_s=1) == {url: False}
+    assert ups.pick("r1") is None
+    assert not redis_client.sismember(keys.upstreams_stale(), url)
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert ups.check_health(timeout_s=1) == {url: True}
+        assert ups.pick("r1") == url
+    finally:
+        server.shutdown()
+        server.server_close()
+    # now it has been up: going away marks it stale for every gateway process
+    assert ups.check_health(timeout_s=1) == {url: False}
+    assert ups.pick("r1") is None
+    assert redis_client.sismember(keys.upstreams_stale(), url)
