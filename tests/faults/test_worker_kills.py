@@ -20,6 +20,7 @@ import pytest
 
 from app.state import keys
 from app.state.records import SiblingResult
+from gateway.admission import Admission
 from tests.integration.test_collector import make_cfg, stack  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow
@@ -109,10 +110,18 @@ def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # n
                        "trainer.pause_during_update=true")  # the kill lands inside the pause
     run_id = "kill-trainer"
     thread, out = train_in_thread(run_cfg, run_id)
+    # Tiny steps pause the gateway for a fraction of a second, too short to be sure of
+    # catching. So once step 1 is done the test holds a model call "in flight" (a lease):
+    # step 2's drain waits for it, and its pause lasts until the kill.
+    wait_for(lambda: stack.llen(keys.run_metrics(run_id)) >= 2, 120, "step 1", poll=0.002)
+    adm = Admission(stack)
+    status, lease, _ = adm.admit("kill-trainer-inflight")
     wait_for(lambda: stack.exists(keys.trainer_heartbeat(run_id, "2"))
-             and stack.exists(keys.paused()), 120, "step 2's update under the pause",
+             and stack.exists(keys.paused()), 60, "step 2's update under the pause",
              poll=0.002)
     sigkill(celery_workers, "trainer")
+    if status == 1:
+        adm.release(lease)
     # Nobody resumes the gateway: its pause lease must simply run out.
     waited = wait_for(lambda: not stack.exists(keys.paused()), heartbeat + 3,
                       "the pause to expire")
