@@ -152,8 +152,6 @@ class Admission:
         self._pause = client.register_script(PAUSE)
         self._extend_pause = client.register_script(EXTEND_PAUSE)
         self.pause_token = ""
-        self._paused_view = False
-        self._paused_read_at = float("-inf")
         self._live = client.register_script(LIVE)
         self._resume = client.register_script(RESUME)
         self._estimate = client.register_script(PAUSE_ESTIMATE)
@@ -196,15 +194,6 @@ class Admission:
 
     def is_paused(self) -> bool:
         return bool(self.r.exists(keys.paused()))
-
-    def paused_recently(self, max_age_s: float) -> bool:
-        """The pause flag as this process last read it, read again at most every
-        ``max_age_s``. For waiting only: admission itself always asks Redis."""
-        now = time.monotonic()
-        if now - self._paused_read_at >= max_age_s:
-            self._paused_read_at = now   # before the read: concurrent callers use the last view
-            self._paused_view = self.is_paused()
-        return self._paused_view
 
     def retry_after_s(self, default_s: float) -> float:
         """Expected remaining pause: median of recent pauses minus time already paused."""

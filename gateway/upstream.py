@@ -131,8 +131,11 @@ class _ConnectionPool:
         with self._lock:
             if self._idle:
                 return self._idle.pop(), True
+        return self._new(CONNECT_TIMEOUT_S), False
+
+    def _new(self, timeout_s: float) -> http.client.HTTPConnection:
         cls = _HTTPSConnection if self.https else _HTTPConnection
-        return cls(self.host, self.port, timeout=CONNECT_TIMEOUT_S), False
+        return cls(self.host, self.port, timeout=timeout_s)
 
     def put(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
@@ -144,8 +147,7 @@ class _ConnectionPool:
     def get_health(self, timeout_s: float) -> int:
         """Status of ``GET /health`` on a fresh connection (a check must not take, or
         spoil, a connection the calls use)."""
-        cls = _HTTPSConnection if self.https else _HTTPConnection
-        conn = cls(self.host, self.port, timeout=timeout_s)
+        conn = self._new(timeout_s)
         try:
             conn.request("GET", "/health")
             resp = conn.getresponse()

@@ -21,6 +21,7 @@ import orjson
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from app.state import keys
+from app.state.cached_reads import gateway_paused
 from gateway import capture
 from gateway.errors import GatewayError, bad_request, retryable
 from gateway.leases import UpstreamCancelled
@@ -153,7 +154,7 @@ def _admit(rollout_id: str, token_sha256: str) -> tuple[str, int]:
         # Held: wait on this process's view of the flag (one Redis read per 50 ms for all
         # its held requests, not one script per request), then try to get in again.
         time.sleep(0.05)
-        while state.admission.paused_recently(0.05) and time.monotonic() < deadline:
+        while gateway_paused(state.redis, 0.05) and time.monotonic() < deadline:
             time.sleep(0.05)
 
 

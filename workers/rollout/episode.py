@@ -16,12 +16,11 @@ import json
 import logging
 import secrets
 import time
-from collections.abc import Callable
 from typing import Any
 
 import redis
 
-from app.state import keys
+from app.state import cached_reads, keys
 from app.state.records import RolloutRecord, SiblingResult
 from app.state.runs import read_group, run_config
 from workers.rollout.controller import (
@@ -69,34 +68,17 @@ def existing_result(client: redis.Redis, group_id: str, index: int) -> SiblingRe
 
 
 # Reads many agents of one worker process repeat every tick: (key) -> (read at, value).
-_seen: dict[str, tuple[float, Any]] = {}
-
-
-def _read_cached(key: str, max_age_s: float, read: Callable[[], Any]) -> Any:
-    """``read()``, at most every ``max_age_s`` per worker process for ``key``."""
-    now = time.monotonic()
-    seen = _seen.get(key)
-    if seen is None or now - seen[0] >= max_age_s:
-        if len(_seen) > 4096:  # forget finished groups now and then
-            for k, (at, _) in list(_seen.items()):  # a copy: other threads insert
-                if now - at > 60:
-                    _seen.pop(k, None)
-        seen = _seen[key] = (now, read())
-    return seen[1]
-
-
 def gateway_paused(client: redis.Redis, max_age_s: float = 0.5) -> bool:
     """The gateway's pause flag, read at most every ``max_age_s`` per worker process: a
     worker runs hundreds of agents, and each one's clock asks every tick."""
-    return bool(_read_cached(keys.paused(), max_age_s,
-                             lambda: client.exists(keys.paused())))
+    return cached_reads.gateway_paused(client, max_age_s)
 
 
 def group_status(client: redis.Redis, group_id: str, max_age_s: float = 0.5) -> str | None:
     """A group's status, read at most every ``max_age_s`` per worker process: its ``n``
     siblings' agents all ask on every tick."""
-    return _read_cached(keys.group(group_id), max_age_s,
-                        lambda: client.hget(keys.group(group_id), "status"))
+    return cached_reads.read_cached(keys.group(group_id), max_age_s,
+                                    lambda: client.hget(keys.group(group_id), "status"))
 
 
 def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
