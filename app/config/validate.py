@@ -143,6 +143,13 @@ def agent_ref(v: Any) -> str | None:
     return "must name the agent (module:function or a command)"
 
 
+# verl's policy-loss registry (``verl.trainer.ppo.core_algos``), listed here so validation
+# stays free of torch and verl imports.
+POLICY_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
+                 "geo_mean", "dro", "cispo")
+policy_loss_mode = one_of(*POLICY_LOSSES)
+
+
 RULES: dict[str, Check] = {
     "data.train_batch_size": positive_int,
     "data.train_files": string,
@@ -158,6 +165,19 @@ RULES: dict[str, Check] = {
     "actor_rollout_ref.actor.weight_decay": non_negative_num,
     "actor_rollout_ref.actor.ppo_epochs": positive_int,
     "actor_rollout_ref.actor.ppo_mini_batch_size": non_negative_int,
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": optional(positive_int),
+    "actor_rollout_ref.actor.use_dynamic_bsz": boolean,
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": positive_int,
+    "actor_rollout_ref.actor.enable_gradient_checkpointing": boolean,
+    "actor_rollout_ref.actor.policy_loss.loss_mode": policy_loss_mode,
+    "actor_rollout_ref.actor.fsdp_config.param_dtype": one_of("auto", "float32", "bfloat16",
+                                                              "float16"),
+    "actor_rollout_ref.actor.fsdp_config.use_remove_padding": boolean,
+    "actor_rollout_ref.actor.fsdp_config.attn_implementation": one_of(
+        "sdpa", "eager", "flash_attention_2"),
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile": boolean,
+    "actor_rollout_ref.actor.fsdp_config.param_offload": boolean,
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload": boolean,
     "actor_rollout_ref.actor.clip_ratio": positive_num,
     "actor_rollout_ref.actor.grad_clip": positive_num,
     "actor_rollout_ref.actor.loss_agg_mode": one_of(*LOSS_AGG),
@@ -228,6 +248,7 @@ RULES: dict[str, Check] = {
     "controller.kubernetes.api_retries": positive_int,
     "trainer.total_steps": positive_int,
     "trainer.device": one_of(*DEVICES),
+    "trainer.ranks": positive_int,
     "trainer.save_freq": positive_int,
     "trainer.weights_dir": string,
     "trainer.keep_weight_versions": positive_int,

@@ -1,4 +1,8 @@
-"""The policy update, with verl's algorithm code.
+"""verl's algorithm functions as the update uses them, and the single-process reference update.
+
+The trainer trains on verl's engine (``engine.py``). ``PolicyTrainer`` here is the plain
+single-process path (one Hugging Face model and a torch AdamW around verl's loss functions):
+the reference the engine path is tested and benchmarked against, not a trainer users run.
 
 verl supplies the advantage estimators (by registry name), the rollout-correction weights
 and metrics, the PPO clipped policy loss, ``agg_loss`` and the KL penalty. What is ours is
@@ -17,14 +21,9 @@ import numpy as np
 import torch
 
 from workers.trainer.batch import Batch
+from workers.trainer.engine_config import pick_device
 
 log = logging.getLogger(__name__)
-
-
-def pick_device(setting: str) -> str:
-    if setting == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return setting
 
 
 def _actor_config(actor: Any) -> Any:
@@ -97,6 +96,19 @@ def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     return w, mask, metrics
 
 
+def lr_at(cfg: Any, step: int) -> float:
+    """The learning rate of optimizer step ``step`` (0-based): a pure function of the step,
+    so a restored or restarted trainer follows the same schedule."""
+    actor = cfg.actor_rollout_ref.actor
+    lr = float(actor.lr)
+    if actor.lr_schedule == "constant":
+        return lr
+    total = max(int(cfg.trainer.total_steps) - 1, 1)
+    progress = min(max(step, 0) / total, 1.0)
+    floor = lr * float(actor.min_lr_ratio)
+    return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
 class PolicyTrainer:
     """Model, optimizer and (optional) frozen reference, resident across updates."""
 
@@ -124,16 +136,7 @@ class PolicyTrainer:
         self.pad_id = int(self.model.config.pad_token_id or 0)
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step ``step`` (0-based): a pure function of the
-        step, so a restored or restarted trainer follows the same schedule."""
-        actor = self.cfg.actor_rollout_ref.actor
-        lr = float(actor.lr)
-        if actor.lr_schedule == "constant":
-            return lr
-        total = max(int(self.cfg.trainer.total_steps) - 1, 1)
-        progress = min(max(step, 0) / total, 1.0)
-        floor = lr * float(actor.min_lr_ratio)
-        return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return lr_at(self.cfg, step)
 
     def update(self, batch: Batch, step: int = 0) -> dict[str, float]:
         from verl.trainer.ppo.core_algos import agg_loss, get_policy_loss_fn, kl_penalty

@@ -1,0 +1,164 @@
+"""The policy update on verl's training engine: the trainer worker is its single controller.
+
+The controller keeps the step logic, as verl's own SFT trainer and Tinker-style workers do:
+which rows to train, the old and reference log-probs, advantages (verl's estimators by
+registry name), rollout-correction weights (verl's helper), mini-batches and the learning
+rate of each optimizer step (a pure function of the step). The engine owns the model,
+sharding, micro-batches, the loss (verl's ``ppo_loss``), gradient clipping, skipping a
+non-finite step, the per-tensor weight export and sharded checkpoints.
+
+Invariants:
+- Every mini-batch is padded with all-masked rows to divide evenly over ranks and
+  micro-batches; padding never changes a loss or a gradient (``verl_batch``).
+- Mini-batches hold whole prompt groups (the GRPO/RLOO index never straddles two steps).
+- A step whose gradient norm is not finite leaves the weights unchanged (verl skips the
+  optimizer step) and is counted in ``actor/skipped_steps``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from workers.trainer.engine_config import engine_spec
+from workers.trainer.ranks import LocalRanks, SpawnedRanks
+from workers.trainer.update import compute_advantages, lr_at, rollout_correction
+from workers.trainer.verl_batch import VerlBatch
+
+log = logging.getLogger(__name__)
+
+
+def _split(vb: VerlBatch, ranks: int) -> list[tuple[VerlBatch]]:
+    """Contiguous equal slices, one per rank (``vb`` already divides evenly)."""
+    per = len(vb) // ranks
+    return [(vb.select(list(range(r * per, (r + 1) * per))),) for r in range(ranks)]
+
+
+class EngineTrainer:
+    """verl's FSDP2 ``TrainingWorker`` (and a forward-only reference with a KL loss),
+    resident across updates."""
+
+    def __init__(self, cfg: Any, model_path: str) -> None:
+        from transformers import AutoConfig
+
+        self.cfg = cfg
+        hf = AutoConfig.from_pretrained(model_path)
+        self.pad_id = int(hf.pad_token_id if hf.pad_token_id is not None else 0)
+        self.spec = engine_spec(cfg, model_path, self.pad_id)
+        self.device = self.spec["device"]
+        n = int(cfg.trainer.ranks)
+        t = time.monotonic()
+        self.ranks = LocalRanks(self.spec) if n == 1 else SpawnedRanks(self.spec, n)
+        log.info("verl FSDP2 engine on %s: %d rank(s), compute %s, built in %.1f s",
+                 self.device, n, self.spec["compute_dtype"], time.monotonic() - t)
+        self.skipped_steps = 0
+
+    @property
+    def size(self) -> int:
+        return self.ranks.size
+
+    def close(self) -> None:
+        self.ranks.close()
+
+    def lr_at(self, step: int) -> float:
+        return lr_at(self.cfg, step)
+
+    def _row_multiple(self) -> int:
+        return self.size * (self.spec["micro_batch_size"] or 1)
+
+    def log_probs(self, vb: VerlBatch, ref: bool = False) -> torch.Tensor:
+        """[B, R] log-probs of ``vb``'s response tokens under the engine's current weights
+        (or the reference's), at each row's temperature."""
+        padded = vb.padded(self._row_multiple())
+        parts = self.ranks.call("log_probs", _split(padded, self.size), ref=ref)
+        width = vb.responses.shape[1]
+        return torch.cat([p[:, :width] for p in parts])[: len(vb)]
+
+    def _mini_batches(self, vb: VerlBatch) -> list[list[int]]:
+        groups = sorted(set(vb.group_ids[: vb.real]))
+        per = int(self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size) or len(groups)
+        out = []
+        for start in range(0, len(groups), per):
+            chosen = set(groups[start:start + per])
+            out.append([i for i in range(vb.real) if vb.group_ids[i] in chosen])
+        return out
+
+    def update(self, vb: VerlBatch, step: int = 0) -> dict[str, float]:
+        actor = self.cfg.actor_rollout_ref.actor
+        algo = self.cfg.algorithm
+        lr = self.lr_at(step)
+        old_log_prob = self.log_probs(vb)
+        fields: dict[str, torch.Tensor] = {"old_log_probs": old_log_prob}
+        if actor.use_kl_loss:
+            fields["ref_log_prob"] = self.log_probs(vb, ref=True)
+        mask = vb.response_mask
+        fields["advantages"] = compute_advantages(
+            algo.adv_estimator, vb.rewards, mask, vb.group_ids,
+            bool(algo.norm_adv_by_std_in_grpo))
+        is_weights, mask, rc_metrics = rollout_correction(
+            old_log_prob, vb.rollout_log_probs, mask, algo.rollout_correction)
+        if is_weights is not None:
+            fields["rollout_is_weights"] = is_weights
+        trained = VerlBatch(vb.prompts, vb.responses, vb.prompt_mask, vb.response_attention,
+                            mask, vb.rollout_log_probs, vb.temperatures, vb.rewards,
+                            vb.group_ids, vb.rollout_ids, vb.calls, real=vb.real)
+
+        metrics: dict[str, list[float]] = {}
+        skipped = 0
+        for _ in range(int(actor.ppo_epochs)):
+            for rows in self._mini_batches(trained):
+                mb = trained.select(rows).padded(self._row_multiple())
+                idx = torch.as_tensor(rows + [rows[0]] * (len(mb) - len(rows)))
+                mb_fields = {k: v[idx] for k, v in fields.items()}
+                per_rank = []
+                for (part,), r in zip(_split(mb, self.size), range(self.size), strict=True):
+                    n = len(part)
+                    per_rank.append((part, {k: v[r * n:(r + 1) * n]
+                                            for k, v in mb_fields.items()}))
+                out = self.ranks.call("train", per_rank, lr=lr, global_batch_size=len(rows))[0]
+                grad_norm = float(out.get("grad_norm", float("nan")))
+                if not math.isfinite(grad_norm):
+                    skipped += 1
+                    log.warning("step %d: gradient norm %s is not finite; the optimizer step "
+                                "was skipped (weights unchanged)", step, grad_norm)
+                for k, v in out.items():
+                    if k.startswith("perf/") or k in ("lr", "loss"):
+                        continue
+                    vals = v if isinstance(v, list) else [v]
+                    metrics.setdefault(k, []).extend(float(x) for x in vals)
+                metrics.setdefault("actor/grad_norm", []).append(grad_norm)
+        self.skipped_steps += skipped
+        out_metrics = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out_metrics.pop("grad_norm", None)
+        out_metrics.update({k: float(v) for k, v in rc_metrics.items()})
+        out_metrics["actor/lr"] = lr
+        out_metrics["actor/skipped_steps"] = float(skipped)
+        out_metrics["actor/skipped_steps_total"] = float(self.skipped_steps)
+        real = vb.response_mask[: vb.real]
+        out_metrics["actor/advantage_abs_mean"] = float(
+            (fields["advantages"][: vb.real].abs() * real).sum() / real.sum().clamp(min=1))
+        out_metrics["batch/rows"] = float(vb.real)
+        out_metrics["actor/response_length_mean"] = float(
+            real.sum() / max(sum(vb.calls[: vb.real]), 1))
+        out_metrics["batch/trained_tokens"] = float(real.sum())
+        return out_metrics
+
+    def full_weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
+        """Every tensor of the model, gathered from the ranks (a collective)."""
+        return self.ranks.call("export", [(None, dtype)] * self.size)[0]
+
+    def export_weights(self, path: Path, dtype: str) -> None:
+        """``path/model.safetensors`` in ``dtype`` from the engine's per-tensor iterator."""
+        self.ranks.call("export", [(str(path), dtype)] * self.size)
+
+    def save(self, path: Path) -> None:
+        self.ranks.call("save", [(str(path),)] * self.size)
+
+    def load(self, path: Path) -> None:
+        self.ranks.call("load", [(str(path),)] * self.size)

@@ -1,0 +1,252 @@
+"""The ranks of verl's training engine, driven by one controller (the trainer worker).
+
+``RankEngine`` is what each rank holds: verl's ``TrainingWorker`` for the actor (FSDP2 engine
+from verl's engine registry) and, with a KL loss, a forward-only one for the reference. Each
+method is SPMD: every rank calls it with its own slice of the rows, and collectives inside
+verl (gradient reduction, token counts, weight gathering) line up.
+
+Two groups run them:
+- ``LocalRanks``: one rank in the controller's own process (the default; the demo).
+- ``SpawnedRanks``: N processes on this host over torch.distributed (gloo on CPU), for tests
+  and CPU hosts. A command is sent to every rank and the answers come back in rank order.
+  On GPU hosts verl's Ray worker group is the way to spread ranks over machines.
+
+Invariant: a rank's answer is returned only after every rank finished the same command, so
+the controller never sees a half-applied update.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import traceback
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(rank: int, world: int, port: int, device: str) -> None:
+    """torch.distributed before verl touches it: verl skips its own init when a group
+    exists (on CPU it would build the backend string "cpu:gloo,cpu:gloo", which torch
+    rejects)."""
+    import torch.distributed as dist
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    if device == "cpu":
+        from workers.trainer import verl_cpu
+
+        verl_cpu.activate()
+    if not dist.is_initialized():
+        backend = "gloo" if device == "cpu" else "nccl"
+        if device != "cpu":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
+
+
+def _plain(value: Any) -> Any:
+    """A verl metric (a ``Metric``, a per-data-parallel-rank list of them, or numbers) as a
+    float, aggregated the way verl's ``train_mini_batch`` does."""
+    from verl.utils.metric import Metric
+
+    if isinstance(value, list) and value and isinstance(value[0], Metric):
+        return float(Metric.aggregate_dp(value))
+    if isinstance(value, Metric):
+        return float(value.aggregate())
+    if isinstance(value, list):
+        return [float(v) for v in value]
+    return value
+
+
+class RankEngine:
+    """One rank's actor (and reference) engine. ``spec`` is plain data (picklable)."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        from verl.workers.engine_workers import TrainingWorker
+        from verl.workers.utils.losses import ppo_loss
+
+        from workers.trainer import engine_config
+
+        self.spec = spec
+        if spec["device"] == "cpu" and spec["cpu_threads"]:
+            torch.set_num_threads(int(spec["cpu_threads"]))
+        torch.manual_seed(int(spec["seed"]))
+        self.actor_cfg = engine_config.actor_config(spec)
+        self.actor = TrainingWorker(config=engine_config.worker_config(spec, forward_only=False))
+        self.actor.reset()
+        self.actor.set_loss_fn(partial(ppo_loss, config=self.actor_cfg))
+        self.ref = None
+        if spec["use_kl_loss"]:
+            self.ref = TrainingWorker(config=engine_config.worker_config(spec, forward_only=True))
+            self.ref.reset()
+        self.rank = int(os.environ.get("RANK", "0"))
+
+    def _meta(self, td: Any, rows: int, micro: int | None, **extra: Any) -> None:
+        from verl.utils import tensordict_utils as tu
+
+        spec = self.spec
+        tu.assign_non_tensor(
+            td, use_dynamic_bsz=bool(spec["use_dynamic_bsz"]),
+            max_token_len_per_gpu=int(spec["max_token_len_per_gpu"]),
+            micro_batch_size_per_gpu=int(micro or rows), pad_token_id=int(spec["pad_id"]),
+            global_token_num=None, **extra)
+
+    def log_probs(self, vb: Any, ref: bool = False) -> torch.Tensor:
+        """[rows, R] log-probs of the response tokens (0 where nothing is scored)."""
+        from verl.utils import tensordict_utils as tu
+        from verl.workers.utils.padding import no_padding_2_padding
+
+        td = vb.tensordict()
+        self._meta(td, len(vb), self.spec["micro_batch_size"], calculate_entropy=False,
+                   compute_loss=False)
+        worker = self.ref if ref else self.actor
+        out = worker.infer_batch(td)
+        lp = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
+        return lp * (vb.response_attention > 0)
+
+    def train(self, vb: Any, fields: dict[str, torch.Tensor], lr: float,
+              global_batch_size: int) -> dict[str, Any]:
+        """One optimizer step on this rank's rows (micro-batches accumulate)."""
+        from verl.utils import tensordict_utils as tu
+
+        for group in self.actor.engine.optimizer.param_groups:
+            group["lr"] = lr
+        td = vb.tensordict(**fields)
+        self._meta(td, len(vb), self.spec["micro_batch_size"],
+                   calculate_entropy=float(self.spec["entropy_coeff"]) > 0,
+                   compute_loss=True, global_batch_size=int(global_batch_size))
+        out = self.actor.train_batch(td)
+        if out is None:
+            return {}
+        return {k: _plain(v) for k, v in tu.get(out, "metrics").items()}
+
+    def export(self, path: str | None, dtype: str) -> dict[str, torch.Tensor] | None:
+        """Gather every full tensor (a collective: all ranks iterate); rank 0 keeps them, in
+        ``dtype``, and writes ``path/model.safetensors`` when ``path`` is given."""
+        from safetensors.torch import save_file
+
+        target = getattr(torch, dtype)
+        params, _ = self.actor.engine.get_per_tensor_param()
+        state: dict[str, torch.Tensor] = {}
+        for name, tensor in params:
+            if self.rank == 0:
+                state[name] = tensor.detach().to("cpu", target).contiguous()
+        if self.rank != 0:
+            return None
+        if path is not None:
+            Path(path).mkdir(parents=True, exist_ok=True)
+            save_file(state, str(Path(path) / "model.safetensors"))
+            return None
+        return state
+
+    def save(self, path: str) -> None:
+        self.actor.save_checkpoint(path)
+
+    def load(self, path: str) -> None:
+        self.actor.load_checkpoint(path, del_local_after_load=False)
+
+    def master_dtype(self) -> str:
+        p = next(self.actor.engine.module.parameters())
+        return str(p.dtype).replace("torch.", "")
+
+
+class LocalRanks:
+    """One rank, in this process."""
+
+    size = 1
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        init_process_group(0, 1, free_port(), spec["device"])
+        self.engine = RankEngine(spec)
+
+    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
+        args = per_rank[0] if per_rank else ()
+        return [getattr(self.engine, method)(*args, **kwargs)]
+
+    def close(self) -> None:
+        return None
+
+
+def _rank_main(rank: int, world: int, port: int, spec: dict[str, Any], conn: Any) -> None:
+    try:
+        init_process_group(rank, world, port, spec["device"])
+        engine = RankEngine(spec)
+        conn.send(("ok", None))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        method, args, kwargs = msg
+        try:
+            conn.send(("ok", getattr(engine, method)(*args, **kwargs)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class RankError(RuntimeError):
+    pass
+
+
+class SpawnedRanks:
+    """N ranks in child processes of this one (torch.distributed, gloo on CPU)."""
+
+    def __init__(self, spec: dict[str, Any], size: int) -> None:
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.size = size
+        port = free_port()
+        self.conns, self.procs = [], []
+        for rank in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(rank, size, port, spec, child),
+                               daemon=True, name=f"carryover-rank{rank}")
+            proc.start()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        self._gather("start")
+
+    def _gather(self, what: str) -> list[Any]:
+        out, errors = [], []
+        for rank, conn in enumerate(self.conns):
+            try:
+                status, value = conn.recv()
+            except EOFError:
+                status, value = "error", f"process exited ({self.procs[rank].exitcode})"
+            if status != "ok":
+                errors.append(f"rank {rank}: {value}")
+            out.append(value)
+        if errors:
+            raise RankError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
+        return out
+
+    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
+        for rank, conn in enumerate(self.conns):
+            conn.send((method, per_rank[rank] if per_rank else (), kwargs))
+        return self._gather(method)
+
+    def close(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(None)
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
