@@ -1,8 +1,10 @@
-"""Trainer checkpoints: model, optimizer, RNG, step, policy version and a snapshot of the
-run's state, so a resumed run continues from the same parameters (bit for bit).
+"""Trainer checkpoints: the engine's sharded model and optimizer state (verl's FSDP
+checkpoint manager, one shard per rank), the controller's RNG, step, policy version and a
+snapshot of the run's state, so a resumed run continues from the same parameters.
 
-Layout: ``<checkpoint_dir>/<run_id>/step_<k>/{state.pt, meta.json}``; written to a temporary
-directory and renamed, so a crash never leaves a half checkpoint that looks complete.
+Layout: ``<checkpoint_dir>/<run_id>/step_<k>/{engine/, rng.pt, meta.json}``; written to a
+temporary directory and renamed, so a crash never leaves a half checkpoint that looks
+complete (``meta.json`` is written last).
 """
 
 from __future__ import annotations
@@ -24,12 +26,9 @@ def save_checkpoint(trainer: Any, root: Path, run_id: str, step: int, version: i
     tmp = run_dir / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    torch.save({
-        "model": trainer.model.state_dict(),
-        "optimizer": trainer.optimizer.state_dict(),
-        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                "python": random.getstate()},
-    }, tmp / "state.pt")
+    trainer.save(tmp / "engine")
+    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                "python": random.getstate()}, tmp / "rng.pt")
     (tmp / "meta.json").write_text(json.dumps(
         {"run_id": run_id, "step": step, "policy_version": version, "run_state": run_state},
         indent=1))
@@ -50,10 +49,9 @@ def latest_checkpoint(root: Path, run_id: str) -> Path | None:
 
 
 def load_checkpoint(trainer: Any, path: Path) -> dict:
-    state = torch.load(path / "state.pt", map_location=trainer.device, weights_only=False)
-    trainer.model.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
+    trainer.load(path / "engine")
+    rng = torch.load(path / "rng.pt", weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
     return json.loads((path / "meta.json").read_text())

@@ -86,7 +86,8 @@ class UpstreamKeeper:
             if published:
                 weights.reload_weights(url, Path(published["path"]))
                 weights.verify_sync(url, self.model_name, json.loads(published["probe"]),
-                                    None, self.tolerance)
+                                    None, self.tolerance,
+                                    json.loads(published.get("probe_ids", "null")))
             self.client.srem(keys.upstreams_stale(), url)
         if published:
             log.warning("inference server %s is back: loaded and verified policy version %s "

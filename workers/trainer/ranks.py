@@ -142,7 +142,8 @@ class RankEngine:
         state: dict[str, torch.Tensor] = {}
         for name, tensor in params:
             if self.rank == 0:
-                state[name] = tensor.detach().to("cpu", target).contiguous()
+                # clone: on one rank the gathered tensor can be the live parameter itself
+                state[name] = tensor.detach().to("cpu", target).contiguous().clone()
         if self.rank != 0:
             return None
         if path is not None:

@@ -34,10 +34,11 @@ from app.state import keys
 from app.state.runs import run_config
 from gateway.admission import Admission
 from workers.trainer import checkpoint, weights
-from workers.trainer.batch import collect_samples, to_batch
+from workers.trainer.batch import collect_samples
+from workers.trainer.engine import EngineTrainer
 from workers.trainer.keeper import publish_lock, running_keeper
 from workers.trainer.liveness import Beats
-from workers.trainer.update import PolicyTrainer
+from workers.trainer.verl_batch import VerlBatch, to_verl_batch
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +54,17 @@ def _path(p: str) -> Path:
     return path if path.is_absolute() else REPO_ROOT / path
 
 
-def resident_trainer(run_id: str, cfg: Any) -> tuple[PolicyTrainer, dict]:
+def resident_trainer(run_id: str, cfg: Any) -> tuple[EngineTrainer, dict]:
     """The model and optimizer stay in this process between steps of a run. Loaded from the
     run's last checkpoint when it has one (a resumed run, or a restarted worker)."""
     if _resident.get("run_id") != run_id:
+        if "trainer" in _resident:
+            _resident["trainer"].close()
         _resident.clear()
-        trainer = PolicyTrainer(cfg, str(_path(cfg.actor_rollout_ref.model.path)))
+        model_path = str(_path(cfg.actor_rollout_ref.model.path))
+        trainer = EngineTrainer(cfg, model_path)
         _resident.update(run_id=run_id, trainer=trainer, probe_prev=None, restored_step=None,
-                         published=False)
+                         published=False, probe_ids=weights.probe_ids(model_path))
         log.info("loaded policy for run %s on %s", run_id, trainer.device)
         latest = checkpoint.latest_checkpoint(_path(cfg.trainer.checkpoint_dir), run_id)
         if latest is not None:
@@ -87,7 +91,15 @@ def _claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[
     return claimed
 
 
-def _publish(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: dict,
+def _probe_batch(ids: list[int]) -> VerlBatch:
+    """The probe as a one-row batch: scored through the engine's own forward, temperature 1."""
+    from workers.trainer.batch import Sample
+
+    return to_verl_batch([Sample(ids[:1], ids[1:], [0.0] * (len(ids) - 1), 0.0, "probe",
+                                 1.0, 0)], 0)
+
+
+def _publish(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: dict,
              previous: list[float] | None, metrics: dict, timings: dict[str, float],
              wake: bool) -> int:
     """Save the trainer's weights as the next version, load them into every inference
@@ -95,8 +107,11 @@ def _publish(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: di
     urls = list(cfg.inference.urls)
     version = int(client.get(keys.policy_version()) or 0) + 1
     t = time.monotonic()
-    path = weights.save_weights(trainer.model, _path(cfg.trainer.weights_dir), version,
-                                int(cfg.trainer.keep_weight_versions))
+    model_path = _path(cfg.actor_rollout_ref.model.path)
+    dtype = str(weights.engine_dtype(cfg.inference.dtype, model_path)).replace("torch.", "")
+    path = weights.publish_version(
+        _path(cfg.trainer.weights_dir), version, int(cfg.trainer.keep_weight_versions),
+        lambda tmp: trainer.export_weights(tmp, dtype))
     timings["save"] = time.monotonic() - t
 
     t = time.monotonic()
@@ -107,17 +122,19 @@ def _publish(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: di
     timings["reload"] = time.monotonic() - t
 
     t = time.monotonic()
-    expected = weights.trainer_probe_logprobs(
-        trainer.model, weights.PROBE_IDS, weights.engine_dtype(cfg.inference.dtype))
+    ids = resident["probe_ids"]
+    probe = _probe_batch(ids)
+    expected = trainer.log_probs(probe)[0, probe.response_mask[0] > 0].tolist()
     for url in loaded:
         metrics.update(weights.verify_sync(url, cfg.inference.served_model_name, expected,
-                                           previous, float(cfg.trainer.probe_tolerance)))
+                                           previous, float(cfg.trainer.probe_tolerance), ids))
     client.srem(keys.upstreams_stale(), *[u.rstrip("/") for u in loaded])
     resident["probe_prev"] = expected
     resident["published"] = True
     timings["probe"] = time.monotonic() - t
     client.hset(keys.policy_published(), mapping={
-        "version": version, "path": str(path.resolve()), "probe": json.dumps(expected)})
+        "version": version, "path": str(path.resolve()), "probe": json.dumps(expected),
+        "probe_ids": json.dumps(ids)})
     client.set(keys.policy_version(), version)
     return version
 
@@ -195,7 +212,7 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
         return _train_step(client, run_id, step, cfg, beats)
 
 
-def _serve_resident(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: dict,
+def _serve_resident(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: dict,
                     beats: Beats, metrics: dict[str, Any]) -> int:
     """Make every inference server serve the resident weights as they are (no update):
     pause, drain, publish, resume. Returns the new policy version."""
@@ -205,7 +222,7 @@ def _serve_resident(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resid
         return _publish(client, cfg, trainer, resident, None, metrics, {}, wake=False)
 
 
-def _restore_servers(client: redis.Redis, cfg: Any, trainer: PolicyTrainer, resident: dict,
+def _restore_servers(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: dict,
                      beats: Beats, step: int) -> dict[str, Any]:
     """This process took up a run mid-way (its previous trainer worker died): bring every
     inference server back to the weights it restored before training on."""
@@ -243,8 +260,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Be
             if sleep_note.startswith("skipped") and not resident.get("sleep_logged"):
                 log.info("engine sleep %s", sleep_note)
                 resident["sleep_logged"] = True
-        batch = to_batch(samples, trainer.pad_id, trainer.device)
-        metrics.update(trainer.update(batch, step))
+        metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id), step))
         timings["update"] = time.monotonic() - t
 
     if not collocated:

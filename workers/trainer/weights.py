@@ -10,8 +10,10 @@ probe compares the engine's log-probs with the trainer's: a reload that silently
 from __future__ import annotations
 
 import logging
+import math
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import requests
@@ -21,6 +23,8 @@ from safetensors.torch import save_file
 log = logging.getLogger(__name__)
 
 # A fixed sequence for the probe: prompt + response ids scored through prompt_logprobs.
+PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Weights were loaded, and this "
+              "sentence checks that the server now scores text as the trainer does.")
 PROBE_IDS = [1, 17, 15, 7, 14, 21, 3, 4, 5, 2, 21, 1, 3, 15, 15, 9, 15, 16, 3, 12, 16, 21,
              5, 4, 3, 2]
 
@@ -29,19 +33,32 @@ class WeightSyncError(RuntimeError):
     pass
 
 
-def save_weights(model: torch.nn.Module, root: Path, version: int, keep: int) -> Path:
+def publish_version(root: Path, version: int, keep: int, write: Callable[[Path], None]
+                    ) -> Path:
+    """``root/vNNNNNN`` written by ``write(dir)`` into a temporary directory and renamed, so
+    a server never reads a half-written version; older versions beyond ``keep`` pruned."""
     out = root / f"v{version:06d}"
     tmp = root / f".v{version:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"))
+    write(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     versions = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v"))
     for old in versions[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def save_weights(model: torch.nn.Module, root: Path, version: int, keep: int) -> Path:
+    """The single-process reference path's export (the engine exports its own)."""
+    def write(tmp: Path) -> None:
+        # clone: a tied model shares one tensor between two names, which safetensors refuses
+        state = {k: v.detach().to("cpu").contiguous().clone()
+                 for k, v in model.state_dict().items()}
+        save_file(state, str(tmp / "model.safetensors"))
+
+    return publish_version(root, version, keep, write)
 
 
 def reload_weights(url: str, path: Path, timeout: float = 120.0) -> None:
@@ -77,16 +94,32 @@ def engine_probe_logprobs(url: str, model_name: str, ids: list[int], timeout: fl
 
 def trainer_probe_logprobs(model: torch.nn.Module, ids: list[int], dtype: torch.dtype
                            ) -> list[float]:
-    """Log-probs of ``ids[1:]`` from ``model`` cast to the engine's dtype (temperature 1)."""
+    """Log-probs of ``ids[1:]`` (temperature 1) from a copy of ``model`` in ``dtype``: the
+    model itself is never cast (that would round its master weights)."""
+    import copy
+
     device = next(model.parameters()).device
     with torch.no_grad():
-        cast = model.to(dtype)
-        try:
-            logits = cast(input_ids=torch.tensor([ids], device=device)).logits.float()
-        finally:
-            model.to(torch.float32)
+        cast = copy.deepcopy(model).to(dtype) if dtype != torch.float32 else model
+        logits = cast(input_ids=torch.tensor([ids], device=device)).logits.float()
     logp = torch.log_softmax(logits[0, :-1], dim=-1)
     return logp.gather(1, torch.tensor(ids[1:], device=device).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def probe_ids(model_path: str | Path) -> list[int]:
+    """A fixed text in the model's own tokenizer; the demo's tiny vocabulary (it cannot spell
+    the text) falls back to ``PROBE_IDS``."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_path))
+        ids = tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    except (OSError, ValueError):
+        return PROBE_IDS
+    unk = getattr(tok, "unk_token_id", None)
+    if len(ids) < 16 or len(set(ids)) < 8 or (unk is not None and ids.count(unk) > len(ids) // 4):
+        return PROBE_IDS
+    return ids[:64]
 
 
 def mean_gap(a: list[float], b: list[float]) -> float:
@@ -94,9 +127,13 @@ def mean_gap(a: list[float], b: list[float]) -> float:
 
 
 def verify_sync(url: str, model_name: str, expected: list[float],
-                previous: list[float] | None, tolerance: float) -> dict[str, float]:
-    got = engine_probe_logprobs(url, model_name, PROBE_IDS)
+                previous: list[float] | None, tolerance: float,
+                ids: list[int] | None = None) -> dict[str, float]:
+    got = engine_probe_logprobs(url, model_name, ids or PROBE_IDS)
     gap = mean_gap(got, expected)
+    if not math.isfinite(gap):
+        raise WeightSyncError(f"{url}: the probe gap is {gap} (non-finite log-probs from the "
+                              "engine or the trainer): the weights cannot be trusted")
     metrics = {"weight_sync/probe_gap": gap}
     if previous is not None:
         gap_prev = mean_gap(got, previous)
@@ -114,9 +151,20 @@ def verify_sync(url: str, model_name: str, expected: list[float],
     return metrics
 
 
-def engine_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-            "auto": torch.float32}[name]
+def engine_dtype(name: str, model_path: str | Path | None = None) -> torch.dtype:
+    """The dtype the inference server computes in; ``auto`` is the checkpoint's dtype, as in
+    vLLM (float32 when the checkpoint does not say)."""
+    if name == "auto":
+        name = "float32"
+        if model_path is not None:
+            import json
+
+            cfg_file = Path(model_path) / "config.json"
+            if cfg_file.exists():
+                hf = json.loads(cfg_file.read_text())
+                name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16,
+            "float16": torch.float16}.get(name, torch.float32)
 
 
 def sleep_engine(urls: list[str], device: str) -> str:

@@ -1,0 +1,144 @@
+"""The update on verl's FSDP2 engine, against the single-process reference path and itself:
+same log-probs and loss, the same step on 1 and 2 gloo ranks, micro-batching and padding
+change nothing, a non-finite gradient is skipped, bf16 compute keeps fp32 master weights."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from app.config import load_config
+from app.config.loader import REPO_ROOT
+from workers.trainer.batch import Sample, to_batch
+from workers.trainer.engine import EngineTrainer
+from workers.trainer.update import PolicyTrainer, token_log_probs
+from workers.trainer.verl_batch import to_verl_batch
+
+MODEL = str(REPO_ROOT / "var" / "models" / "tiny-qwen2")
+BASE = ["trainer.device=cpu", "actor_rollout_ref.actor.lr=1e-3"]
+
+
+def samples(seed: int = 0) -> list[Sample]:
+    """4 groups x 3 rollouts at two temperatures, and one two-turn rollout sharing a row."""
+    rng = random.Random(seed)
+    out = []
+    for g in range(4):
+        for k in range(3):
+            prompt = [1] + [rng.randint(3, 26) for _ in range(rng.randint(4, 9))]
+            resp = [rng.randint(3, 26) for _ in range(rng.randint(2, 6))]
+            out.append(Sample(prompt, resp, [-3.0 + rng.random() for _ in resp], rng.random(),
+                              f"g{g}", 0.7 if g % 2 else 1.0, 0, f"r{g}{k}"))
+    first = [1, 5, 6, 7]
+    out.append(Sample(first, [8, 9], [-2.0, -2.5], 0.5, "g3", 0.7, 0, "mt"))
+    out.append(Sample(first + [8, 9, 10, 11], [12, 13, 14], [-2.0] * 3, 0.5, "g3", 0.7, 0, "mt"))
+    return out
+
+
+def engine(*overrides: str) -> EngineTrainer:
+    return EngineTrainer(load_config(None, [*BASE, *overrides]), MODEL)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.fixture(scope="module")
+def one_rank() -> tuple[EngineTrainer, dict, dict]:
+    """A 1-rank engine after one update of ``samples()``: (engine, metrics, new weights)."""
+    trainer = engine()
+    metrics = trainer.update(to_verl_batch(samples(), 0), 0)
+    return trainer, metrics, trainer.full_weights()
+
+
+def test_log_probs_equal_the_reference_forward():
+    trainer = engine()
+    ref = PolicyTrainer(load_config(None, BASE), MODEL)
+    vb = to_verl_batch(samples(), 0)
+    got = trainer.log_probs(vb)
+    b = to_batch(samples(), 0)
+    with torch.no_grad():
+        want, _ = token_log_probs(ref.model.eval(), b)
+    assert len(vb) == len(b) == 13  # the two-turn rollout shares one row
+    for i in range(len(vb)):
+        mine = got[i][vb.response_mask[i] > 0]
+        theirs = want[i][b.response_mask[i] > 0]
+        assert torch.allclose(mine, theirs, atol=1e-5), i
+    # tokens between the two turns condition the second turn but are not scored
+    row = vb.rollout_ids.index("mt")
+    assert vb.response_mask[row].tolist()[:7] == [1, 1, 0, 0, 1, 1, 1]
+
+
+def test_loss_and_gradient_equal_the_reference_update(one_rank):
+    _, metrics, _ = one_rank
+    ref = PolicyTrainer(load_config(None, BASE), MODEL)
+    want = ref.update(to_batch(samples(), 0), 0)
+    assert metrics["actor/pg_loss"] == pytest.approx(want["actor/pg_loss"], abs=1e-6)
+    assert metrics["actor/grad_norm"] == pytest.approx(want["actor/grad_norm"], rel=1e-5)
+    assert metrics["rollout_corr/rollout_is_mean"] == pytest.approx(
+        want["rollout_corr/rollout_is_mean"], rel=1e-5)
+
+
+def test_two_gloo_ranks_give_the_same_step(one_rank):
+    _, metrics, weights = one_rank
+    two = engine("trainer.ranks=2")
+    try:
+        m2 = two.update(to_verl_batch(samples(), 0), 0)
+        w2 = two.full_weights()
+    finally:
+        two.close()
+    # gradients are averaged over ranks, not summed (a sum would double the norm)
+    assert m2["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    # One AdamW step moves a weight by up to lr (1e-3); on gradients near zero Adam's
+    # normalisation magnifies float rounding, hence 1% of a step.
+    assert max_diff(weights, w2) < 1e-5
+
+
+def test_micro_batches_of_one_give_the_same_gradient(one_rank):
+    _, metrics, weights = one_rank
+    micro = engine("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
+    m = micro.update(to_verl_batch(samples(), 0), 0)
+    assert m["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    assert max_diff(weights, micro.full_weights()) < 1e-5
+
+
+def test_padded_rows_change_nothing(one_rank):
+    _, metrics, weights = one_rank
+    padded = engine()
+    vb = to_verl_batch(samples(), 0).padded(8)
+    assert len(vb) == 16 and vb.real == 13 and vb.response_mask[13:].sum() == 0
+    m = padded.update(vb, 0)
+    assert m["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-6)
+    assert max_diff(weights, padded.full_weights()) < 1e-7
+
+
+def test_a_non_finite_gradient_skips_the_step():
+    trainer = engine()
+    before = trainer.full_weights()
+    bad = samples()
+    bad[0].reward = float("nan")  # the group's advantages, loss and gradient become NaN
+    m = trainer.update(to_verl_batch(bad, 0), 0)
+    assert m["actor/skipped_steps"] == 1.0 and m["actor/skipped_steps_total"] == 1.0
+    assert max_diff(before, trainer.full_weights()) == 0.0
+    trainer.update(to_verl_batch(samples(), 0), 1)  # the next good batch trains
+    assert max_diff(before, trainer.full_weights()) > 1e-4
+
+
+def test_bf16_compute_keeps_fp32_master_weights():
+    lr = 1e-6
+    trainer = engine(f"actor_rollout_ref.actor.lr={lr}",
+                     "actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16")
+    assert trainer.ranks.call("master_dtype") == ["float32"]
+    before = trainer.full_weights()
+    vb = to_verl_batch(samples(), 0)
+    for step in range(100):
+        trainer.update(vb, step)
+    after = trainer.full_weights()
+    moved = torch.cat([(after[k] - before[k]).abs().flatten() for k in before])
+    assert moved.mean() > 20 * lr  # AdamW moves each weight by up to lr per step
+    # Rounded to bf16 after every step, the same steps would leave nearly every weight where
+    # it was: one step is far below bf16's spacing at these magnitudes.
+    w = before["model.layers.0.mlp.up_proj.weight"].bfloat16()
+    stepped = (w.float() + lr).bfloat16()
+    assert (stepped == w).float().mean() > 0.95  # only weights near 0 have a finer spacing
