@@ -255,6 +255,7 @@ RULES: dict[str, Check] = {
     "trainer.checkpoint_dir": string,
     "trainer.probe_tolerance": positive_num,
     "trainer.step_timeout_s": positive_num,
+    "trainer.reload_timeout_s": positive_num,
     "trainer.heartbeat_s": positive_num,
     "trainer.step_retries": non_negative_int,
     "trainer.upstream_check_s": positive_num,

@@ -117,7 +117,7 @@ def _publish(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: di
     t = time.monotonic()
     if wake:
         weights.wake_engine(urls, trainer.device)
-    loaded = _reload_reachable(client, urls, path, version, float(cfg.trainer.step_timeout_s),
+    loaded = _reload_reachable(client, urls, path, version, float(cfg.trainer.reload_timeout_s),
                                float(cfg.trainer.upstream_check_s))
     timings["reload"] = time.monotonic() - t
 
