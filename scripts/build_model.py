@@ -1,10 +1,11 @@
 """Build the tiny demo policy locally: a Qwen2 model plus a small ASCII tokenizer.
 
 No download happens: the architecture is instantiated with random weights from a fixed
-seed, so the same seed always gives the same bytes. Input and output embeddings are
-untied on purpose: vLLM CPU's ``reload_weights`` silently skips a tied ``lm_head``.
+seed, so the same seed always gives the same bytes. The demo's input and output embeddings
+are untied; ``--tied`` builds the tied variant (as Qwen2.5 0.5B-3B and Llama 3.2 ship) that
+the weight-sync tests use.
 
-Usage: python scripts/build_model.py [--out var/models/tiny-qwen2] [--seed 0] [--force]
+Usage: python scripts/build_model.py [--out var/models/tiny-qwen2] [--seed 0] [--tied] [--force]
 """
 
 from __future__ import annotations
@@ -79,14 +80,14 @@ def build_tokenizer(out: Path) -> None:
     fast.save_pretrained(str(out))
 
 
-def build_model(out: Path, seed: int) -> None:
+def build_model(out: Path, seed: int, tied: bool = False) -> None:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     vocab = vocabulary()
     config = Qwen2Config(
         vocab_size=len(vocab),
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
         bos_token_id=vocab.index("<|im_start|>"),
         eos_token_id=vocab.index("<|im_end|>"),
         pad_token_id=vocab.index("<|endoftext|>"),
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="var/models/tiny-qwen2")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tied", action="store_true", help="tie input and output embeddings")
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -124,10 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     build_tokenizer(tmp)
-    build_model(tmp, args.seed)
+    build_model(tmp, args.seed, args.tied)
     # The stamp goes last and the directory is swapped in whole: a crash never leaves a
     # half-built model that looks finished.
-    info = {"seed": args.seed, "digest": digest(tmp), "shape": MODEL_SHAPE}
+    info = {"seed": args.seed, "tied": args.tied, "digest": digest(tmp), "shape": MODEL_SHAPE}
     (tmp / "carryover-build.json").write_text(json.dumps(info, indent=1) + "\n")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)

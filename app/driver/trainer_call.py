@@ -7,8 +7,8 @@ task's heartbeat (``keys.trainer_heartbeat``, refreshed by the worker every
 means the worker died mid-task; the driver sends the task again (up to
 ``trainer.step_retries`` times) and the restarted worker resumes from the run's last
 checkpoint. Liveness, not a clock, decides: ``trainer.step_timeout_s`` bounds only the wait
-for some trainer worker to take the task. Trainer tasks are idempotent, so a slow-but-alive worker finishing the first copy
-costs only a cached answer to the second.
+for some trainer worker to take the task. Trainer tasks are idempotent, so a slow-but-alive
+worker finishing the first copy costs only a cached answer to the second.
 """
 
 from __future__ import annotations

@@ -1,0 +1,39 @@
+"""The weight-sync probe: a non-finite gap fails the sync, and scoring the reference model in
+the engine's dtype never rounds its master weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from app.config import load_config
+from app.config.loader import REPO_ROOT
+from workers.trainer import weights
+from workers.trainer.update import PolicyTrainer
+
+MODEL = REPO_ROOT / "var" / "models" / "tiny-qwen2"
+
+
+def test_a_nan_probe_gap_fails_the_sync(monkeypatch):
+    ids = weights.PROBE_IDS
+    monkeypatch.setattr(weights, "engine_probe_logprobs",
+                        lambda url, name, ids: [float("nan")] * (len(ids) - 1))
+    with pytest.raises(weights.WeightSyncError, match="non-finite"):
+        weights.verify_sync("http://x", "m", [-1.0] * (len(ids) - 1), None, 0.01, ids)
+
+
+def test_bf16_probe_leaves_the_fp32_weights_unrounded():
+    trainer = PolicyTrainer(load_config(None, ["trainer.device=cpu"]), str(MODEL))
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(1e-6)  # below bf16's resolution: rounding would erase it
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    weights.trainer_probe_logprobs(trainer.model, weights.PROBE_IDS, torch.bfloat16)
+    after = trainer.model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert next(trainer.model.parameters()).dtype == torch.float32
+
+
+def test_auto_dtype_is_the_checkpoints():
+    assert weights.engine_dtype("auto", MODEL) == torch.float32  # the demo model is fp32
+    assert weights.engine_dtype("bfloat16", MODEL) == torch.bfloat16
