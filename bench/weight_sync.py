@@ -1,8 +1,10 @@
-"""The collocated update cycle, phase by phase, for the tiny model on the real vLLM server.
+"""The collocated update cycle, phase by phase, for the tiny model on the real vLLM server:
+the trainer on verl's FSDP2 engine against the single-process reference path, in one run.
 
-Starts its own Redis and vLLM (the inference environment), then repeats: pause + drain (the
-gateway's Redis scripts, no traffic), update (verl PPO step on a synthetic batch of
-``--samples`` captured calls), save (safetensors), reload + reset prefix cache, probe, resume.
+Starts its own Redis and vLLM (the inference environment), then repeats, alternating the two
+paths: pause + drain (the gateway's Redis scripts, no traffic), update (a PPO step on a
+synthetic batch of ``--samples`` captured calls), save (safetensors), reload + reset prefix
+cache, probe, resume. Also reports the update's trained tokens per second.
 
 Usage: python -m bench.weight_sync [--cycles 10] [--samples 128]   (prints JSON, then a table)
 """
@@ -42,53 +44,85 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.admission import Admission
     from workers.trainer import weights
     from workers.trainer.batch import Sample, to_batch
+    from workers.trainer.engine import EngineTrainer
+    from workers.trainer.service import _probe_batch
     from workers.trainer.update import PolicyTrainer
+    from workers.trainer.verl_batch import to_verl_batch
 
     cfg = service_config()
-    phases: dict[str, list[float]] = {}
+    phases: dict[str, dict[str, list[float]]] = {"engine": {}, "reference": {}}
 
-    def timed(name: str, fn, *a, **kw):
+    def timed(path: str, name: str, fn, *a, **kw):
         t = time.perf_counter()
         out = fn(*a, **kw)
-        phases.setdefault(name, []).append(time.perf_counter() - t)
+        phases[path].setdefault(name, []).append(time.perf_counter() - t)
         return out
 
     rng = random.Random(0)
     samples = [Sample([1] + [rng.randrange(3, 27) for _ in range(21)],
                       [rng.randrange(3, 27) for _ in range(5)] + [2], [-3.3] * 6,
                       rng.random(), f"g{i // 8}", 1.0, 0) for i in range(args.samples)]
+    trained_tokens = sum(len(s.response_ids) for s in samples)
+    model_path = str(REPO / cfg.actor_rollout_ref.model.path)
     with Supervisor(cfg, log_dir=tmp / "logs") as sup:
         sup.start(["redis", "inference"])
         adm = Admission(connect(resolve_redis_url(cfg)))
-        trainer = PolicyTrainer(cfg, str(REPO / cfg.actor_rollout_ref.model.path))
-        batch = to_batch(samples, trainer.pad_id)
+        engine = EngineTrainer(cfg, model_path)
+        reference = PolicyTrainer(cfg, model_path)
+        ref_batch = to_batch(samples, reference.pad_id)
         url = cfg.inference.urls[0]
-        dtype = weights.engine_dtype(cfg.inference.dtype)
-        previous = None
-        for version in range(1, args.cycles + 1):
-            start = time.perf_counter()
-            timed("pause_drain", lambda: (adm.pause(), adm.drain(5)))
-            timed("update", trainer.update, batch)
-            path = timed("save", weights.save_weights, trainer.model, tmp / "w", version, 2)
-            timed("reload", weights.reload_weights, url, path)
-            expected = weights.trainer_probe_logprobs(trainer.model, weights.PROBE_IDS, dtype)
-            timed("probe", weights.verify_sync, url, cfg.inference.served_model_name,
-                  expected, previous, float(cfg.trainer.probe_tolerance))
-            previous = expected
-            timed("resume", adm.resume)
-            phases.setdefault("cycle", []).append(time.perf_counter() - start)
+        dtype = weights.engine_dtype(cfg.inference.dtype, model_path)
+        dname = str(dtype).replace("torch.", "")
+        ids = weights.probe_ids(model_path)
+        probe = _probe_batch(ids)
+        version = 0
+        # The two paths alternate cycle by cycle, so both see the same machine.
+        for _ in range(args.cycles):
+            for path in ("engine", "reference"):
+                version += 1
+                start = time.perf_counter()
+                timed(path, "pause_drain", lambda: (adm.pause(), adm.drain(5)))
+                if path == "engine":
+                    timed(path, "update", engine.update, to_verl_batch(samples, engine.pad_id))
+                    out = timed(path, "save", weights.publish_version, tmp / "w", version, 2,
+                                lambda d: engine.export_weights(d, dname))
+                    timed(path, "reload", weights.reload_weights, url, out)
+                    expected = engine.log_probs(probe)[0, probe.response_mask[0] > 0].tolist()
+                    probe_ids = ids
+                else:
+                    timed(path, "update", reference.update, ref_batch)
+                    out = timed(path, "save", weights.save_weights, reference.model, tmp / "w",
+                                version, 2)
+                    timed(path, "reload", weights.reload_weights, url, out)
+                    expected = weights.trainer_probe_logprobs(reference.model,
+                                                              weights.PROBE_IDS, dtype)
+                    probe_ids = weights.PROBE_IDS
+                # each path's previous weights are not what the server held last: no
+                # "closer to new than old" check across paths
+                timed(path, "probe", weights.verify_sync, url, cfg.inference.served_model_name,
+                      expected, None, float(cfg.trainer.probe_tolerance), probe_ids)
+                timed(path, "resume", adm.resume)
+                phases[path].setdefault("cycle", []).append(time.perf_counter() - start)
+        engine.close()
 
+    med = {p: {k: statistics.median(v) for k, v in ph.items()} for p, ph in phases.items()}
     result = {
         "benchmark": "weight_sync", "machine": f"{os.cpu_count()} CPUs",
         "model": cfg.actor_rollout_ref.model.path, "engine_dtype": cfg.inference.dtype,
-        "samples_per_update": args.samples, "cycles": args.cycles,
-        "median_seconds": {k: statistics.median(v) for k, v in phases.items()},
-        "max_seconds": {k: max(v) for k, v in phases.items()},
+        "samples_per_update": args.samples, "trained_tokens_per_update": trained_tokens,
+        "cycles": args.cycles,
+        "median_seconds": med["engine"],
+        "reference_median_seconds": med["reference"],
+        "max_seconds": {k: max(v) for k, v in phases["engine"].items()},
+        "update_tokens_per_s": {p: trained_tokens / med[p]["update"] for p in med},
     }
     print(json.dumps(result, indent=1))
-    print("\n| phase | median s | max s |\n|---|---|---|")
-    for k in phases:
-        print(f"| {k} | {result['median_seconds'][k]:.4f} | {result['max_seconds'][k]:.4f} |")
+    print("\n| phase | engine (verl FSDP2) median s | reference (single process) median s |"
+          "\n|---|---|---|")
+    for k in med["engine"]:
+        print(f"| {k} | {med['engine'][k]:.4f} | {med['reference'][k]:.4f} |")
+    tps = result["update_tokens_per_s"]
+    print(f"| update: trained tokens/s | {tps['engine']:.0f} | {tps['reference']:.0f} |")
     return 0
 
 

@@ -45,6 +45,8 @@ def test_weight_sync_bench_json():
     assert set(r["median_seconds"]) == {"pause_drain", "update", "save", "reload", "probe",
                                         "resume", "cycle"}
     assert all(v >= 0 for v in r["median_seconds"].values())
+    assert set(r["reference_median_seconds"]) == set(r["median_seconds"])
+    assert r["update_tokens_per_s"]["engine"] > 0 and r["update_tokens_per_s"]["reference"] > 0
 
 
 def test_async_vs_sync_bench_json(tmp_path):
@@ -90,3 +92,13 @@ def test_scale_bench_json():
         assert isinstance(x["redis_bytes_per_active_rollout"], float)
         assert x["completed_to_selected_ms"]["p50"] <= x["completed_to_selected_ms"]["p99"]
     assert r["results"][0]["bookkeeping_vs_smallest"] == 1.0
+
+
+def test_gpu_trainer_bench_tiny_json(tmp_path):
+    r = run_bench("bench.gpu_trainer", "--tiny", "--steps", "3", "--out", str(tmp_path))
+    assert r["benchmark"] == "gpu_trainer" and r["device"] == "cpu"
+    assert r["master_dtype"] == "float32" and r["compute_dtype"] == "bfloat16"
+    assert len(r["update_seconds"]) == 3 and r["trained_tokens_per_s"] > 0
+    assert r["skipped_steps"] == 0
+    # bf16 compute against an fp32 forward of the same weights: close, not equal
+    assert 0 < r["logprob_gap_engine_vs_hf"]["mean"] < 0.1
