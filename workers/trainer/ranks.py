@@ -65,8 +65,11 @@ def _plain(value: Any) -> Any:
         return float(Metric.aggregate_dp(value))
     if isinstance(value, Metric):
         return float(value.aggregate())
-    if isinstance(value, list):
-        return [float(v) for v in value]
+    if isinstance(value, list):  # per rank, possibly per micro-batch: flattened
+        flat: list[float] = []
+        for v in value:
+            flat.extend(_plain(v) if isinstance(v, list) else [float(_plain(v))])
+        return flat
     return value
 
 
@@ -89,7 +92,12 @@ class RankEngine:
         self.actor.set_loss_fn(partial(ppo_loss, config=self.actor_cfg))
         self.ref = None
         if spec["use_kl_loss"]:
-            self.ref = TrainingWorker(config=engine_config.worker_config(spec, forward_only=True))
+            # verl's forward-only engine parks the reference in pinned host memory, which a
+            # CPU-only torch cannot pin: there the reference is a full engine that is only ever
+            # run forward (its optimizer state is never created).
+            forward_only = spec["device"] != "cpu"
+            self.ref = TrainingWorker(config=engine_config.worker_config(
+                spec, forward_only=forward_only))
             self.ref.reset()
         self.rank = int(os.environ.get("RANK", "0"))
 
