@@ -63,6 +63,7 @@ def test_inference_server_restart(stack, tmp_path, celery_workers, cfg,  # noqa:
     assert int(published["version"]) == rows[-1]["policy/version"]
     url = cfg.inference.urls[0]
     weights.verify_sync(url, cfg.inference.served_model_name, json.loads(published["probe"]),
-                        None, float(cfg.trainer.probe_tolerance))
+                        None, float(cfg.trainer.probe_tolerance),
+                        json.loads(published["probe_ids"]))
     log = celery_workers.log_path("trainer").read_text(errors="replace")
     assert "is unreachable" in log or "is down" in log
