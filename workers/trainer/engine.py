@@ -27,11 +27,29 @@ import numpy as np
 import torch
 
 from workers.trainer.engine_config import engine_spec
-from workers.trainer.ranks import LocalRanks, SpawnedRanks
+from workers.trainer.ranks import LocalRanks, RayRanks, SpawnedRanks
 from workers.trainer.update import compute_advantages, lr_at, rollout_correction
 from workers.trainer.verl_batch import VerlBatch
 
 log = logging.getLogger(__name__)
+
+
+def launcher(cfg: Any, device: str) -> str:
+    """``trainer.launcher``; ``auto`` = verl's Ray worker group when the update spans more
+    than one accelerator, else ranks on this host."""
+    tr = cfg.trainer
+    if tr.launcher != "auto":
+        return str(tr.launcher)
+    gpus = int(tr.nnodes) * int(tr.n_gpus_per_node)
+    return "ray" if device == "cuda" and gpus > 1 else "local"
+
+
+def _rank_group(cfg: Any, spec: dict[str, Any]) -> LocalRanks | SpawnedRanks | RayRanks:
+    tr = cfg.trainer
+    if launcher(cfg, spec["device"]) == "ray":
+        return RayRanks(spec, int(tr.nnodes), int(tr.n_gpus_per_node), tr.ray_address)
+    n = int(tr.ranks)
+    return LocalRanks(spec) if n == 1 else SpawnedRanks(spec, n)
 
 
 def _split(vb: VerlBatch, ranks: int) -> list[tuple[VerlBatch]]:
@@ -52,11 +70,11 @@ class EngineTrainer:
         self.pad_id = int(hf.pad_token_id if hf.pad_token_id is not None else 0)
         self.spec = engine_spec(cfg, model_path, self.pad_id)
         self.device = self.spec["device"]
-        n = int(cfg.trainer.ranks)
         t = time.monotonic()
-        self.ranks = LocalRanks(self.spec) if n == 1 else SpawnedRanks(self.spec, n)
-        log.info("verl FSDP2 engine on %s: %d rank(s), compute %s, built in %.1f s",
-                 self.device, n, self.spec["compute_dtype"], time.monotonic() - t)
+        self.ranks = _rank_group(cfg, self.spec)
+        log.info("verl FSDP2 engine on %s: %d rank(s) (%s), compute %s, built in %.1f s",
+                 self.device, self.ranks.size, type(self.ranks).__name__,
+                 self.spec["compute_dtype"], time.monotonic() - t)
         self.skipped_steps = 0
 
     @property

@@ -36,23 +36,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(rank: int, world: int, port: int, device: str) -> None:
+def init_process_group(rank: int, world: int, port: int | None, device: str) -> None:
     """torch.distributed before verl touches it: verl skips its own init when a group
     exists (on CPU it would build the backend string "cpu:gloo,cpu:gloo", which torch
-    rejects)."""
+    rejects). ``port`` None: the rendezvous is already in the environment (Ray workers)."""
     import torch.distributed as dist
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ.setdefault("LOCAL_RANK", "0" if port is None else str(rank))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if port is not None:
+        os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                          MASTER_PORT=str(port))
     if device == "cpu":
         from workers.trainer import verl_cpu
 
         verl_cpu.activate()
     if not dist.is_initialized():
-        backend = "gloo" if device == "cpu" else "nccl"
         if device != "cpu":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        # verl's own convention: gloo for CPU-side collectives, NCCL for the accelerator
+        backend = "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
         dist.init_process_group(backend, rank=rank, world_size=world)
 
 
@@ -259,3 +263,55 @@ class SpawnedRanks:
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
+
+
+class RayRanks:
+    """verl's Ray worker group: one rank per accelerator over ``nnodes x n_gpus_per_node``
+    (on CPU, one rank per CPU slot: for tests). Attaches to the Ray cluster at
+    ``trainer.ray_address``, or starts a local one when it is null."""
+
+    def __init__(self, spec: dict[str, Any], nnodes: int, per_node: int,
+                 address: str | None) -> None:
+        import ray
+        from verl.single_controller.ray import (
+            RayClassWithInitArgs,
+            RayResourcePool,
+            RayWorkerGroup,
+        )
+
+        if not ray.is_initialized():
+            local = {} if address else {"num_cpus": max(os.cpu_count() or 1, nnodes * per_node)}
+            ray.init(address=address, include_dashboard=False, **local)
+        use_gpu = spec["device"] != "cpu"
+        pool = RayResourcePool([per_node] * nnodes, use_gpu=use_gpu,
+                               name_prefix="carryover_trainer", max_colocate_count=1)
+        actor = RayClassWithInitArgs(cls=ray.remote(_ray_rank_class()), spec=spec)
+        self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=actor,
+                                    device_name=spec["device"])
+        self.size = nnodes * per_node
+
+    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
+        n = self.size
+        return self.group.execute_all_sync("run", [method] * n,
+                                           per_rank if per_rank else [()] * n, [kwargs] * n)
+
+    def close(self) -> None:
+        return None  # the actors live as long as this controller process
+
+
+def _ray_rank_class() -> type:
+    """A verl ``Worker`` holding one ``RankEngine`` (verl's worker group sets the rendezvous:
+    RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
+    from verl.single_controller.base import Worker
+
+    class RankActor(Worker):
+        def __init__(self, spec: dict[str, Any]) -> None:
+            super().__init__()
+            init_process_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None,
+                               spec["device"])
+            self.engine = RankEngine(spec)
+
+        def run(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+            return getattr(self.engine, method)(*args, **kwargs)
+
+    return RankActor
