@@ -90,6 +90,7 @@ class Batch:
     temperatures: object     # [B, 1] float
     group_ids: list[str]
     calls: list[int] = field(default_factory=list)  # samples (model calls) in each row
+    rollout_ids: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.group_ids)
@@ -101,7 +102,8 @@ class Batch:
         return Batch(self.input_ids[idx], self.attention_mask[idx], self.response_index[idx],
                      self.response_ids[idx], self.response_mask[idx],
                      self.rollout_log_probs[idx], self.rewards[idx], self.temperatures[idx],
-                     [self.group_ids[i] for i in rows], [self.calls[i] for i in rows])
+                     [self.group_ids[i] for i in rows], [self.calls[i] for i in rows],
+                     [self.rollout_ids[i] for i in rows])
 
 
 @dataclass
@@ -168,4 +170,5 @@ def to_batch(samples: list[Sample], pad_id: int, device: str = "cpu") -> Batch:
         torch.tensor([r.first.reward for r in rows], dtype=torch.float32, device=device),
         torch.tensor([[r.first.temperature] for r in rows], dtype=torch.float32,
                      device=device),
-        [r.first.group_id for r in rows], [r.calls for r in rows])
+        [r.first.group_id for r in rows], [r.calls for r in rows],
+        [r.first.rollout_id for r in rows])

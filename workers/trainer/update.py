@@ -56,21 +56,36 @@ def token_log_probs(model: torch.nn.Module, batch: Batch, with_entropy: bool = F
 
 
 def compute_advantages(estimator: str, rewards: torch.Tensor, response_mask: torch.Tensor,
-                       group_ids: list[str], norm_by_std: bool) -> torch.Tensor:
+                       group_ids: list[str], norm_by_std: bool,
+                       rollout_ids: list[str] | None = None) -> torch.Tensor:
+    """Per-token advantages of each row, from one score per rollout.
+
+    A rollout whose calls could not share one row (the agent rewrote its history) spans
+    several rows with the same reward. Group statistics (GRPO's mean and std, RLOO's
+    leave-one-out baseline) are taken over the group's rollouts, one score each, never over
+    rows: otherwise a rollout with more rows would weigh more, and RLOO's baseline would hold
+    the rollout's own other rows. Each row gets its rollout's advantage on its response tokens.
+    A row without a rollout id counts as a rollout of its own.
+    """
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
+    keys = [rid if rid else f"row:{i}" for i, rid in enumerate(rollout_ids or [""] * len(rewards))]
+    first: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        first.setdefault(k, i)
+    rows = list(first.values())
     fn = get_adv_estimator_fn(estimator)
-    # Outcome reward: the whole reward sits on the last response token.
-    last = (response_mask.sum(-1).long() - 1).clamp(min=0)
-    token_rewards = torch.zeros_like(response_mask)
-    token_rewards[torch.arange(len(rewards)), last] = rewards
-    kwargs: dict[str, Any] = {"token_level_rewards": token_rewards,
-                              "response_mask": response_mask,
-                              "index": np.array(group_ids, dtype=object)}
+    # Outcome reward: one token per rollout carries it.
+    ones = torch.ones((len(rows), 1), dtype=response_mask.dtype)
+    kwargs: dict[str, Any] = {"token_level_rewards": rewards[rows].unsqueeze(-1).to(ones.dtype),
+                              "response_mask": ones,
+                              "index": np.array([group_ids[i] for i in rows], dtype=object)}
     if "norm_adv_by_std_in_grpo" in inspect.signature(fn).parameters:
         kwargs["norm_adv_by_std_in_grpo"] = norm_by_std
-    advantages, _ = fn(**kwargs)
-    return advantages
+    per_rollout, _ = fn(**kwargs)
+    score = {k: per_rollout[j, 0] for j, k in enumerate(first)}
+    per_row = torch.stack([score[k] for k in keys])
+    return per_row.unsqueeze(-1) * response_mask
 
 
 def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
@@ -161,7 +176,8 @@ class PolicyTrainer:
             ref_log_prob = token_log_probs(self.ref, batch)[0] if self.ref is not None else None
         mask = batch.response_mask
         advantages = compute_advantages(algo.adv_estimator, batch.rewards, mask,
-                                        batch.group_ids, bool(algo.norm_adv_by_std_in_grpo))
+                                        batch.group_ids, bool(algo.norm_adv_by_std_in_grpo),
+                                        batch.rollout_ids)
         is_weights, mask, rc_metrics = rollout_correction(
             old_log_prob, batch.rollout_log_probs, mask, algo.rollout_correction)
         policy_loss = get_policy_loss_fn("vanilla")
