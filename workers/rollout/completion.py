@@ -1,8 +1,13 @@
 """Group completion: the chord callback's work.
 
-Invariant: a group becomes complete (or dropped) exactly once. The ``group_done`` key is
-taken with SET NX before anything else is written, so a callback that runs twice (a
-redelivered message, a retried chord) finds it taken and changes nothing.
+Invariants:
+- A group becomes complete (or dropped) exactly once. The ``group_done`` key is taken with
+  SET NX before anything else is written, so a callback that runs twice (a redelivered
+  message, a retried chord) finds it taken and changes nothing.
+- Completion and cancellation (the driver's age cap) exclude each other: the status check,
+  the SET NX and the outcome's writes are one Redis script, so a group cancelled at any
+  moment before it is never marked complete (it would be trained although its prompt was
+  re-queued), and one completed before it is removed from the ready set by the cancel.
 """
 
 from __future__ import annotations
@@ -38,28 +43,36 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
             log.warning("group %s: callback saw %d of %d siblings; the last sibling will "
                         "complete it", group_id, len(results), group.n)
             return "incomplete"
-    if not client.set(keys.group_done(group_id), "1", nx=True):
-        log.info("group %s: completion already recorded (duplicate callback)", group_id)
-        return "duplicate"
-    if group.status == "cancelled":
-        return "cancelled"
     cfg = run_config(client, group.run_id)
     failed = [r for r in results.values() if r.status != "ok"]
-    pipe = client.pipeline(transaction=True)
-    if failed and cfg.controller.on_failure == "requeue":
-        outcome = "dropped"
-        pipe.hset(keys.group(group_id), mapping={"status": "dropped",
-                                                 "completed_at": str(time.time())})
-        pipe.zrem(keys.run_active(group.run_id), group_id)
-        pipe.rpush(keys.run_requeue(group.run_id), group.sample_index)
-        pipe.hincrby(keys.run(group.run_id), "n_dropped", 1)
+    outcome = "dropped" if failed and cfg.controller.on_failure == "requeue" else "complete"
+    run = group.run_id
+    answer = client.register_script(_COMPLETE)(
+        keys=[keys.group(group_id), keys.group_done(group_id), keys.run_active(run),
+              keys.run_ready(run), keys.run_requeue(run), keys.run(run), keys.run_wakeup(run)],
+        args=[group_id, outcome, str(time.time()), group.seq, group.sample_index])
+    if answer == "duplicate":
+        log.info("group %s: completion already recorded (duplicate callback)", group_id)
+    elif answer == "dropped":
         log.warning("group %s dropped and its prompt re-queued: %d sibling(s) failed (%s)",
                     group_id, len(failed), failed[0].error)
-    else:
-        outcome = "complete"
-        pipe.hset(keys.group(group_id), mapping={"status": "complete",
-                                                 "completed_at": str(time.time())})
-        pipe.zadd(keys.run_ready(group.run_id), {group_id: group.seq})
-    pipe.rpush(keys.run_wakeup(group.run_id), group_id)
-    pipe.execute()
-    return outcome
+    return str(answer)
+
+
+# Status check, exactly-once mark and the outcome's writes in one step (see the invariants).
+# KEYS: group, group_done, run_active, run_ready, run_requeue, run, run_wakeup
+# ARGV: group id, outcome (complete | dropped), completed_at, seq, sample index
+_COMPLETE = """
+if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return 'cancelled' end
+if not redis.call('SET', KEYS[2], '1', 'NX') then return 'duplicate' end
+redis.call('HSET', KEYS[1], 'status', ARGV[2], 'completed_at', ARGV[3])
+if ARGV[2] == 'dropped' then
+  redis.call('ZREM', KEYS[3], ARGV[1])
+  redis.call('RPUSH', KEYS[5], ARGV[5])
+  redis.call('HINCRBY', KEYS[6], 'n_dropped', 1)
+else
+  redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
+end
+redis.call('RPUSH', KEYS[7], ARGV[1])
+return ARGV[2]
+"""

@@ -1,0 +1,55 @@
+"""Completion and the age cap's cancel exclude each other, whatever the interleaving: a group
+cancelled while its chord callback runs is never marked complete (it would be trained although
+its prompt was re-queued), and one completed before the cancel leaves the ready set."""
+
+from __future__ import annotations
+
+import json
+
+from omegaconf import OmegaConf
+
+from app.config import load_config
+from app.driver.collector import Collector
+from app.state import keys
+from app.state.records import GroupRecord, SiblingResult
+from workers.rollout import completion
+
+
+def setup_group(redis_client, tmp_path, run: str) -> tuple[Collector, str]:
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": "s0"}) + "\n")
+    cfg = load_config(None, [f"data.train_files={data}", "actor_rollout_ref.rollout.n=2",
+                             "agentlightning.async_rollout.max_carry_over_age_steps=1"])
+    Collector.create_run(redis_client, run, OmegaConf.to_container(cfg), "async")
+    gid = f"{run}-g0"
+    redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, run, 0, n=2).to_hash())
+    redis_client.zadd(keys.run_active(run), {gid: 0})
+    for i in range(2):
+        redis_client.hset(keys.group_results(gid), str(i),
+                          SiblingResult(i, f"{gid}.{i}.x", "ok", 0.5, 1, 0.1).to_json())
+    return Collector(redis_client, run, cfg), gid
+
+
+def test_cancel_inside_the_completion_window(redis_client, tmp_path, monkeypatch):
+    collector, gid = setup_group(redis_client, tmp_path, "race")
+    read = completion.read_group
+
+    def read_then_cancel(client, group_id):
+        rec = read(client, group_id)  # the callback has read the group (status active) ...
+        assert collector.cancel_stale(step=5) == 1  # ... when the age cap cancels it
+        return rec
+
+    monkeypatch.setattr(completion, "read_group", read_then_cancel)
+    assert completion.finish_group(redis_client, gid) == "cancelled"
+    assert redis_client.hget(keys.group(gid), "status") == "cancelled"
+    assert redis_client.zscore(keys.run_ready("race"), gid) is None  # never trainable
+    assert redis_client.lrange(keys.run_requeue("race"), 0, -1) == ["0"]  # re-queued once
+
+
+def test_cancel_after_completion_removes_it_from_the_ready_set(redis_client, tmp_path):
+    collector, gid = setup_group(redis_client, tmp_path, "race2")
+    assert completion.finish_group(redis_client, gid) == "complete"
+    assert redis_client.zscore(keys.run_ready("race2"), gid) == 0
+    assert collector.cancel_stale(step=5) == 1
+    assert redis_client.zscore(keys.run_ready("race2"), gid) is None
+    assert completion.finish_group(redis_client, gid) == "cancelled"  # a late duplicate
