@@ -104,9 +104,12 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZCARD', KEYS[1])
 """
 
-# KEYS: paused, pause_started, pause_history   ARGV: keep
-# -> pause duration in ms (0 if not paused)
+# KEYS: paused, pause_started, pause_history   ARGV: keep, token ('' = any pause: an operator)
+# -> pause duration in ms (0 if not paused), -1 when the pause is another holder's: a stale
+# resume (a trainer whose pause expired and was taken over) must not end a newer pause.
 RESUME = _NOW_MS + """
+local holder = redis.call('GET', KEYS[1])
+if ARGV[2] ~= '' and holder and holder ~= ARGV[2] then return -1 end
 local started = redis.call('GET', KEYS[2])
 redis.call('DEL', KEYS[1], KEYS[2])
 if not started then return 0 end
@@ -136,6 +139,7 @@ return {now - tonumber(started), med}
 class DrainResult:
     seconds: float
     cancelled: int
+    unended: int = 0    # cancelled requests still live when the wait for them ran out
 
 
 class Admission:
@@ -152,6 +156,7 @@ class Admission:
         self._pause = client.register_script(PAUSE)
         self._extend_pause = client.register_script(EXTEND_PAUSE)
         self.pause_token = ""
+        self.lost = False   # an extension of this object's pause failed: it may be gone
         self._live = client.register_script(LIVE)
         self._resume = client.register_script(RESUME)
         self._estimate = client.register_script(PAUSE_ESTIMATE)
@@ -210,22 +215,28 @@ class Admission:
         number of requests in flight at that moment. A short TTL kept alive with
         ``extend_pause`` makes the pause a lease of its holder."""
         self.pause_token = uuid.uuid4().hex
+        self.lost = False
         return int(self._pause(keys=[keys.paused(), keys.pause_started(), keys.leases()],
                                args=[self.pause_token, int(pause_ttl_s * 1000)]))
 
     def extend_pause(self, pause_ttl_s: float) -> bool:
         """Push the expiry of this object's pause ``pause_ttl_s`` ahead; False if the pause
         is gone or another holder took it over."""
-        return bool(self._extend_pause(keys=[keys.paused(), keys.pause_started()],
-                                       args=[self.pause_token, int(pause_ttl_s * 1000)]))
+        ok = bool(self._extend_pause(keys=[keys.paused(), keys.pause_started()],
+                                     args=[self.pause_token, int(pause_ttl_s * 1000)]))
+        if not ok:
+            self.lost = True
+        return ok
 
     def live_leases(self) -> int:
         return int(self._live(keys=[keys.leases()]))
 
-    def drain(self, timeout_s: float, poll_s: float = 0.01) -> DrainResult:
+    def drain(self, timeout_s: float, poll_s: float = 0.01,
+              cancel_wait_s: float | None = None) -> DrainResult:
         """Wait until no lease is live. Past ``timeout_s`` the remaining requests are marked
-        cancelled (their callers get a retryable error and nothing is captured) and the
-        wait continues only until their gateways let go of them, at most one lease TTL."""
+        cancelled (their gateways abort them: the callers get a retryable error and nothing
+        is captured), and the drain waits, at most ``cancel_wait_s`` (default: one lease TTL),
+        until those requests have really ended, so nothing generates when it returns."""
         start = time.monotonic()
         deadline = start + timeout_s
         while self.live_leases() > 0:
@@ -234,11 +245,35 @@ class Admission:
                 if remaining:
                     self.r.sadd(keys.cancelled(), *remaining)
                     self.r.expire(keys.cancelled(), int(self.ttl_ms / 1000) + 60)
-                return DrainResult(time.monotonic() - start, len(remaining))
+                unended = self._wait_ended(remaining, self.ttl_ms / 1000.0
+                                           if cancel_wait_s is None else cancel_wait_s, poll_s)
+                return DrainResult(time.monotonic() - start, len(remaining), unended)
             time.sleep(poll_s)
         return DrainResult(time.monotonic() - start, 0)
 
+    def _wait_ended(self, lease_ids: list[str], wait_s: float, poll_s: float) -> int:
+        """Wait until none of ``lease_ids`` is live (released, or expired); -> how many
+        still were when ``wait_s`` ran out."""
+        end = time.monotonic() + wait_s
+        while lease_ids:
+            self._live(keys=[keys.leases()])  # drops expired leases
+            scores = self.r.zmscore(keys.leases(), lease_ids)
+            lease_ids = [lid for lid, sc in zip(lease_ids, scores, strict=True)
+                         if sc is not None]
+            if not lease_ids or time.monotonic() >= end:
+                break
+            time.sleep(poll_s)
+        return len(lease_ids)
+
+    def holds_pause(self) -> bool:
+        """Whether the pause flag is still this object's (it was not lost or taken over)."""
+        return (bool(self.pause_token) and not self.lost
+                and self.r.get(keys.paused()) == self.pause_token)
+
     def resume(self, keep_history: int = 20) -> float:
-        """Clear the pause flag; returns how long the pause lasted (seconds)."""
-        return int(self._resume(keys=[keys.paused(), keys.pause_started(), keys.pause_history()],
-                                args=[keep_history])) / 1000.0
+        """Clear this object's pause; returns how long it lasted (seconds). A pause set by
+        another holder since is left in place (returns 0). An object that never paused (the
+        admin route) clears whatever pause there is."""
+        ms = int(self._resume(keys=[keys.paused(), keys.pause_started(), keys.pause_history()],
+                              args=[keep_history, self.pause_token]))
+        return max(ms, 0) / 1000.0

@@ -177,7 +177,13 @@ def _paused(adm: Admission, cfg: Any, beats: Beats, out: dict[str, float]) -> It
     ttl = float(cfg.trainer.heartbeat_s)
     with publish_lock:
         inflight = adm.pause(pause_ttl_s=ttl)
-        beats.add("pause", lambda: adm.extend_pause(ttl))
+
+        def extend() -> None:
+            if not adm.extend_pause(ttl):
+                log.error("the gateway pause could not be extended (it expired or was taken "
+                          "over): this step will not touch the weights")
+
+        beats.add("pause", extend)
         try:
             yield inflight
         finally:
@@ -185,6 +191,16 @@ def _paused(adm: Admission, cfg: Any, beats: Beats, out: dict[str, float]) -> It
             t = time.monotonic()
             out["paused_for"] = adm.resume()
             out["resume"] = time.monotonic() - t
+
+
+def require_pause(adm: Admission, what: str) -> None:
+    """Abort the step, before ``what`` touches any weight, when the pause is no longer ours
+    (its lease could not be extended, or it expired and another holder took it over):
+    agents may be generating, and a reload under them trains on garbage."""
+    if not adm.holds_pause():
+        raise StepError(f"the gateway pause was lost before {what}; the step is aborted "
+                        "with no weight changed (trainer.heartbeat_s may be too short for "
+                        "this machine)")
 
 
 def pause_during_update(cfg: Any, device: str) -> bool:
@@ -219,6 +235,7 @@ def _serve_resident(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resid
     adm = Admission(client, float(cfg.gateway.lease_ttl_s))
     with _paused(adm, cfg, beats, {}):
         adm.drain(float(cfg.gateway.drain_timeout_s))
+        require_pause(adm, "loading the weights")
         return _publish(client, cfg, trainer, resident, None, metrics, {}, wake=False)
 
 
@@ -273,8 +290,14 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Be
         metrics["training/async/proxy_inflight_at_pause"] = inflight
         metrics["training/async/proxy_drain_seconds"] = drained.seconds
         metrics["training/async/proxy_cancelled_at_drain_timeout"] = drained.cancelled
+        if drained.unended:
+            raise StepError(f"{drained.unended} request(s) cancelled at the drain timeout "
+                            "were still generating after a lease TTL; not loading weights "
+                            "under them")
         if collocated:
+            require_pause(adm, "the update")
             update()
+        require_pause(adm, "loading the new weights")
         version = _publish(client, cfg, trainer, resident, resident["probe_prev"], metrics,
                            timings, wake=collocated)
     timings["resume"] = out["resume"]

@@ -1,0 +1,77 @@
+"""The trainer's pause belongs to the trainer that set it: a drain timeout returns only after
+the requests it cancelled have ended, a stale resume leaves a newer pause in place, and a
+pause that could not be extended stops the step before any weight is touched."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from app.state import keys
+from gateway.admission import Admission
+from workers.trainer import service
+
+
+@pytest.fixture
+def clean(redis_client):
+    yield redis_client
+    Admission(redis_client).resume()  # an operator's resume: clears any pause
+    redis_client.delete(keys.leases(), keys.cancelled())
+
+
+def test_drain_timeout_waits_for_its_cancelled_request_to_close(clean):
+    adm = Admission(clean, lease_ttl_s=5)
+    status, lease, _ = Admission(clean, lease_ttl_s=5).admit("slowpoke")
+    assert status == 1
+    closed_at: list[float] = []
+
+    def gateway() -> None:
+        """A gateway's watcher: sees the cancel, aborts upstream (0.5 s), releases."""
+        gw = Admission(clean, lease_ttl_s=5)
+        while not gw.cancelled_among([lease]):
+            time.sleep(0.01)
+        time.sleep(0.5)
+        closed_at.append(time.monotonic())
+        gw.release(lease)
+
+    t = threading.Thread(target=gateway, daemon=True)
+    t.start()
+    assert adm.pause() == 1
+    result = adm.drain(0.2)
+    returned_at = time.monotonic()
+    t.join(5)
+    assert result.cancelled == 1 and result.unended == 0
+    assert closed_at and returned_at >= closed_at[0]  # not before the request ended
+
+
+def test_drain_gives_up_on_a_request_that_never_ends(clean):
+    adm = Admission(clean, lease_ttl_s=30)
+    Admission(clean, lease_ttl_s=30).admit("stuck")
+    adm.pause()
+    result = adm.drain(0.1, cancel_wait_s=0.3)  # bounded
+    assert result.cancelled == 1 and result.unended == 1 and result.seconds < 2
+
+
+def test_a_stale_resume_leaves_a_newer_pause(clean):
+    old = Admission(clean)
+    old.pause(pause_ttl_s=0.2)
+    time.sleep(0.4)  # the old holder's pause expired (it stopped extending it) ...
+    new = Admission(clean)
+    new.pause(pause_ttl_s=30)  # ... and another trainer paused since
+    assert old.resume() == 0.0
+    assert new.is_paused() and new.holds_pause() and not old.holds_pause()
+    assert new.resume() > 0 and not new.is_paused()
+
+
+def test_a_lost_pause_stops_the_step_before_the_weights(clean):
+    adm = Admission(clean)
+    adm.pause(pause_ttl_s=0.2)
+    time.sleep(0.4)
+    assert adm.extend_pause(0.2) is False  # what the trainer's beat sees
+    with pytest.raises(service.StepError, match="pause was lost before loading"):
+        service.require_pause(adm, "loading the new weights")
+    mine = Admission(clean)
+    mine.pause(pause_ttl_s=30)
+    service.require_pause(mine, "loading the new weights")  # held: goes on
