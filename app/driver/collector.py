@@ -8,7 +8,11 @@ Invariants:
 - Selection moves groups out of ``run_ready``/``run_active`` and into the step's list in one
   MULTI/EXEC: a group is consumed by exactly one step.
 - Per-step bookkeeping touches only the groups dispatched, selected or cancelled in that
-  step (plus O(1) reads), never the whole active set.
+  step (plus O(1) reads), never the whole active set (``app.state.carry`` counts what is
+  carried over).
+- A group's age is ``step - dispatch_step``: the updates between the weights its rollouts
+  started on and the update that consumes it. The age cap, the consumed ages and the
+  carry-over age metric all use this one definition.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import redis
 from celery import chord, group
 
 from app.driver.dataset import epoch_order, load_samples
-from app.state import keys
+from app.state import carry, keys
 from app.state.records import GroupRecord, RunRecord
 from app.state.runs import read_group, read_run
 
@@ -34,8 +38,11 @@ log = logging.getLogger(__name__)
 class Selection:
     step: int
     group_ids: list[str]
-    prev_carry_over_groups: int
-    new_carry_over_groups: int
+    prev_carry_over_rollouts: int     # unfinished rollouts carried in from the previous step
+    new_carry_over_rollouts: int      # unfinished rollouts carried into the next step
+    carry_over_finished_rollouts: int  # finished siblings still active (not yet trainable or
+    #                                   complete but not selected)
+    complete_unselected_rollouts: int  # rollouts of complete groups left for a later step
     carry_over_age_max: int
     consumed_ages: list[int]
     wait_seconds: float
@@ -151,15 +158,10 @@ class Collector:
             if not oldest:
                 return cancelled
             rec = read_group(self.r, oldest[0])
-            if step - rec.dispatch_step <= int(self.max_age):
+            if step - rec.dispatch_step <= int(self.max_age):  # the age (module docstring)
                 return cancelled
-            pipe = self.r.pipeline(transaction=True)
-            pipe.hset(keys.group(rec.group_id), "status", "cancelled")
-            pipe.zrem(keys.run_active(self.run_id), rec.group_id)
-            pipe.zrem(keys.run_ready(self.run_id), rec.group_id)
-            pipe.rpush(keys.run_requeue(self.run_id), rec.sample_index)
-            pipe.hincrby(keys.run(self.run_id), "n_cancelled", 1)
-            pipe.execute()
+            if not carry.cancel_group(self.r, self.run_id, rec.group_id, rec.sample_index):
+                continue  # left the active set meanwhile
             self._revoke(rec.group_id)
             cancelled += 1
             log.info("group %s cancelled: age %d > max_carry_over_age_steps %s; prompt re-queued",
@@ -209,7 +211,8 @@ class Collector:
                                 "not run", gid)
         return fixed
 
-    def select(self, step: int, prev_carry_over_groups: int, wait_seconds: float) -> Selection:
+    def select(self, step: int, prev_carry_over_rollouts: int, wait_seconds: float
+               ) -> Selection:
         ready_key = keys.run_ready(self.run_id)
         active_key = keys.run_active(self.run_id)
         chosen = self.r.zrange(ready_key, 0, self.train_batch - 1)  # oldest dispatch first
@@ -221,19 +224,31 @@ class Collector:
         now = str(time.time())
         for gid in chosen:
             pipe.hset(keys.group(gid), mapping={"status": "selected", "selected_at": now})
+        # complete groups hold all n results, each counted while the group was active
+        pipe.hincrby(keys.run(self.run_id), carry.FIELD, -len(chosen) * self.n)
         pipe.execute()
         dispatch_steps = [int(s) for s in (self.r.hget(keys.group(g), "dispatch_step")
                                            for g in chosen)]
-        remaining = self.r.zcard(active_key)
+        unfinished, finished, complete = self.carried_rollouts()
         oldest = self.r.zrange(active_key, 0, 0)
-        # Age in optimizer steps: updates done since dispatch, counting this one.
-        age_max = (step + 1 - int(self.r.hget(keys.group(oldest[0]), "dispatch_step"))
+        age_max = (step - int(self.r.hget(keys.group(oldest[0]), "dispatch_step"))
                    if oldest else 0)
+        self.r.hset(keys.run(self.run_id), "carry_unfinished", unfinished)
         return Selection(step=step, group_ids=list(chosen),
-                         prev_carry_over_groups=prev_carry_over_groups,
-                         new_carry_over_groups=remaining, carry_over_age_max=age_max,
+                         prev_carry_over_rollouts=prev_carry_over_rollouts,
+                         new_carry_over_rollouts=unfinished,
+                         carry_over_finished_rollouts=finished,
+                         complete_unselected_rollouts=complete,
+                         carry_over_age_max=age_max,
                          consumed_ages=[step - d for d in dispatch_steps],
                          wait_seconds=wait_seconds)
+
+    def carried_rollouts(self) -> tuple[int, int, int]:
+        return carry.carried(self.r, self.run_id, self.n)
+
+    def carried_in(self) -> int:
+        """Unfinished rollouts the last selection carried over (0 for a new run)."""
+        return int(self.r.hget(keys.run(self.run_id), "carry_unfinished") or 0)
 
     def active_count(self) -> int:
         return self.r.zcard(keys.run_active(self.run_id))

@@ -92,7 +92,7 @@ def train(cfg: Any, resume: str | None = None, *,
     n = collector.n
     is_async = bool(cfg.agentlightning.async_rollout.enabled)
     refill_during_update = cfg.agentlightning.async_rollout.refill == "during_update"
-    carried = collector.active_count()
+    carried = collector.carried_in()
     try:
         while step < total:
             t_step = time.monotonic()
@@ -109,12 +109,13 @@ def train(cfg: Any, resume: str | None = None, *,
                 waited = collector.wait_ready(on_wait=lambda v=version: collector.top_up(v))
                 selection = collector.select(step, prev_carry, waited)
                 sel_groups = selection.group_ids
-            carried = collector.active_count()
-            # during_update: the freed slots work while the trainer does, on the old weights
-            # (the groups count as dispatched for the next step). after_update: the loop's
-            # top_up at the next step starts them on the new ones.
+            if selection is not None:
+                carried = selection.new_carry_over_rollouts
+            # during_update: the freed slots work while the trainer does, on the old weights,
+            # so their age counts from this step like the rest of this step's dispatch.
+            # after_update: the loop's top_up at the next step starts them on the new ones.
             refill_early = is_async and step + 1 < total and refill_during_update
-            refill = partial(collector.top_up, version, dispatch_step=step + 1)
+            refill = partial(collector.top_up, version, dispatch_step=step)
             t_train = time.monotonic()
             try:
                 trainer_metrics = call_trainer(
@@ -128,10 +129,14 @@ def train(cfg: Any, resume: str | None = None, *,
             metrics: dict[str, Any] = dict(trainer_metrics)
             if selection is not None:
                 metrics.update({
-                    CARRY + "n_prev_carry_over_rollouts": selection.prev_carry_over_groups * n,
+                    CARRY + "n_prev_carry_over_rollouts": selection.prev_carry_over_rollouts,
                     CARRY + "n_completed_rollouts": len(sel_groups) * n,
-                    CARRY + "n_new_carry_over_rollouts": selection.new_carry_over_groups * n,
+                    CARRY + "n_new_carry_over_rollouts": selection.new_carry_over_rollouts,
                     CARRY + "new_carry_over_age_max_steps": selection.carry_over_age_max,
+                    "training/async/n_carry_over_finished_rollouts":
+                        selection.carry_over_finished_rollouts,
+                    "training/async/n_complete_unselected_rollouts":
+                        selection.complete_unselected_rollouts,
                     "training/async/consumed_age_mean_steps":
                         statistics.fmean(selection.consumed_ages),
                     "training/async/consumed_age_max_steps": max(selection.consumed_ages),

@@ -81,14 +81,36 @@ def test_scripted_carry_over_scenario(stack, tmp_path):
                    "trainer.total_steps=3")
     result, rows = run(cfg, {0: ["s1"], 1: ["slow", "s2"]}, stack)
     run_id = result["run_id"]
-    # (inherited, consumed, carried into next, oldest carry-over age), in rollouts (n=2)
-    assert [carry(r) for r in rows] == [(0, 4, 4, 1), (4, 4, 4, 2), (4, 4, 4, 1)]
+    # Every training/async/* count, per step. Unfinished rollouts (n=2): step 0 carries the
+    # gated g2 (slow) and g3 (s1); step 1 carries g2 and g5 (s2); step 2 carries g6 and g7
+    # (end). The groups refilled during update s count from step s (they run on its old
+    # weights), so g4 and g5 are consumed at age 1 and 2, g6 and g7 carried at age 1.
+    expected = [
+        {"n_prev_carry_over_rollouts": 0, "n_completed_rollouts": 4,
+         "n_new_carry_over_rollouts": 4, "new_carry_over_age_max_steps": 0,
+         "n_carry_over_finished_rollouts": 0, "n_complete_unselected_rollouts": 0,
+         "consumed_age_mean_steps": 0.0, "consumed_age_max_steps": 0,
+         "n_dropped_groups": 0, "n_requeued_groups": 0, "n_cancelled_groups": 0},
+        {"n_prev_carry_over_rollouts": 4, "n_completed_rollouts": 4,
+         "n_new_carry_over_rollouts": 4, "new_carry_over_age_max_steps": 1,
+         "n_carry_over_finished_rollouts": 0, "n_complete_unselected_rollouts": 0,
+         "consumed_age_mean_steps": 1.0, "consumed_age_max_steps": 1,
+         "n_dropped_groups": 0, "n_requeued_groups": 0, "n_cancelled_groups": 0},
+        {"n_prev_carry_over_rollouts": 4, "n_completed_rollouts": 4,
+         "n_new_carry_over_rollouts": 4, "new_carry_over_age_max_steps": 1,
+         "n_carry_over_finished_rollouts": 0, "n_complete_unselected_rollouts": 0,
+         "consumed_age_mean_steps": 2.0, "consumed_age_max_steps": 2,
+         "n_dropped_groups": 0, "n_requeued_groups": 0, "n_cancelled_groups": 0},
+    ]
+    timing = {"proxy_inflight_at_pause", "proxy_drain_seconds",
+              "proxy_cancelled_at_drain_timeout"}
+    for row, want in zip(rows, expected, strict=True):
+        got = {k[len(CARRY):]: v for k, v in row.items()
+               if k.startswith(CARRY) and k[len(CARRY):] not in timing}
+        assert got == want
     steps = [stack.lrange(keys.run_step_groups(run_id, s), 0, -1) for s in range(3)]
     g = [f"{run_id}-g{i}" for i in range(8)]
     assert steps == [[g[0], g[1]], [g[3], g[4]], [g[2], g[5]]]
-    # the slow group, dispatched at step 0, is trained at step 2 with age 2
-    assert rows[2]["training/async/consumed_age_max_steps"] == 2
-    assert rows[1]["training/async/consumed_age_mean_steps"] == 0.5
     # no group is trained before every sibling has finished
     for gid in [x for s in steps for x in s]:
         results = [SiblingResult.from_json(v)
@@ -99,11 +121,11 @@ def test_scripted_carry_over_scenario(stack, tmp_path):
         assert stack.get(keys.group_trained(gid)) is not None
     # still active and carried past the end: the two groups held by the "end" gate
     assert sorted(stack.zrange(keys.run_active(run_id), 0, -1)) == sorted([g[6], g[7]])
-    # refill during the update: the groups sent for step s left before step s-1's weights
+    # refill during update s: the groups start on the weights update s replaces
     for gid in g[4:]:
         dispatched = int(stack.hget(keys.group(gid), "dispatch_step"))
         assert int(stack.hget(keys.group(gid), "dispatch_version")) \
-            < rows[dispatched - 1]["policy/version"]
+            < rows[dispatched]["policy/version"]
     for r in rows:
         assert r["training/async/proxy_inflight_at_pause"] >= 0
         assert r["training/async/proxy_drain_seconds"] >= 0
@@ -121,7 +143,11 @@ def test_refill_after_update_starts_groups_on_the_new_weights(stack, tmp_path):
         assert int(stack.hget(keys.group(gid), "dispatch_version")) \
             == rows[dispatched - 1]["policy/version"]
     assert all(r["policy/sample_version_lag_mean"] <= 1 for r in rows)
-    assert [carry(r)[:3] for r in rows] == [(0, 4, 4), (4, 4, 4), (4, 4, 4)]
+    # 2 groups (4 rollouts) carried each step, finished or not by the time of selection
+    for r in rows:
+        assert r[CARRY + "n_completed_rollouts"] == 4
+        assert r[CARRY + "n_new_carry_over_rollouts"] \
+            + r[CARRY + "n_carry_over_finished_rollouts"] == 4
 
 
 def test_sync_baseline_has_no_carry_over(stack, tmp_path):

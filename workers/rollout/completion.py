@@ -49,7 +49,8 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
     run = group.run_id
     answer = client.register_script(_COMPLETE)(
         keys=[keys.group(group_id), keys.group_done(group_id), keys.run_active(run),
-              keys.run_ready(run), keys.run_requeue(run), keys.run(run), keys.run_wakeup(run)],
+              keys.run_ready(run), keys.run_requeue(run), keys.run(run), keys.run_wakeup(run),
+              keys.group_results(group_id)],
         args=[group_id, outcome, str(time.time()), group.seq, group.sample_index])
     if answer == "duplicate":
         log.info("group %s: completion already recorded (duplicate callback)", group_id)
@@ -60,14 +61,16 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
 
 
 # Status check, exactly-once mark and the outcome's writes in one step (see the invariants).
-# KEYS: group, group_done, run_active, run_ready, run_requeue, run, run_wakeup
+# KEYS: group, group_done, run_active, run_ready, run_requeue, run, run_wakeup, group_results
 # ARGV: group id, outcome (complete | dropped), completed_at, seq, sample index
 _COMPLETE = """
 if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return 'cancelled' end
 if not redis.call('SET', KEYS[2], '1', 'NX') then return 'duplicate' end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'completed_at', ARGV[3])
 if ARGV[2] == 'dropped' then
-  redis.call('ZREM', KEYS[3], ARGV[1])
+  if redis.call('ZREM', KEYS[3], ARGV[1]) == 1 then  -- app.state.carry's count
+    redis.call('HINCRBY', KEYS[6], 'finished_active', 0 - redis.call('HLEN', KEYS[8]))
+  end
   redis.call('RPUSH', KEYS[5], ARGV[5])
   redis.call('HINCRBY', KEYS[6], 'n_dropped', 1)
 else

@@ -20,7 +20,7 @@ from typing import Any
 
 import redis
 
-from app.state import cached_reads, keys
+from app.state import cached_reads, carry, keys
 from app.state.records import RolloutRecord, SiblingResult
 from app.state.runs import read_group, run_config
 from workers.rollout.controller import (
@@ -102,7 +102,8 @@ def store_result(client: redis.Redis, group_id: str, result: SiblingResult) -> N
     """Store a sibling's result; if the chord callback already fired without it (a sibling
     that ran twice), this last sibling completes the group (store first, then look: see
     ``completion.finish_group``)."""
-    client.hset(keys.group_results(group_id), str(result.index), result.to_json())
+    run_id = client.hget(keys.group(group_id), "run_id") or ""
+    carry.store_sibling_result(client, run_id, group_id, result.index, result.to_json())
     if client.hget(keys.group(group_id), "callback_early") == "1":
         from workers.rollout.completion import finish_group
 
