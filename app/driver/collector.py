@@ -27,7 +27,7 @@ import redis
 from celery import chord, group
 
 from app.driver.dataset import epoch_order, load_samples
-from app.state import carry, keys
+from app.state import carry, keys, retention
 from app.state.records import GroupRecord, RunRecord
 from app.state.runs import read_group, read_run
 
@@ -162,6 +162,7 @@ class Collector:
                 return cancelled
             if not carry.cancel_group(self.r, self.run_id, rec.group_id, rec.sample_index):
                 continue  # left the active set meanwhile
+            retention.expire_untrained(self.r, rec.group_id)
             self._revoke(rec.group_id)
             cancelled += 1
             log.info("group %s cancelled: age %d > max_carry_over_age_steps %s; prompt re-queued",

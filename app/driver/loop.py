@@ -151,6 +151,7 @@ def train(cfg: Any, resume: str | None = None, *,
                 "timing/wait_for_data_seconds": waited,
                 "timing/update_seconds": t_end - t_train,
                 "timing/step_seconds": t_end - t_step,
+                "redis/used_memory_bytes": int(client.info("memory")["used_memory"]),
             })
             last_counters = counters
             step += 1

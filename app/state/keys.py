@@ -115,6 +115,12 @@ def group_results(group_id: str) -> str:
     return PREFIX + "group:" + group_id + ":results"
 
 
+def group_rollouts(group_id: str) -> str:
+    """LIST of every rollout id started for the group (each attempt of each sibling), pushed
+    by the sibling task; read when the group's captured data is released."""
+    return PREFIX + "group:" + group_id + ":rollouts"
+
+
 def group_done(group_id: str) -> str:
     """STRING set with SET NX by the chord callback: the one-time completion guard."""
     return PREFIX + "group:" + group_id + ":done"

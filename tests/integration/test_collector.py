@@ -119,6 +119,10 @@ def test_scripted_carry_over_scenario(stack, tmp_path):
         selected_at = float(stack.hget(keys.group(gid), "selected_at"))
         assert max(r.finished_at for r in results) <= selected_at
         assert stack.get(keys.group_trained(gid)) is not None
+        # released once the step's result was stored: Redis does not grow with steps
+        assert not any(stack.exists(keys.rollout_calls(r.rollout_id), keys.rollout(r.rollout_id))
+                       for r in results)
+        assert not stack.exists(keys.group_rollouts(gid))
     # still active and carried past the end: the two groups held by the "end" gate
     assert sorted(stack.zrange(keys.run_active(run_id), 0, -1)) == sorted([g[6], g[7]])
     # refill during update s: the groups start on the weights update s replaces

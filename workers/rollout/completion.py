@@ -17,7 +17,7 @@ import time
 
 import redis
 
-from app.state import keys
+from app.state import keys, retention
 from app.state.records import SiblingResult
 from app.state.runs import read_group, run_config
 
@@ -55,6 +55,7 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
     if answer == "duplicate":
         log.info("group %s: completion already recorded (duplicate callback)", group_id)
     elif answer == "dropped":
+        retention.expire_untrained(client, group_id)
         log.warning("group %s dropped and its prompt re-queued: %d sibling(s) failed (%s)",
                     group_id, len(failed), failed[0].error)
     return str(answer)

@@ -45,6 +45,8 @@ def _start_attempt(client: redis.Redis, run_id: str, group_id: str, index: int, 
     pipe = client.pipeline()
     pipe.hset(keys.rollout(rollout_id), mapping=rec.to_hash())
     pipe.expire(keys.rollout(rollout_id), ROLLOUT_TTL_S)
+    pipe.rpush(keys.group_rollouts(group_id), rollout_id)  # so all of it can be released
+    pipe.expire(keys.group_rollouts(group_id), ROLLOUT_TTL_S)
     pipe.execute()
     return rollout_id, token
 

@@ -30,7 +30,7 @@ import redis
 import requests
 
 from app.config.loader import REPO_ROOT
-from app.state import keys
+from app.state import keys, retention
 from app.state.runs import run_config
 from gateway.admission import Admission
 from workers.trainer import checkpoint, weights
@@ -318,6 +318,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Be
         "policy/version": version,
     })
     client.set(keys.run_step_result(run_id, step), json.dumps(metrics))
+    retention.release_trained(client, group_ids)  # a redelivery returns the stored result
     done = step + 1
     if done % int(cfg.trainer.save_freq) == 0 or done >= int(cfg.trainer.total_steps):
         t = time.monotonic()
