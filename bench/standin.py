@@ -2,8 +2,9 @@
 
 Answers ``/v1/chat/completions`` and ``/v1/completions`` with token ids and log-probs (so the
 gateway's capture path runs) without a model. A request may carry ``standin_delay_s`` to be
-slow on purpose, and ``POST /standin/health {"ok": false}`` makes ``/health`` answer 503 (per
-worker process: tests run it with one). Serve with gunicorn:
+slow on purpose, ``POST /standin/health {"ok": false}`` makes ``/health`` answer 503, and
+``GET /standin/last`` returns the last request body it received (per worker process: tests
+run it with one). Serve with gunicorn:
 ``gunicorn -k gevent 'bench.standin:create_app()'``.
 """
 
@@ -17,8 +18,11 @@ from flask import Flask, jsonify, request
 def create_app() -> Flask:
     app = Flask(__name__)
 
+    last: dict = {}
+
     def answer(endpoint: str):
         body = request.get_json(force=True)
+        last["body"] = body
         delay = float(body.get("standin_delay_s", 0))
         if delay:
             time.sleep(delay)
@@ -48,6 +52,10 @@ def create_app() -> Flask:
     @app.post("/v1/completions")
     def completions():
         return answer("completions")
+
+    @app.get("/standin/last")
+    def last_body():
+        return jsonify(last.get("body"))
 
     healthy = {"ok": True}
 

@@ -47,6 +47,7 @@ class GatewaySettings:
     upstream_health_s: float
     default_max_tokens: int
     default_temperature: float
+    sampling: str = "enforce"
 
     @classmethod
     def from_config(cls, cfg: Any) -> GatewaySettings:
@@ -66,4 +67,5 @@ class GatewaySettings:
             upstream_health_s=float(g.upstream_health_s),
             default_max_tokens=int(cfg.actor_rollout_ref.rollout.max_tokens),
             default_temperature=float(cfg.actor_rollout_ref.rollout.temperature),
+            sampling=str(g.sampling),
         )

@@ -249,6 +249,7 @@ RULES: dict[str, Check] = {
     "trainer.total_steps": positive_int,
     "trainer.device": one_of(*DEVICES),
     "trainer.ranks": positive_int,
+    "gateway.sampling": one_of("enforce", "reject"),
     "trainer.launcher": one_of("auto", "local", "ray"),
     "trainer.nnodes": positive_int,
     "trainer.n_gpus_per_node": positive_int,

@@ -22,7 +22,7 @@ from flask import Blueprint, Response, current_app, jsonify, request
 
 from app.state import keys
 from app.state.cached_reads import gateway_paused
-from gateway import capture
+from gateway import capture, sampling
 from gateway.errors import GatewayError, bad_request, retryable
 from gateway.leases import UpstreamCancelled
 from gateway.upstream import UpstreamResponse, UpstreamUnreachable
@@ -171,7 +171,8 @@ def _forward(rollout_id: str, endpoint: str):
     # a request that then proves malformed gives its lease back.
     lease_id, version = _admit(rollout_id, hashlib.sha256(token.encode()).hexdigest())
     try:
-        body = validate_body(_json_body(), endpoint)
+        body = sampling.apply(validate_body(_json_body(), endpoint), s.sampling,
+                              s.default_temperature)
         upstream = state.upstreams.pick(rollout_id)
         if upstream is None:
             raise retryable("no inference server is reachable", s.retry_after_s,
