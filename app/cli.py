@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from app.config import ConfigError, load_config, to_yaml
+from app.config.loader import env_overrides
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -28,9 +29,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args: argparse.Namespace) -> list[str]:
     """$CARRYOVER_OVERRIDES (set by a parent process) first, then the command line's."""
-    raw = os.environ.get("CARRYOVER_OVERRIDES", "")
-    inherited = json.loads(raw) if raw.strip() else []
-    return [*inherited, *args.overrides]
+    return [*env_overrides(), *args.overrides]
 
 
 def _load(args: argparse.Namespace) -> Any:

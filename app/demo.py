@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config import load_config
-from app.config.loader import REPO_ROOT
+from app.config.loader import REPO_ROOT, env_overrides
 from app.driver.metrics import CARRY, console_line
 
 DEMO_CONFIG = REPO_ROOT / "config" / "demo.yaml"
@@ -26,8 +26,7 @@ log = logging.getLogger(__name__)
 
 
 def _overrides(args: argparse.Namespace, sync: bool) -> list[str]:
-    raw = os.environ.get("CARRYOVER_OVERRIDES", "")
-    out = [*(json.loads(raw) if raw.strip() else []), *args.overrides]
+    out = [*env_overrides(), *args.overrides]
     if args.steps:
         out.append(f"trainer.total_steps={args.steps}")
     if sync:

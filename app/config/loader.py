@@ -153,9 +153,8 @@ def _fill_derived(cfg: dict[str, Any]) -> None:
         async_cfg["async_train_batch_size"] = 2 * tbs
 
 
-def service_config() -> DictConfig:
-    """The config every long-running process reads: ``$CARRYOVER_CONFIG`` (a file) plus
-    ``$CARRYOVER_OVERRIDES`` (a JSON list of a.b.c=value), over the defaults."""
+def env_overrides() -> list[str]:
+    """``$CARRYOVER_OVERRIDES``: the JSON list of a.b.c=value a parent process hands down."""
     import json
     import os
 
@@ -163,9 +162,19 @@ def service_config() -> DictConfig:
     try:
         overrides = json.loads(raw) if raw.strip() else []
     except json.JSONDecodeError:
+        overrides = None
+    if not isinstance(overrides, list):
         raise ConfigError([f"$CARRYOVER_OVERRIDES: value {raw!r} must be a JSON list of "
-                           "a.b.c=value strings"]) from None
-    return load_config(os.environ.get("CARRYOVER_CONFIG") or None, overrides)
+                           "a.b.c=value strings"])
+    return [str(o) for o in overrides]
+
+
+def service_config() -> DictConfig:
+    """The config every long-running process reads: ``$CARRYOVER_CONFIG`` (a file) plus
+    ``$CARRYOVER_OVERRIDES`` (a JSON list of a.b.c=value), over the defaults."""
+    import os
+
+    return load_config(os.environ.get("CARRYOVER_CONFIG") or None, env_overrides())
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -28,10 +28,15 @@ from celery import chord, group
 
 from app.driver.dataset import epoch_order, load_samples
 from app.state import carry, keys, retention
+from app.state.completion import finish_group
 from app.state.records import GroupRecord, RunRecord
 from app.state.runs import read_group, read_run
 
 log = logging.getLogger(__name__)
+
+# The rollout worker's tasks (workers/rollout/tasks.py), by name.
+RUN_ROLLOUT = "workers.rollout.tasks.run_rollout"
+FINISH_GROUP = "workers.rollout.tasks.finish_group"
 
 
 @dataclass
@@ -127,10 +132,12 @@ class Collector:
         return sent
 
     def _send(self, group_id: str) -> None:
-        from workers.rollout.tasks import finish_group, run_rollout
+        from app.celery_app import celery_app
 
-        result = chord(group(run_rollout.s(group_id, i) for i in range(self.n)))(
-            finish_group.s(group_id))
+        # Signatures by task name: the driver (app/) never imports the workers' code.
+        siblings = group(celery_app.signature(RUN_ROLLOUT, args=(group_id, i))
+                         for i in range(self.n))
+        result = chord(siblings)(celery_app.signature(FINISH_GROUP, args=(group_id,)))
         sibling_ids = [r.id for r in result.parent.results] if result.parent else []
         # Marked after sending: on resume, groups without the mark are sent again.
         self.r.hset(keys.group(group_id), mapping={"sent": "1",
@@ -199,8 +206,6 @@ class Collector:
         """Complete groups whose siblings all finished but whose chord callback never ran
         (a chord errors when storing a sibling's result fails). Completion is idempotent,
         so racing a late callback is harmless. O(active groups): only run on long waits."""
-        from workers.rollout.completion import finish_group
-
         fixed = 0
         for gid in self.r.zrange(keys.run_active(self.run_id), 0, -1):
             if self.r.exists(keys.group_done(gid)):

@@ -31,13 +31,14 @@ def cancelled() -> str:
 
 
 def pause_history() -> str:
-    """LIST recent pause durations in seconds (newest first, capped); the gateway uses
-    them for Retry-After."""
+    """LIST recent pause durations in integer milliseconds (newest first, capped), pushed by
+    the resume script; the gateway uses them for Retry-After."""
     return PREFIX + "gw:pause_history"
 
 
 def pause_started() -> str:
-    """STRING epoch seconds when the current pause began (for the remaining-pause estimate)."""
+    """STRING Redis server time in integer epoch milliseconds when the current pause began
+    (for the remaining-pause estimate)."""
     return PREFIX + "gw:pause_started"
 
 

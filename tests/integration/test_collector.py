@@ -239,8 +239,8 @@ def test_early_chord_callback_is_completed_by_the_last_sibling(redis_client, tmp
     from omegaconf import OmegaConf
 
     from app.driver.collector import Collector
+    from app.state.completion import finish_group
     from app.state.records import GroupRecord
-    from workers.rollout.completion import finish_group
     from workers.rollout.episode import store_result
 
     cfg = make_cfg(tmp_path, [{}])

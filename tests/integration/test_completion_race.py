@@ -10,9 +10,8 @@ from omegaconf import OmegaConf
 
 from app.config import load_config
 from app.driver.collector import Collector
-from app.state import keys
+from app.state import completion, keys
 from app.state.records import GroupRecord, SiblingResult
-from workers.rollout import completion
 
 
 def setup_group(redis_client, tmp_path, run: str) -> tuple[Collector, str]:

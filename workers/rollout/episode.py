@@ -69,13 +69,6 @@ def existing_result(client: redis.Redis, group_id: str, index: int) -> SiblingRe
     return SiblingResult.from_json(raw) if raw else None
 
 
-# Reads many agents of one worker process repeat every tick: (key) -> (read at, value).
-def gateway_paused(client: redis.Redis, max_age_s: float = 0.5) -> bool:
-    """The gateway's pause flag, read at most every ``max_age_s`` per worker process: a
-    worker runs hundreds of agents, and each one's clock asks every tick."""
-    return cached_reads.gateway_paused(client, max_age_s)
-
-
 def group_status(client: redis.Redis, group_id: str, max_age_s: float = 0.5) -> str | None:
     """A group's status, read at most every ``max_age_s`` per worker process: its ``n``
     siblings' agents all ask on every tick."""
@@ -107,7 +100,7 @@ def store_result(client: redis.Redis, group_id: str, result: SiblingResult) -> N
     run_id = client.hget(keys.group(group_id), "run_id") or ""
     carry.store_sibling_result(client, run_id, group_id, result.index, result.to_json())
     if client.hget(keys.group(group_id), "callback_early") == "1":
-        from workers.rollout.completion import finish_group
+        from app.state.completion import finish_group
 
         log.info("group %s: the chord callback fired early; sibling %d completes the group",
                  group_id, result.index)
@@ -129,7 +122,9 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
 
     error = ""
     rollout_id = ""
-    clock = PauseAwareClock(lambda: gateway_paused(client))
+    # the pause flag read at most every 0.5 s per worker process: a worker runs hundreds of
+    # agents, and each one's clock asks every tick
+    clock = PauseAwareClock(lambda: cached_reads.gateway_paused(client, 0.5))
     # An agent still running from an earlier delivery of this task is watched, not restarted.
     try:
         adopted = controller.adopt()

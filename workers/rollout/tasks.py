@@ -24,7 +24,7 @@ def run_rollout(group_id: str, index: int) -> dict:
 
 @celery_app.task(name="workers.rollout.tasks.finish_group")
 def finish_group(results: list, group_id: str) -> str:
-    from workers.rollout.completion import finish_group as finish
+    from app.state.completion import finish_group as finish
 
     # ``results`` (what the siblings returned) is not trusted: Redis holds the truth.
     return finish(task_redis(), group_id)

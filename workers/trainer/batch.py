@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import redis
 
 from app.state import keys
+from app.state.completion import sibling_results
 from app.state.records import CapturedCall
-from workers.rollout.completion import sibling_results
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Group completion: the chord callback's work.
+"""Group completion: the chord callback's work (run by the groups worker; the driver's
+reconcile pass runs it too, for a callback that never ran).
 
 Invariants:
 - A group becomes complete (or dropped) exactly once. The ``group_done`` key is taken with
