@@ -86,6 +86,7 @@ def cfg():
 
 @pytest.fixture(scope="session")
 def tmp_root() -> Path:
+    (_TMP / "logs").mkdir(parents=True, exist_ok=True)  # every fixture that logs writes here
     return _TMP
 
 
@@ -176,6 +177,7 @@ def standin_gateway(tmp_root: Path, name: str, *overrides: str, standins: int = 
     import subprocess
 
     bin_dir = Path(sys.executable).parent
+    (tmp_root / "logs").mkdir(parents=True, exist_ok=True)
     logs = open(tmp_root / "logs" / f"{name}.log", "ab")  # noqa: SIM115
     upstreams = []
     for _ in range(standins):
