@@ -54,6 +54,13 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_config_docs(args: argparse.Namespace) -> int:
+    from app.config.reference import render
+
+    sys.stdout.write(render())
+    return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from app.services.health import check_all, format_table
 
@@ -142,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
     p_show = config_sub.add_parser("show", help="print the effective configuration")
     _add_config_args(p_show)
     p_show.set_defaults(func=cmd_config_show)
+    p_docs = config_sub.add_parser("docs", help="print docs/configuration.md (every key of "
+                                   "config/default.yaml with its default and meaning)")
+    p_docs.set_defaults(func=cmd_config_docs)
 
     p_status = sub.add_parser("status", help="check every part of the stack")
     _add_config_args(p_status)
