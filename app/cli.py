@@ -13,7 +13,6 @@ import logging
 import os
 import signal
 import sys
-import time
 from typing import Any
 
 from app.config import ConfigError, load_config, to_yaml
@@ -62,12 +61,16 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from app.services.health import check_all, format_table
+    from app.services.health import check_all, format_table, role_restarts
 
     cfg = _load(args)
     _export_config_env(args)
     rows = check_all(cfg)
     print(format_table(rows))
+    restarts = role_restarts(cfg)
+    if restarts:
+        print("restarted after exiting: " + ", ".join(f"{role} x{n}"
+                                                      for role, n in sorted(restarts.items())))
     down = [r.part for r in rows if not r.ok]
     if down:
         print(f"down: {', '.join(down)}", file=sys.stderr)
@@ -104,23 +107,24 @@ def _interrupt_on_signals() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from app.services.supervisor import Supervisor
+    from app.services.supervisor import RoleFailing, Supervisor
 
     _interrupt_on_signals()
     cfg = _load(args)
     _export_config_env(args)
     with Supervisor(cfg) as sup:
         sup.start(progress=lambda role: print(f"  {role} ready", flush=True))
-        print("all parts up; Ctrl-C stops them", flush=True)
+        print("all parts up; a role that exits is started again; Ctrl-C stops them all",
+              flush=True)
         try:
-            while all(p.poll() is None for p in sup.procs.values()):
-                time.sleep(1)
-            dead = [r for r, p in sup.procs.items() if p.poll() is not None]
-            print(f"stopping: {', '.join(dead)} exited", file=sys.stderr)
+            sup.watch_forever()
+        except RoleFailing as exc:
+            print(f"stopping: {exc}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             print("stopping", flush=True)
             return 0
+    return 0
 
 
 def cmd_train(args: argparse.Namespace) -> int:

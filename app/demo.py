@@ -137,7 +137,10 @@ def _table(results: list[dict]) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from app.services.supervisor import StartupError, Supervisor
+    import _thread
+    import threading
+
+    from app.services.supervisor import RoleFailing, StartupError, Supervisor
 
     config_path = args.config or str(DEMO_CONFIG)
     modes = ["async", "sync"] if args.compare else (["sync"] if args.sync else ["async"])
@@ -147,17 +150,39 @@ def run_demo(args: argparse.Namespace) -> int:
     os.environ["CARRYOVER_OVERRIDES"] = json.dumps(_overrides(args, False))
     print(f"starting the stack (logs in {REPO_ROOT / 'var' / 'logs'}) ...", flush=True)
     results = []
+    failing: list[RoleFailing] = []
     sup = Supervisor(first)
     try:
         sup.start(progress=lambda role: print(f"  {role} ready", flush=True))
         print(f"Flower: http://127.0.0.1:{first.services.flower_port}   "
               f"gateway: {first.gateway.url}", flush=True)
-        for mode in modes:
-            results.append(_train_one(cfgs[mode], mode))
+        done = threading.Event()
+
+        def keep_roles_up() -> None:  # a role that exits is started again; the run goes on
+            try:
+                sup.watch_forever(stop=done.is_set)
+            except RoleFailing as exc:
+                failing.append(exc)
+                _thread.interrupt_main()  # the run cannot go on: stop it and the stack
+
+        watcher = threading.Thread(target=keep_roles_up, name="supervisor", daemon=True)
+        watcher.start()
+        try:
+            for mode in modes:
+                results.append(_train_one(cfgs[mode], mode))
+        finally:
+            done.set()
+            watcher.join(5)
+        if failing:
+            print(f"error: {failing[0]}", file=sys.stderr)
+            return 1
     except StartupError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        if failing:
+            print(f"error: {failing[0]}", file=sys.stderr)
+            return 1
         print("\ninterrupted; stopping every process", file=sys.stderr)
         return 130
     finally:

@@ -99,6 +99,18 @@ def check_flower(cfg: Any, timeout: float = 2.0) -> PartStatus:
         return PartStatus("flower", False, f"{url}: {exc.__class__.__name__}")
 
 
+def role_restarts(cfg: Any, timeout: float = 2.0) -> dict[str, int]:
+    """Times the supervisor started each role again after it exited ({} if Redis is down)."""
+    from app.state import keys
+
+    try:
+        client = connect(resolve_redis_url(cfg), socket_timeout=timeout,
+                         socket_connect_timeout=timeout, retry=None)
+        return {k: int(v) for k, v in client.hgetall(keys.role_restarts()).items()}
+    except Exception:  # noqa: BLE001 - status reports what it can
+        return {}
+
+
 def check_all(cfg: Any) -> list[PartStatus]:
     return [check_redis(cfg), *check_inference(cfg), check_gateway(cfg), *check_workers(),
             check_flower(cfg)]

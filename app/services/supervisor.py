@@ -1,9 +1,16 @@
-"""Start the stack's processes, wait until each is healthy, stop them in order.
+"""Start the stack's processes, wait until each is healthy, keep them running, stop them
+in order.
 
 Unlike honcho (which signals everything at once and kills after 5 s), the supervisor stops
 roles in reverse start order and gives Celery a warm shutdown, so Redis is the last to go
 and nothing is left running. Each process runs in its own process group so that its
 children (vLLM's engine core, gunicorn's workers, Celery's pool) go with it.
+
+A role that exits while the stack runs is started again (``watch``), after a backoff that
+doubles on each quick failure; its peers carry on meanwhile (a dead rollout worker's tasks
+are requeued by the others, a dead trainer's step is re-sent by the driver). Restarts are
+logged and counted in Redis for ``carryover status``. Only a role that keeps failing right
+after its start (``MAX_QUICK_FAILURES`` times in a row) stops the stack.
 """
 
 from __future__ import annotations
@@ -26,6 +33,15 @@ log = logging.getLogger(__name__)
 
 class StartupError(RuntimeError):
     pass
+
+
+class RoleFailing(RuntimeError):
+    """A role kept exiting right after being started again."""
+
+
+MAX_QUICK_FAILURES = 5
+QUICK_S = 30.0        # a role that dies within this long after its start failed "quickly"
+BACKOFF_S = (1.0, 30.0)  # first and longest wait before a restart
 
 
 def _ready_check(cfg: Any, role: str) -> Callable[[], bool]:
@@ -74,6 +90,10 @@ class Supervisor:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **(env or {})}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.started_at: dict[str, float] = {}
+        self.quick_failures: dict[str, int] = {}
+        self.restart_due: dict[str, float] = {}
+        self.restarts: dict[str, int] = {}
 
     def log_path(self, role: str) -> Path:
         return self.log_dir / f"{role}.log"
@@ -97,6 +117,7 @@ class Supervisor:
         )
         logfile.close()
         self.procs[cmd.role] = proc
+        self.started_at[cmd.role] = time.monotonic()
         log.info("%s: started pid %d (log %s)", cmd.role, proc.pid, self.log_path(cmd.role))
 
     def _tail(self, role: str, lines: int = 15) -> str:
@@ -143,6 +164,55 @@ class Supervisor:
             self.stop()
             raise
 
+    def watch(self) -> list[str]:
+        """One look at every role: schedule a restart for each that exited, start those whose
+        backoff ran out. Returns the roles restarted now. Raises ``RoleFailing`` for a role
+        that failed right after ``MAX_QUICK_FAILURES`` starts in a row."""
+        now = time.monotonic()
+        restarted = []
+        for role, proc in list(self.procs.items()):
+            if proc.poll() is None:
+                if now - self.started_at.get(role, now) > QUICK_S:
+                    self.quick_failures[role] = 0  # it ran: the next failure starts afresh
+                continue
+            if role not in self.restart_due:
+                quick = now - self.started_at.get(role, now) <= QUICK_S
+                self.quick_failures[role] = self.quick_failures.get(role, 0) + 1 if quick else 1
+                if self.quick_failures[role] > MAX_QUICK_FAILURES:
+                    raise RoleFailing(
+                        f"{role} exited {MAX_QUICK_FAILURES + 1} times in a row within "
+                        f"{QUICK_S:.0f} s of its start (last code {proc.returncode}); last "
+                        f"lines of {self.log_path(role)}:\n{self._tail(role)}")
+                delay = min(BACKOFF_S[0] * 2 ** (self.quick_failures[role] - 1), BACKOFF_S[1])
+                self.restart_due[role] = now + delay
+                log.warning("%s exited with code %s; starting it again in %.0f s (the other "
+                            "roles carry on)", role, proc.returncode, delay)
+            elif now >= self.restart_due[role]:
+                del self.restart_due[role]
+                _signal_group(proc, signal.SIGKILL)  # children the leader left behind
+                self._spawn(command_for(self.cfg, role))
+                self.restarts[role] = self.restarts.get(role, 0) + 1
+                self._count_restart(role)
+                restarted.append(role)
+        return restarted
+
+    def _count_restart(self, role: str) -> None:
+        """Record the restart where ``carryover status`` reads it (best effort: Redis may be
+        the role that is down)."""
+        try:
+            from app.state import keys
+            from app.state.connection import connect, resolve_redis_url
+
+            connect(resolve_redis_url(self.cfg)).hincrby(keys.role_restarts(), role, 1)
+        except Exception as exc:  # noqa: BLE001 - counting must never stop a restart
+            log.info("could not count the restart of %s in Redis: %s", role, exc)
+
+    def watch_forever(self, every_s: float = 1.0,
+                      stop: Callable[[], bool] = lambda: False) -> None:
+        while not stop():
+            self.watch()
+            time.sleep(every_s)
+
     def stop(self, grace: float = 20.0) -> None:
         """Stop in reverse start order: each gets SIGTERM, then SIGKILL after ``grace``.
         A second Ctrl-C while stopping is ignored so the stop always completes."""
@@ -171,6 +241,7 @@ class Supervisor:
             # Children that outlived their leader (a pool process) go too.
             _signal_group(proc, signal.SIGKILL)
         self.procs.clear()
+        self.restart_due.clear()
 
     def __enter__(self) -> Supervisor:
         return self

@@ -196,3 +196,9 @@ def k8s_create_pace() -> str:
     Advanced atomically by every rollout worker (``workers.rollout.kubernetes``), so the
     ``creates_per_minute`` limit holds across hosts."""
     return PREFIX + "k8s:create_pace"
+
+
+def role_restarts() -> str:
+    """HASH role -> times the supervisor (``carryover up``, ``make demo``) started it again
+    after it exited; read by ``carryover status``."""
+    return PREFIX + "services:restarts"

@@ -19,7 +19,8 @@ def run_bench(*args: str) -> dict:
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
-    return json.loads(text[: text.index("\n}\n") + 2])
+    start = 0 if text.startswith("{") else text.index("\n{\n") + 1
+    return json.loads(text[start: text.index("\n}\n", start) + 2])
 
 
 def test_gateway_bench_json():

@@ -17,8 +17,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -71,7 +73,10 @@ class EngineTrainer:
         self.spec = engine_spec(cfg, model_path, self.pad_id)
         self.device = self.spec["device"]
         t = time.monotonic()
-        self.ranks = _rank_group(cfg, self.spec)
+        # verl prints its progress to stdout; a command whose stdout is data (a benchmark's
+        # JSON) gets it on stderr instead
+        with contextlib.redirect_stdout(sys.stderr):
+            self.ranks = _rank_group(cfg, self.spec)
         log.info("verl FSDP2 engine on %s: %d rank(s) (%s), compute %s, built in %.1f s",
                  self.device, self.ranks.size, type(self.ranks).__name__,
                  self.spec["compute_dtype"], time.monotonic() - t)

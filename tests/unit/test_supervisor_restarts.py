@@ -1,0 +1,53 @@
+"""The supervisor keeps a stack running: a role that exits is started again after a backoff
+(its peers untouched), and only a role that keeps failing right after its start stops it."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import pytest
+
+from app.config import load_config
+from app.services import supervisor as sv
+from app.services.commands import Command
+
+
+@pytest.fixture
+def sup(tmp_path, monkeypatch):
+    programs = {"rollout": ["sleep", "60"], "gateway": ["sleep", "60"]}
+    monkeypatch.setattr(sv, "command_for", lambda cfg, role: Command(role, programs[role]))
+    monkeypatch.setattr(sv, "BACKOFF_S", (0.2, 1.0))
+    monkeypatch.setattr(sv.Supervisor, "_count_restart", lambda self, role: None)
+    s = sv.Supervisor(load_config(None, []), log_dir=tmp_path)
+    for role in programs:
+        s._spawn(sv.command_for(s.cfg, role))
+    s.programs = programs
+    yield s
+    s.stop(grace=2)
+
+
+def test_a_killed_role_is_started_again_and_its_peers_go_on(sup):
+    gateway = sup.procs["gateway"]
+    old = sup.procs["rollout"]
+    old.send_signal(signal.SIGKILL)
+    old.wait()
+    deadline = time.monotonic() + 5
+    while sup.procs["rollout"] is old and time.monotonic() < deadline:
+        sup.watch()
+        time.sleep(0.05)
+    assert sup.procs["rollout"] is not old and sup.procs["rollout"].poll() is None
+    assert sup.restarts == {"rollout": 1}
+    assert sup.procs["gateway"] is gateway and gateway.poll() is None  # untouched
+
+
+def test_a_role_that_keeps_failing_at_start_stops_the_stack(sup):
+    sup.programs["rollout"] = ["false"]  # every start exits at once
+    sup.procs["rollout"].send_signal(signal.SIGKILL)
+    with pytest.raises(sv.RoleFailing, match="rollout exited 6 times in a row"):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            sup.watch()
+            time.sleep(0.05)
+    assert sup.restarts["rollout"] == sv.MAX_QUICK_FAILURES
+    assert sup.procs["gateway"].poll() is None
