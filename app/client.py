@@ -5,12 +5,19 @@ The gateway answers 503 (paused, upstream down) or 429 (too many concurrent call
 for up to ``max_wait_s``. Other errors raise :class:`GatewayHTTPError` at once.
 
 With the official ``openai`` client instead, ``OpenAI(base_url=..., api_key=...,
-max_retries=20, timeout=120)`` rides through typical pauses: it retries 503/429 and honours
-``Retry-After`` (it caps single waits at 60 s).
+max_retries=openai_max_retries(max_wait_s))`` rides through pauses: it retries 503/429 and
+honours ``Retry-After`` (it caps single waits at 60 s).
+
+The budget comes from ``controller.retry_max_wait_s``: agents get it as ``llm.max_wait_s``
+(python controller) or ``$CARRYOVER_MAX_WAIT_S`` (process and Kubernetes agents). It must
+cover the longest pause: a drain, the update when the gateway stays paused through it (GPU),
+and the weight load; a dead trainer's pause ends after ``trainer.heartbeat_s``.
 """
 
 from __future__ import annotations
 
+import math
+import os
 from typing import Any
 
 import requests
@@ -23,6 +30,20 @@ from tenacity import (
 )
 
 RETRYABLE_STATUS = (429, 502, 503, 504)
+DEFAULT_MAX_WAIT_S = 900.0
+SHORTEST_RETRY_AFTER_S = 0.2  # the gateway never asks for a shorter wait
+
+
+def env_max_wait_s() -> float:
+    """The retry budget handed to this agent (``$CARRYOVER_MAX_WAIT_S``), else the default."""
+    raw = os.environ.get("CARRYOVER_MAX_WAIT_S", "")
+    return float(raw) if raw.strip() else DEFAULT_MAX_WAIT_S
+
+
+def openai_max_retries(max_wait_s: float) -> int:
+    """``max_retries`` for the official client that covers ``max_wait_s`` of pause: the
+    gateway's ``Retry-After`` is its estimate of the remaining pause, never under 0.2 s."""
+    return max(8, math.ceil(max_wait_s / SHORTEST_RETRY_AFTER_S))
 
 
 class RetryableResponse(Exception):
@@ -47,10 +68,10 @@ def _wait(state: RetryCallState) -> float:
 
 
 class GatewayClient:
-    def __init__(self, base_url: str, api_key: str, max_wait_s: float = 900.0,
+    def __init__(self, base_url: str, api_key: str, max_wait_s: float | None = None,
                  timeout_s: float = 120.0) -> None:
         self.base_url = base_url.rstrip("/")
-        self.max_wait_s = max_wait_s
+        self.max_wait_s = max_wait_s if max_wait_s is not None else env_max_wait_s()
         self.timeout_s = timeout_s
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"Bearer {api_key}"

@@ -249,6 +249,7 @@ RULES: dict[str, Check] = {
     "trainer.total_steps": positive_int,
     "trainer.device": one_of(*DEVICES),
     "trainer.ranks": positive_int,
+    "controller.retry_max_wait_s": positive_num,
     "gateway.sampling": one_of("enforce", "reject"),
     "trainer.launcher": one_of("auto", "local", "ray"),
     "trainer.nnodes": positive_int,
@@ -323,6 +324,15 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
         )
     if not isinstance(cfg.get("agent"), dict):
         problems.append(f"agent: value {_fmt(cfg.get('agent'))} must be a mapping")
+    wait = _get(cfg, "controller.retry_max_wait_s")
+    drain = _get(cfg, "gateway.drain_timeout_s")
+    beat = _get(cfg, "trainer.heartbeat_s")
+    if ok("controller.retry_max_wait_s", "gateway.drain_timeout_s", "trainer.heartbeat_s") \
+            and wait < drain + beat:
+        problems.append(
+            f"controller.retry_max_wait_s: value {wait} must be at least gateway.drain_timeout_s"
+            f" + trainer.heartbeat_s ({drain + beat}): agents would give up during an ordinary "
+            "pause")
     return problems
 
 

@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 import openai
 
+from app.client import openai_max_retries
+
 # Building a TLS context costs about 0.2 s of CPU, more than a whole rollout: one for all.
 _TLS = ssl.create_default_context()
 _local = threading.local()
@@ -56,7 +58,10 @@ def ask(text: str, turn: int) -> str:
 
 def run(sample: dict, llm: Any, *, tool_median_s: float = 0.3, tool_sigma: float = 1.0,
         max_tool_s: float = 30.0, seed: int | None = None, **_: Any) -> float:
-    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=8,
+    # Retries ride through the gateway's pauses for as long as the run allows (llm.max_wait_s,
+    # from controller.retry_max_wait_s), honouring its Retry-After.
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key,
+                           max_retries=openai_max_retries(getattr(llm, "max_wait_s", 900.0)),
                            timeout=120, http_client=http_client())
     rng = random.Random(seed)
     text, target = sample["text"], sample["target"]

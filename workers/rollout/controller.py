@@ -44,12 +44,14 @@ class LLMEndpoint:
     api_key: str     # the rollout's token
     model: str
     rollout_id: str
+    max_wait_s: float = 900.0  # keep retrying a paused gateway this long (retry_max_wait_s)
 
     def env(self) -> dict[str, str]:
         reward_url = self.base_url.removesuffix("/v1") + "/reward"
         return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key,
                 "OPENAI_MODEL": self.model, "CARRYOVER_ROLLOUT_ID": self.rollout_id,
-                "CARRYOVER_REWARD_URL": reward_url}
+                "CARRYOVER_REWARD_URL": reward_url,
+                "CARRYOVER_MAX_WAIT_S": str(self.max_wait_s)}
 
 
 def parse_reward(value: Any) -> float:

@@ -144,7 +144,8 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
         else:
             rollout_id, token = _start_attempt(client, group.run_id, group_id, index, attempt)
         llm = LLMEndpoint(base_url=f"{gateway}/rollout/{rollout_id}/v1", api_key=token,
-                          model=cfg.inference.served_model_name, rollout_id=rollout_id)
+                          model=cfg.inference.served_model_name, rollout_id=rollout_id,
+                          max_wait_s=float(ctl_cfg.retry_max_wait_s))
         clock = PauseAwareClock(clock.is_paused)
         started = time.monotonic()
         try:
