@@ -3,8 +3,8 @@
 Answers ``/v1/chat/completions`` and ``/v1/completions`` with token ids and log-probs (so the
 gateway's capture path runs) without a model. A request may carry ``standin_delay_s`` to be
 slow on purpose, ``POST /standin/health {"ok": false}`` makes ``/health`` answer 503, and
-``GET /standin/last`` returns the last request body it received (per worker process: tests
-run it with one). Serve with gunicorn:
+``GET /standin/last`` returns the last request body it received, and vLLM's sleep routes
+behave as ``POST /standin/sleep`` says (per worker process: tests run it with one). Serve with gunicorn:
 ``gunicorn -k gevent 'bench.standin:create_app()'``.
 """
 
@@ -56,6 +56,31 @@ def create_app() -> Flask:
     @app.get("/standin/last")
     def last_body():
         return jsonify(last.get("body"))
+
+    # vLLM's sleep-mode routes; POST /standin/sleep {"mode": "ok" | "ignored" | "refused"}
+    # makes /sleep work, answer 200 while staying awake, or answer 404 (no sleep mode)
+    sleep = {"mode": "ok", "asleep": False}
+
+    @app.post("/sleep")
+    def do_sleep():
+        if sleep["mode"] == "refused":
+            return ("Not Found", 404)
+        sleep["asleep"] = sleep["mode"] == "ok"
+        return ""
+
+    @app.post("/wake_up")
+    def wake_up():
+        sleep["asleep"] = False
+        return ""
+
+    @app.get("/is_sleeping")
+    def is_sleeping():
+        return jsonify({"is_sleeping": sleep["asleep"]})
+
+    @app.post("/standin/sleep")
+    def set_sleep():
+        sleep["mode"] = request.get_json(force=True)["mode"]
+        return ""
 
     healthy = {"ok": True}
 

@@ -211,6 +211,13 @@ RULES: dict[str, Check] = {
     "inference.logprobs_mode": one_of(*LOGPROBS_MODES),
     "inference.startup_timeout_s": positive_num,
     "inference.cpu_threads": non_negative_int,
+    "inference.device": one_of(*DEVICES),
+    "inference.gpu_memory_utilization": fraction,
+    "inference.tensor_parallel_size": positive_int,
+    "inference.data_parallel_size": positive_int,
+    "inference.enforce_eager": optional(boolean),
+    "inference.sleep_mode": one_of("auto", True, False),
+    "inference.sleep_level": one_of(1, 2),
     "gateway.host": string,
     "gateway.port": port,
     "gateway.url": url,
@@ -324,6 +331,10 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
         )
     if not isinstance(cfg.get("agent"), dict):
         problems.append(f"agent: value {_fmt(cfg.get('agent'))} must be a mapping")
+    if ok("inference.sleep_mode", "inference.device") and _get(cfg, "inference.sleep_mode") \
+            is True and _get(cfg, "inference.device") == "cpu":
+        problems.append("inference.sleep_mode: value true is refused by vLLM on CPU "
+                        "(inference.device cpu), where sleeping frees nothing; use auto")
     wait = _get(cfg, "controller.retry_max_wait_s")
     drain = _get(cfg, "gateway.drain_timeout_s")
     beat = _get(cfg, "trainer.heartbeat_s")

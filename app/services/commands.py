@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config.loader import REPO_ROOT
+from app.services.device import resolve as resolve_device
 from app.state.connection import is_external
 
 ROLES = ("redis", "inference", "gateway", "groups", "rollout", "trainer", "flower")
@@ -66,8 +67,22 @@ def redis_command(cfg: Any) -> Command:
     return Command("redis", argv)
 
 
+def sleep_mode(cfg: Any, device: str) -> bool:
+    """Whether the server starts with ``--enable-sleep-mode``: on GPU when the update runs
+    with the gateway paused (collocated: the engine sleeps and lends its memory to the
+    update). vLLM refuses the flag on CPU, where sleeping frees nothing."""
+    if device != "cuda":
+        return False
+    setting = cfg.inference.sleep_mode
+    if setting == "auto":
+        pause = cfg.trainer.pause_during_update
+        return pause in ("auto", True)
+    return bool(setting)
+
+
 def inference_command(cfg: Any) -> Command:
     inf = cfg.inference
+    device = resolve_device(str(inf.device))
     model = (REPO_ROOT / cfg.actor_rollout_ref.model.path).resolve()
     argv = [
         _bin(".venv-vllm", "python"), "-m", "vllm.entrypoints.openai.api_server",
@@ -77,19 +92,30 @@ def inference_command(cfg: Any) -> Command:
         "--port", str(inf.port),
         "--dtype", inf.dtype,
         "--max-model-len", str(inf.max_model_len),
-        "--kv-cache-memory-bytes", str(inf.kv_cache_memory_bytes),
         "--logprobs-mode", inf.logprobs_mode,
-        "--enforce-eager",
         "--disable-uvicorn-access-log",
+    ]
+    eager = inf.enforce_eager if inf.enforce_eager is not None else device == "cpu"
+    if eager:
+        argv.append("--enforce-eager")
+    # Dev mode exposes /collective_rpc (weight reload), /reset_prefix_cache and sleep/wake.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    if device == "cuda":
+        argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization),
+                 "--tensor-parallel-size", str(inf.tensor_parallel_size),
+                 "--data-parallel-size", str(inf.data_parallel_size)]
+        if sleep_mode(cfg, device):
+            argv.append("--enable-sleep-mode")
+        return Command("inference", argv, env)
+    argv += [
+        "--kv-cache-memory-bytes", str(inf.kv_cache_memory_bytes),
         # One device per server: the model runs in the engine process. The multiprocess
         # executor's worker busy-polls its shared-memory queue (sched_yield for a second
         # after every step), which costs a whole core on a small CPU machine.
         "--distributed-executor-backend", "uni",
     ]
-    # Dev mode exposes /collective_rpc (weight reload) and /reset_prefix_cache.
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-           # lets the CPU platform keep the "uni" executor (it forces "mp" otherwise)
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    # lets the CPU platform keep the "uni" executor (it forces "mp" otherwise)
+    env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     threads = int(inf.cpu_threads)
     if threads:
         # Bound to the last cores, so the trainer's threads (first cores) and the engine's

@@ -30,6 +30,8 @@ import redis
 import requests
 
 from app.config.loader import REPO_ROOT
+from app.services.commands import sleep_mode
+from app.services.device import resolve as resolve_device
 from app.state import keys, retention
 from app.state.runs import run_config
 from gateway.admission import Admission
@@ -116,7 +118,7 @@ def _publish(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: di
 
     t = time.monotonic()
     if wake:
-        weights.wake_engine(urls, trainer.device)
+        weights.wake_engines(urls)
     loaded = _reload_reachable(client, urls, path, version, float(cfg.trainer.reload_timeout_s),
                                float(cfg.trainer.upstream_check_s))
     timings["reload"] = time.monotonic() - t
@@ -269,14 +271,20 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Be
     timings: dict[str, float] = {}
     urls = list(cfg.inference.urls)
     collocated = pause_during_update(cfg, trainer.device)
+    # The engines sleep through a collocated update where sleep mode is on (GPU): checked,
+    # and woken again whatever happens to the update.
+    sleeping = collocated and sleep_mode(cfg, resolve_device(str(cfg.inference.device)))
+
+    engines = {"asleep": False}
 
     def update() -> None:
         t = time.monotonic()
-        if collocated:
-            sleep_note = weights.sleep_engine(urls, trainer.device)
-            if sleep_note.startswith("skipped") and not resident.get("sleep_logged"):
-                log.info("engine sleep %s", sleep_note)
-                resident["sleep_logged"] = True
+        if sleeping:
+            try:
+                weights.sleep_engines(urls, int(cfg.inference.sleep_level))
+            except weights.EngineSleepError as exc:
+                raise StepError(f"step {step} not trained: {exc}") from exc
+            engines["asleep"] = True
         metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id), step))
         timings["update"] = time.monotonic() - t
 
@@ -285,21 +293,26 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Be
     t0 = time.monotonic()
     out: dict[str, float] = {}
     with _paused(adm, cfg, beats, out) as inflight:
-        drained = adm.drain(float(cfg.gateway.drain_timeout_s))
-        timings["pause_drain"] = time.monotonic() - t0
-        metrics["training/async/proxy_inflight_at_pause"] = inflight
-        metrics["training/async/proxy_drain_seconds"] = drained.seconds
-        metrics["training/async/proxy_cancelled_at_drain_timeout"] = drained.cancelled
-        if drained.unended:
-            raise StepError(f"{drained.unended} request(s) cancelled at the drain timeout "
-                            "were still generating after a lease TTL; not loading weights "
-                            "under them")
-        if collocated:
-            require_pause(adm, "the update")
-            update()
-        require_pause(adm, "loading the new weights")
-        version = _publish(client, cfg, trainer, resident, resident["probe_prev"], metrics,
-                           timings, wake=collocated)
+        try:
+            drained = adm.drain(float(cfg.gateway.drain_timeout_s))
+            timings["pause_drain"] = time.monotonic() - t0
+            metrics["training/async/proxy_inflight_at_pause"] = inflight
+            metrics["training/async/proxy_drain_seconds"] = drained.seconds
+            metrics["training/async/proxy_cancelled_at_drain_timeout"] = drained.cancelled
+            if drained.unended:
+                raise StepError(f"{drained.unended} request(s) cancelled at the drain timeout "
+                                "were still generating after a lease TTL; not loading weights "
+                                "under them")
+            if collocated:
+                require_pause(adm, "the update")
+                update()
+            require_pause(adm, "loading the new weights")
+            version = _publish(client, cfg, trainer, resident, resident["probe_prev"],
+                               metrics, timings, wake=engines["asleep"])
+            engines["asleep"] = False
+        finally:
+            if engines["asleep"]:  # a failure between sleep and reload: agents need them
+                weights.wake_engines(urls, check=False)
     timings["resume"] = out["resume"]
     metrics["timing/gateway_paused_seconds"] = out["paused_for"]
     metrics.update({f"timing/trainer_{k}_seconds": v for k, v in timings.items()})

@@ -167,17 +167,51 @@ def engine_dtype(name: str, model_path: str | Path | None = None) -> torch.dtype
             "float16": torch.float16}.get(name, torch.float32)
 
 
-def sleep_engine(urls: list[str], device: str) -> str:
-    if device == "cpu":
-        return "skipped: vLLM's sleep mode frees nothing on CPU (and --enable-sleep-mode is " \
-               "refused there)"
-    for url in urls:
-        requests.post(url.rstrip("/") + "/sleep", params={"level": 1}, timeout=120)
-    return "slept"
+class EngineSleepError(WeightSyncError):
+    """An inference server did not go to sleep (or wake up) when asked."""
 
 
-def wake_engine(urls: list[str], device: str) -> None:
-    if device == "cpu":
-        return
-    for url in urls:
-        requests.post(url.rstrip("/") + "/wake_up", timeout=120)
+def _is_sleeping(url: str, timeout: float) -> bool | None:
+    resp = requests.get(url + "/is_sleeping", timeout=timeout)
+    if resp.status_code != 200:
+        return None
+    return bool(resp.json().get("is_sleeping"))
+
+
+def sleep_engines(urls: list[str], level: int, timeout: float = 120.0) -> None:
+    """Put every server to sleep (vLLM sleep mode: level 1 offloads the weights and drops the
+    KV cache, level 2 drops both) and check that it is asleep, so the update gets the memory.
+    One that refuses, or answers but stays awake, fails the step before the update starts;
+    the servers already asleep are woken first."""
+    slept: list[str] = []
+    for raw in urls:
+        url = raw.rstrip("/")
+        resp = requests.post(url + "/sleep", params={"level": level}, timeout=timeout)
+        state = _is_sleeping(url, timeout) if resp.status_code == 200 else None
+        if resp.status_code != 200 or state is not True:
+            why = (f"/sleep answered {resp.status_code}: {resp.text[:200]}"
+                   if resp.status_code != 200 else
+                   f"/sleep answered 200 but /is_sleeping says {state}")
+            wake_engines(slept, timeout, check=False)
+            raise EngineSleepError(
+                f"{url}: the engine did not go to sleep ({why}); the update would share the "
+                "accelerator with it. Start the server with --enable-sleep-mode "
+                "(inference.sleep_mode) or set trainer.pause_during_update: false")
+        slept.append(url)
+
+
+def wake_engines(urls: list[str], timeout: float = 120.0, check: bool = True) -> None:
+    """Wake every server; with ``check``, one still asleep afterwards is an error."""
+    for raw in urls:
+        url = raw.rstrip("/")
+        try:
+            resp = requests.post(url + "/wake_up", timeout=timeout)
+            awake = _is_sleeping(url, timeout) is False
+        except requests.RequestException as exc:
+            if check:
+                raise EngineSleepError(f"{url}: /wake_up failed: {exc}") from exc
+            log.warning("%s: could not wake the engine: %s", url, exc)
+            continue
+        if check and (resp.status_code != 200 or not awake):
+            raise EngineSleepError(f"{url}: the engine did not wake up (/wake_up answered "
+                                   f"{resp.status_code}: {resp.text[:200]})")

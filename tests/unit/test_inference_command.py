@@ -1,0 +1,51 @@
+"""The inference server's command line per device, from config."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import ConfigError, load_config
+from app.services.commands import inference_command
+
+
+def argv(*overrides: str) -> tuple[list[str], dict[str, str]]:
+    cmd = inference_command(load_config(None, list(overrides)))
+    return cmd.argv, cmd.env
+
+
+def opt(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_cpu_command():
+    args, env = argv("inference.device=cpu", "inference.cpu_threads=1")
+    assert "--enforce-eager" in args and opt(args, "--distributed-executor-backend") == "uni"
+    assert opt(args, "--kv-cache-memory-bytes") == "67108864"
+    assert "--enable-sleep-mode" not in args and "--gpu-memory-utilization" not in args
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "1"
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_gpu_command_collocated():
+    args, env = argv("inference.device=cuda", "inference.gpu_memory_utilization=0.4",
+                     "inference.tensor_parallel_size=2", "inference.data_parallel_size=4")
+    assert "--enable-sleep-mode" in args  # the update pauses the gateway on CUDA (auto)
+    assert "--enforce-eager" not in args  # CUDA graphs
+    assert opt(args, "--gpu-memory-utilization") == "0.4"
+    assert opt(args, "--tensor-parallel-size") == "2" and opt(args, "--data-parallel-size") == "4"
+    # no CPU-only flags or environment
+    assert "--kv-cache-memory-bytes" not in args and "--distributed-executor-backend" not in args
+    assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS",
+                "VLLM_CPU_OMP_THREADS_BIND"} & set(env)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_gpu_command_not_collocated_and_forced_eager():
+    args, _ = argv("inference.device=cuda", "trainer.pause_during_update=false",
+                   "inference.enforce_eager=true")
+    assert "--enable-sleep-mode" not in args and "--enforce-eager" in args
+
+
+def test_sleep_mode_on_cpu_is_refused():
+    with pytest.raises(ConfigError, match="inference.sleep_mode: value true is refused"):
+        load_config(None, ["inference.device=cpu", "inference.sleep_mode=true"])
