@@ -4,8 +4,8 @@ Answers ``/v1/chat/completions`` and ``/v1/completions`` with token ids and log-
 gateway's capture path runs) without a model. A request may carry ``standin_delay_s`` to be
 slow on purpose, ``POST /standin/health {"ok": false}`` makes ``/health`` answer 503,
 ``GET /standin/last`` returns the last request body it received, and vLLM's sleep routes
-behave as ``POST /standin/sleep`` says (per worker process: tests run it with one). Serve with gunicorn:
-``gunicorn -k gevent 'bench.standin:create_app()'``.
+behave as ``POST /standin/sleep`` says (per worker process: tests run it with one). Serve
+with gunicorn: ``gunicorn -k gevent 'bench.standin:create_app()'``.
 """
 
 from __future__ import annotations
