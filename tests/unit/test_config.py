@@ -199,10 +199,24 @@ def test_malformed_yaml_file(tmp_path):
 
 
 def test_every_shipped_config_loads():
-    shipped = sorted((REPO / "config").glob("*.yaml"))
-    assert shipped
+    shipped = sorted((REPO / "config").rglob("*.yaml"))
+    assert len(shipped) >= 5  # default, demo, k8s example, the two GPU examples
     for path in shipped:
         load_config(path)
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-7b-8gpu", "qwen2.5-0.5b-1gpu"])
+def test_gpu_examples_pass_config_show(name, tmp_path):
+    path = REPO / "config" / "examples" / f"{name}.yaml"
+    out = run_cli("config", "show", "--config", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "device: cuda" in out.stdout and "param_dtype: bfloat16" in out.stdout
+    broken = tmp_path / "broken.yaml"
+    broken.write_text(path.read_text().replace("gpu_memory_utilization: 0.",
+                                               "gpu_memory_utilization: 1."))
+    bad = run_cli("config", "show", "--config", str(broken))
+    assert bad.returncode == 2
+    assert "inference.gpu_memory_utilization: value 1." in bad.stderr
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
