@@ -61,10 +61,11 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from app.services.health import check_all, format_table, role_restarts
+    from app.services.health import check_all, environment, format_table, role_restarts
 
     cfg = _load(args)
     _export_config_env(args)
+    print("  ".join(f"{what}: {value}" for what, value in environment()))
     rows = check_all(cfg)
     print(format_table(rows))
     restarts = role_restarts(cfg)

@@ -111,6 +111,34 @@ def role_restarts(cfg: Any, timeout: float = 2.0) -> dict[str, int]:
         return {}
 
 
+def environment(repo: Any = None) -> list[tuple[str, str]]:
+    """(what, value) of the host and the two environments, read without importing torch or
+    vLLM: the device, torch's build and CUDA version, the vLLM build."""
+    import re
+    from importlib import metadata
+    from pathlib import Path
+
+    from app.config.loader import REPO_ROOT
+    from app.services.device import host_device
+
+    root = Path(repo or REPO_ROOT)
+    rows = [("device", host_device())]
+    try:
+        dist = metadata.distribution("torch")
+        text = Path(dist.locate_file("torch/version.py")).read_text()
+        cuda = re.search(r"^cuda: .*= '?([\w.]+|None)'?", text, re.M)
+        rows.append(("torch", f"{dist.version} (CUDA {cuda.group(1) if cuda else '?'})"))
+    except (metadata.PackageNotFoundError, OSError):
+        rows.append(("torch", "not installed"))
+    builds = sorted((root / ".venv-vllm").glob("lib/python*/site-packages/vllm*.dist-info"))
+    if builds:
+        name, _, version = builds[0].name.removesuffix(".dist-info").partition("-")
+        rows.append(("vllm", f"{name.replace('_', '-')} {version} (.venv-vllm)"))
+    else:
+        rows.append(("vllm", "not installed (.venv-vllm missing)"))
+    return rows
+
+
 def check_all(cfg: Any) -> list[PartStatus]:
     return [check_redis(cfg), *check_inference(cfg), check_gateway(cfg), *check_workers(),
             check_flower(cfg)]

