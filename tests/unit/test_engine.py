@@ -44,6 +44,22 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def step_of(trainer: EngineTrainer) -> tuple[dict, dict]:
+    """(metrics, new weights) of one update of ``samples()``; the trainer is closed after."""
+    try:
+        return trainer.update(to_verl_batch(samples(), 0), 0), trainer.full_weights()
+    finally:
+        trainer.close()
+
+
+def assert_same_step(a: tuple[dict, dict], b: tuple[dict, dict]) -> None:
+    # The same gradient (a sum over ranks instead of a mean would double its norm) ...
+    assert b[0]["actor/grad_norm"] == pytest.approx(a[0]["actor/grad_norm"], rel=1e-5)
+    # ... and the same new weights: one AdamW step moves a weight by up to lr (1e-3); on
+    # gradients near zero Adam's normalisation magnifies float rounding, hence 1% of a step.
+    assert max_diff(a[1], b[1]) < 1e-5
+
+
 @pytest.fixture(scope="module")
 def one_rank() -> tuple[EngineTrainer, dict, dict]:
     """A 1-rank engine after one update of ``samples()``: (engine, metrics, new weights)."""
@@ -82,17 +98,7 @@ def test_loss_and_gradient_equal_the_reference_update(one_rank):
 
 def test_two_gloo_ranks_give_the_same_step(one_rank):
     _, metrics, weights = one_rank
-    two = engine("trainer.ranks=2")
-    try:
-        m2 = two.update(to_verl_batch(samples(), 0), 0)
-        w2 = two.full_weights()
-    finally:
-        two.close()
-    # gradients are averaged over ranks, not summed (a sum would double the norm)
-    assert m2["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
-    # One AdamW step moves a weight by up to lr (1e-3); on gradients near zero Adam's
-    # normalisation magnifies float rounding, hence 1% of a step.
-    assert max_diff(weights, w2) < 1e-5
+    assert_same_step((metrics, weights), step_of(engine("trainer.ranks=2")))
 
 
 def test_micro_batches_of_one_give_the_same_gradient(one_rank):
