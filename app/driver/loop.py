@@ -58,7 +58,10 @@ def run_training(cfg: Any, resume: str | None = None, *,
 
 def train(cfg: Any, resume: str | None = None, *,
           on_step: Callable[[int, dict], None] | None = None,
-          run_id: str | None = None) -> dict:
+          run_id: str | None = None,
+          should_stop: Callable[[int, dict], bool] | None = None) -> dict:
+    """Run (or resume) a run for ``trainer.total_steps``; ``should_stop(step, metrics)``,
+    asked after each step, ends it early (a benchmark that reached its steady state)."""
     from app.celery_app import celery_app
 
     url = resolve_redis_url(cfg)
@@ -162,6 +165,8 @@ def train(cfg: Any, resume: str | None = None, *,
                 on_step(step - 1, metrics)
             elif cfg.logging.console:
                 print(console_line(step - 1, total, metrics), flush=True)
+            if should_stop is not None and should_stop(step - 1, metrics):
+                break
         client.hset(keys.run(run_id), "status", "finished")
     finally:
         sink.close()

@@ -298,6 +298,7 @@ def test_training_with_agents_as_jobs(tmp_path, redis_client, gateway_service, c
 
     from app.driver.loop import train
     from app.state import keys
+    from app.state.records import SiblingResult
 
     s = StandIn(runner="local")
     with Server(s) as server:
@@ -316,7 +317,8 @@ def test_training_with_agents_as_jobs(tmp_path, redis_client, gateway_service, c
             "controller.kubernetes.watch_timeout_s=1", "agent.tool_median_s=0",
             f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
             "logging.console=false", f"trainer.weights_dir={tmp_path / 'weights'}"])
-        summary = train(cfg)
+        rows: list[dict] = []
+        summary = train(cfg, on_step=lambda step, metrics: rows.append(metrics))
     assert summary["steps"] == 2, summary
     created = s.created()
     assert len(created) >= 4  # two groups of two trained, at least
@@ -324,8 +326,15 @@ def test_training_with_agents_as_jobs(tmp_path, redis_client, gateway_service, c
     assert len(names) == len(set(names))
     finished = [j for j in s.jobs.values() if j["status"].get("succeeded")]
     assert len(finished) >= 4
-    # every trained rollout was a Job whose agent posted its reward through the gateway
-    for job in finished:
-        rid = job["metadata"]["annotations"][ANNOTATION_ROLLOUT]
-        assert redis_client.hget(keys.rollout(rid), "reward") is not None
-        assert redis_client.llen(keys.rollout_calls(rid)) == 2  # both turns captured
+    # every trained rollout was a Job whose agent finished with a reward, and both of its
+    # turns were captured and trained (its calls are released once its step is stored)
+    results = {}
+    for step in range(2):
+        for gid in redis_client.lrange(keys.run_step_groups(summary["run_id"], step), 0, -1):
+            for raw in redis_client.hvals(keys.group_results(gid)):
+                r = SiblingResult.from_json(raw)
+                results[r.rollout_id] = r
+    jobs = {j["metadata"]["annotations"][ANNOTATION_ROLLOUT] for j in finished}
+    assert set(results) <= jobs
+    assert all(r.status == "ok" and r.reward is not None for r in results.values())
+    assert all(row["batch/samples"] == 2 * row["batch/rollouts"] for row in rows)

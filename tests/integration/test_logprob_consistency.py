@@ -5,11 +5,13 @@ vLLM serves ``processed_logprobs`` and the trainer divides logits by the capture
 from __future__ import annotations
 
 import openai
+import pytest
 import torch
 
 from app.config.loader import REPO_ROOT
 from app.state import keys
 from app.state.records import CapturedCall
+from tests.conftest import standin_gateway
 from workers.trainer import weights
 from workers.trainer.batch import Sample, to_batch
 from workers.trainer.update import PolicyTrainer, token_log_probs
@@ -17,10 +19,19 @@ from workers.trainer.update import PolicyTrainer, token_log_probs
 MODEL = REPO_ROOT / "var" / "models" / "tiny-qwen2"
 
 
-def test_logprobs_agree_at_temperature_0_7(redis_client, gateway_service, new_rollout, cfg):
+@pytest.fixture(scope="module")
+def gateway_at_0_7(vllm_service, redis_service, tmp_root):
+    """A gateway in front of the real vLLM server whose runs sample at temperature 0.7 (the
+    gateway sets every call to the rollout temperature the trainer models)."""
+    with standin_gateway(tmp_root, "temperature-0.7", f"inference.urls=[{vllm_service}]",
+                         "actor_rollout_ref.rollout.temperature=0.7", standins=0) as (url, _, _):
+        yield url
+
+
+def test_logprobs_agree_at_temperature_0_7(redis_client, gateway_at_0_7, new_rollout, cfg):
     # earlier tests may have trained the engine's weights: serve the base model again
     weights.reload_weights(cfg.inference.urls[0], MODEL)
-    rid, token, base = new_rollout()
+    rid, token, base = new_rollout(gateway_at_0_7)
     client = openai.OpenAI(base_url=base, api_key=token, max_retries=5)
     for text in ("abc", "dcba", "reverse bad"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
