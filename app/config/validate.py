@@ -269,6 +269,7 @@ RULES: dict[str, Check] = {
     "trainer.probe_tolerance": positive_num,
     "trainer.step_timeout_s": positive_num,
     "trainer.reload_timeout_s": positive_num,
+    "trainer.trained_data_ttl_s": positive_num,
     "trainer.heartbeat_s": positive_num,
     "trainer.step_retries": non_negative_int,
     "trainer.upstream_check_s": positive_num,

@@ -141,7 +141,8 @@ class Collector:
         sibling_ids = [r.id for r in result.parent.results] if result.parent else []
         # Marked after sending: on resume, groups without the mark are sent again.
         self.r.hset(keys.group(group_id), mapping={"sent": "1",
-                                                   "task_ids": json.dumps(sibling_ids)})
+                                                   "task_ids": json.dumps(sibling_ids),
+                                                   "callback_id": result.id})
 
     def resend_unsent(self) -> int:
         """After a driver crash between recording a group and sending its chord."""

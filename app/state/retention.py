@@ -5,14 +5,20 @@ Redis memory, and quadratic in the turns of a multi-turn agent) and its rollout 
 needed until the update that trains the group has stored its result: a redelivered trainer
 task returns that stored result, and a restarted trainer restores weights from a checkpoint
 and trains only the step it was sent. So they are deleted right after the step's result is
-stored. The group record and its sibling results (small) stay, for the run's accounting;
-so do the Celery results of its siblings until Celery's ``result_expires``.
+stored, with the Celery results of the group's siblings and chord callback (copies of the
+sibling results). The group record and its sibling results (a few KB) expire
+``trainer.trained_data_ttl_s`` later: long enough to look at what a step trained, short
+enough that Redis stays flat over a long run. The exactly-once guards (``group_done``,
+``group_trained``) keep the run's lifetime of the rest (a week): a late duplicate callback
+must still find its group done.
 
 Groups that are never trained (dropped, cancelled) keep their data for ``UNTRAINED_TTL_S``,
 since siblings may still be stopping and a debugging user may want to look.
 """
 
 from __future__ import annotations
+
+import json
 
 import redis
 
@@ -28,17 +34,35 @@ def _rollout_keys(rollout_ids: list[str]) -> list[str]:
     return out
 
 
-def release_trained(client: redis.Redis, group_ids: list[str]) -> int:
-    """Delete the captured calls and rollout records of trained groups; -> keys deleted."""
+def celery_result_key(task_id: str) -> str:
+    """The Redis key of a Celery task's result (the Redis result backend's naming)."""
+    from celery.backends.base import KeyValueStoreBackend
+
+    return KeyValueStoreBackend.task_keyprefix + task_id
+
+
+def release_trained(client: redis.Redis, group_ids: list[str], keep_s: float) -> int:
+    """Delete what trained groups no longer need, and let the rest expire after ``keep_s``;
+    -> keys deleted."""
     pipe = client.pipeline(transaction=False)
     for gid in group_ids:
         pipe.lrange(keys.group_rollouts(gid), 0, -1)
+        pipe.hmget(keys.group(gid), "task_ids", "callback_id")
+    answers = pipe.execute()
     doomed: list[str] = []
-    for gid, rids in zip(group_ids, pipe.execute(), strict=True):
+    for i, gid in enumerate(group_ids):
+        rids, (task_ids, callback_id) = answers[2 * i], answers[2 * i + 1]
         doomed += _rollout_keys(rids) + [keys.group_rollouts(gid)]
+        tasks = json.loads(task_ids or "[]") + ([callback_id] if callback_id else [])
+        doomed += [celery_result_key(t) for t in tasks]
     deleted = 0
     for i in range(0, len(doomed), 500):
         deleted += int(client.delete(*doomed[i:i + 500]))
+    pipe = client.pipeline(transaction=False)
+    for gid in group_ids:
+        pipe.expire(keys.group(gid), max(int(keep_s), 1))
+        pipe.expire(keys.group_results(gid), max(int(keep_s), 1))
+    pipe.execute()
     return deleted
 
 

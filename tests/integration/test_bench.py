@@ -51,20 +51,23 @@ def test_weight_sync_bench_json():
 
 
 def test_async_vs_sync_bench_json(tmp_path):
-    r = run_bench("bench.async_vs_sync", "--sigmas", "1.0", "--no-fixed", "--ratios", "2",
-                  "--steps", "3", "--slots", "4", "--tbs", "1", "--n", "2", "--median-s", "0.2",
-                  "--out", str(tmp_path))
-    assert r["benchmark"] == "async_vs_sync" and "trainer" in r
-    modes = {x["mode"] for x in r["results"]}
-    assert modes == {"sync", "async x2"}
+    r = run_bench("bench.async_vs_sync", "--quick", "--out", str(tmp_path))
+    assert r["benchmark"] == "async_vs_sync" and "ideal_formula" in r and "warmup_rule" in r
+    assert {x["mode"] for x in r["results"]} == {"sync", "async x2", "async x2 cap 1"}
     for x in r["results"]:
-        assert x["steps_timed"] == 2  # the first step (start-up) is not timed
-        assert x["steps_per_min"] > 0 and x["ideal_steps_per_min"] > 0
-        assert 0 <= x["slot_utilisation"] <= 1.0 + 1e-6
-        assert x["trainer_idle_fraction"] <= 1.0
-        assert x["fraction_of_ideal"] > 0
+        assert x["steps_timed"] == 3 and x["warmup_steps"] >= 1
+        assert x["trained_rollouts_per_s"] > 0 and x["steps_per_min"] > 0
+        assert 0 < x["fraction_of_ideal"] <= 1.0  # no schedule beats the ideal
+        g = x["groups"]  # every dispatched group accounted for
+        assert g["dispatched"] == g["trained"] + g["cancelled"] + g["dropped"] + g["in_flight"]
+        assert 0 <= x["slot_utilisation"] <= 1.0 + 1e-6 and x["waste_slot_s"] >= 0
+        age = x["sample_age_versions"]
+        assert 0 <= age["mean"] <= age["max"] and age["p90"] <= age["max"]
+        assert x["sample_version_lag_mean"] >= 0
     sync = next(x for x in r["results"] if x["mode"] == "sync")
-    assert sync["speedup_vs_sync"] == 1.0 and sync["carry_over_age_max"] == 0
+    assert sync["speedup_vs_sync"] == 1.0 and sync["groups"]["cancelled"] == 0
+    capped = next(x for x in r["results"] if x["mode"] == "async x2 cap 1")
+    assert capped["sample_age_versions"]["max"] <= 1  # the cap bounds what is trained
     png = (tmp_path / "async_vs_sync.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 

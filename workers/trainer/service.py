@@ -331,7 +331,8 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Be
         "policy/version": version,
     })
     client.set(keys.run_step_result(run_id, step), json.dumps(metrics))
-    retention.release_trained(client, group_ids)  # a redelivery returns the stored result
+    # a redelivery returns the stored result: what the groups captured is not read again
+    retention.release_trained(client, group_ids, float(cfg.trainer.trained_data_ttl_s))
     done = step + 1
     if done % int(cfg.trainer.save_freq) == 0 or done >= int(cfg.trainer.total_steps):
         t = time.monotonic()
