@@ -112,6 +112,19 @@ class EngineTrainer:
             out.append([i for i in range(vb.real) if vb.group_ids[i] in chosen])
         return out
 
+    def _per_rank(self, vb: VerlBatch, rows: list[int], fields: dict[str, torch.Tensor]
+                  ) -> list[tuple[VerlBatch, dict[str, torch.Tensor]]]:
+        """The mini-batch ``rows`` of ``vb``, padded to divide evenly, cut into one slice per
+        rank with the matching slices of the per-token ``fields``."""
+        mb = vb.select(rows).padded(self._row_multiple())
+        idx = torch.as_tensor(rows + [rows[0]] * (len(mb) - len(rows)))  # padding: any row
+        mb_fields = {k: v[idx] for k, v in fields.items()}
+        out = []
+        for rank, (part,) in enumerate(_split(mb, self.size)):
+            n = len(part)
+            out.append((part, {k: v[rank * n:(rank + 1) * n] for k, v in mb_fields.items()}))
+        return out
+
     def update(self, vb: VerlBatch, step: int = 0) -> dict[str, float]:
         actor = self.cfg.actor_rollout_ref.actor
         algo = self.cfg.algorithm
@@ -136,15 +149,8 @@ class EngineTrainer:
         skipped = 0
         for _ in range(int(actor.ppo_epochs)):
             for rows in self._mini_batches(trained):
-                mb = trained.select(rows).padded(self._row_multiple())
-                idx = torch.as_tensor(rows + [rows[0]] * (len(mb) - len(rows)))
-                mb_fields = {k: v[idx] for k, v in fields.items()}
-                per_rank = []
-                for (part,), r in zip(_split(mb, self.size), range(self.size), strict=True):
-                    n = len(part)
-                    per_rank.append((part, {k: v[r * n:(r + 1) * n]
-                                            for k, v in mb_fields.items()}))
-                out = self.ranks.call("train", per_rank, lr=lr, global_batch_size=len(rows))[0]
+                out = self.ranks.call("train", self._per_rank(trained, rows, fields), lr=lr,
+                                      global_batch_size=len(rows))[0]
                 grad_norm = float(out.get("grad_norm", float("nan")))
                 if not math.isfinite(grad_norm):
                     skipped += 1
