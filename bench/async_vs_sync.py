@@ -205,6 +205,8 @@ def plot(results: list[dict], ideals: dict[str, float], path: Path) -> None:
                                                          r["trained_rollouts_per_s"]),
                         fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.axhline(ideal, color=color, ls="--", lw=1)
+    top = max([*ideals.values(), *(r["trained_rollouts_per_s"] for r in results)])
+    ax.set_ylim(0, top * 1.1)  # the ideal lines stay in view
     ax.set_xlabel("mean age of trained samples (policy versions)")
     ax.set_ylabel("trained rollouts per second")
     ax.set_title("Throughput against staleness, steady state (dashed: ideal)")
