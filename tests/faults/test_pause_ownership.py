@@ -62,7 +62,8 @@ def test_a_stale_resume_leaves_a_newer_pause(clean):
     new.pause(pause_ttl_s=30)  # ... and another trainer paused since
     assert old.resume() == 0.0
     assert new.is_paused() and new.holds_pause() and not old.holds_pause()
-    assert new.resume() > 0 and not new.is_paused()
+    new.resume()
+    assert not new.is_paused()  # its own resume ends it
 
 
 def test_a_lost_pause_stops_the_step_before_the_weights(clean):
