@@ -1,7 +1,8 @@
 """Gateway overhead: requests/s and added latency against calling the upstream directly.
 
-Starts its own Redis, an instant OpenAI-compatible stand-in upstream (returns token ids and
-log-probs, so the gateway's admission and capture paths run), the gateway under gunicorn and,
+Starts its own Redis, a near-free OpenAI-compatible stand-in upstream (``bench/fast_standin.py``:
+one asyncio process returning token ids and log-probs, so the gateway's admission and capture
+paths run; its CPU per call is reported beside the proxies'), the gateway under gunicorn and,
 as the reference point, a bare Flask proxy under gunicorn (``bench/bare_proxy.py``: forwards
 and nothing else). Then measures direct, through the bare proxy and through the gateway at 1
 and 8 connections, interleaved in one run: the bare proxy's figures say what Flask + gunicorn
@@ -168,10 +169,9 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.Popen([str(BIN / "redis-server"), "--port", str(redis_port), "--bind",
                           "127.0.0.1", "--dir", str(tmp), "--appendonly", "yes", "--save", ""],
                          stdout=log, stderr=log, start_new_session=True),
-        subprocess.Popen([str(BIN / "gunicorn"), "-k", "gevent", "-w", "2", "-b",
-                          f"127.0.0.1:{standin_port}", "--log-level", "warning",
-                          "bench.standin:create_app()"], cwd=REPO, stdout=log, stderr=log,
-                         start_new_session=True),
+        # the upstream: an asyncio server whose cost per call is small beside the proxies'
+        subprocess.Popen([sys.executable, "-m", "bench.fast_standin", str(standin_port)],
+                         cwd=REPO, stdout=log, stderr=log, start_new_session=True),
         subprocess.Popen([str(BIN / "gunicorn"), "-c", "gateway/gunicorn.conf.py",
                           "gateway:create_app()"], cwd=REPO, env=env, stdout=log, stderr=log,
                          start_new_session=True),
@@ -198,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         auth = {"Authorization": f"Bearer {token}"}
         paths = (("direct", direct, {}, None), ("bare_proxy", bare, {}, _tree(procs[3].pid)),
                  ("gateway", via, auth, _tree(procs[2].pid)))
+        standin = _tree(procs[1].pid)
         for _name, url, hdr, _procs in paths:
             run_load(url, hdr, 8, 400)  # warm-up: connections, imports, scripts
         results: dict[str, list[dict]] = {}
@@ -207,11 +208,14 @@ def main(argv: list[str] | None = None) -> int:
                 n = args.requests // (4 if conns == 1 else 1)
                 for name, url, hdr, tree in paths:
                     before = _cpu_seconds(tree) if tree else 0.0
+                    up_before = _cpu_seconds(standin)
                     row = run_load(url, hdr, conns, n)
                     results.setdefault(f"{name}@{conns}", []).append(row)
                     if tree:
                         cpu.setdefault(f"{name}@{conns}", []).append(
                             1000 * (_cpu_seconds(tree) - before) / row["requests"])
+                    cpu.setdefault(f"standin_via_{name}@{conns}", []).append(
+                        1000 * (_cpu_seconds(standin) - up_before) / row["requests"])
         captured = client.llen(f"co:rollout:{rid}:calls")
     finally:
         for p in reversed(procs):
