@@ -45,7 +45,6 @@ def main(argv: list[str] | None = None) -> int:
     from workers.trainer import weights
     from workers.trainer.batch import Sample, to_batch
     from workers.trainer.engine import EngineTrainer
-    from workers.trainer.service import _probe_batch
     from workers.trainer.update import PolicyTrainer
     from workers.trainer.verl_batch import to_verl_batch
 
@@ -74,7 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         dtype = weights.engine_dtype(cfg.inference.dtype, model_path)
         dname = str(dtype).replace("torch.", "")
         ids = weights.probe_ids(model_path)
-        probe = _probe_batch(ids)
         version = 0
         # The two paths alternate cycle by cycle, so both see the same machine.
         for _ in range(args.cycles):
@@ -87,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                     out = timed(path, "save", weights.publish_version, tmp / "w", version, 2,
                                 lambda d: engine.export_weights(d, dname))
                     timed(path, "reload", weights.reload_weights, url, out)
-                    expected = engine.log_probs(probe)[0, probe.response_mask[0] > 0].tolist()
+                    expected = engine.probe_log_probs(ids)
                     probe_ids = ids
                 else:
                     timed(path, "update", reference.update, ref_batch)

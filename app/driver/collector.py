@@ -236,7 +236,7 @@ class Collector:
         pipe.execute()
         dispatch_steps = [int(s) for s in (self.r.hget(keys.group(g), "dispatch_step")
                                            for g in chosen)]
-        unfinished, finished, complete = self.carried_rollouts()
+        unfinished, finished, complete = carry.carried(self.r, self.run_id, self.n)
         oldest = self.r.zrange(active_key, 0, 0)
         age_max = (step - int(self.r.hget(keys.group(oldest[0]), "dispatch_step"))
                    if oldest else 0)
@@ -249,9 +249,6 @@ class Collector:
                          carry_over_age_max=age_max,
                          consumed_ages=[step - d for d in dispatch_steps],
                          wait_seconds=wait_seconds)
-
-    def carried_rollouts(self) -> tuple[int, int, int]:
-        return carry.carried(self.r, self.run_id, self.n)
 
     def carried_in(self) -> int:
         """Unfinished rollouts the last selection carried over (0 for a new run)."""

@@ -19,7 +19,6 @@ from tests.conftest import free_port
 from workers.trainer import weights
 from workers.trainer.batch import Sample
 from workers.trainer.engine import EngineTrainer
-from workers.trainer.service import _probe_batch
 from workers.trainer.verl_batch import to_verl_batch
 
 pytestmark = pytest.mark.slow
@@ -68,19 +67,14 @@ def test_tied_embeddings_train_reload_and_pass_the_probe(tied_model, tied_server
     exported = trainer.full_weights()
     assert "lm_head.weight" in exported  # written out explicitly, whatever the server skips
     ids = weights.probe_ids(tied_model)
-    probe = _probe_batch(ids)
-
-    def expected() -> list[float]:
-        return trainer.log_probs(probe)[0, probe.response_mask[0] > 0].tolist()
-
-    before = expected()
+    before = trainer.probe_log_probs(ids)
     assert weights.verify_sync(tied_server, "tied", before, None, 1e-4, ids)[
         "weight_sync/probe_gap"] < 1e-4
     batch = [Sample([1, 3, 4, 5], [6, 7, 8, 2], [-3.0] * 4, float(i % 2), "g0", 1.0, 0)
              for i in range(4)]
     for step in range(3):
         trainer.update(to_verl_batch(batch, 0), step)
-    after = expected()
+    after = trainer.probe_log_probs(ids)
     assert weights.mean_gap(before, after) > 1e-2
     path = weights.publish_version(tmp_path, 1, 2, lambda d: trainer.export_weights(d, "float32"))
     weights.reload_weights(tied_server, path)

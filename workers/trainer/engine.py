@@ -22,6 +22,7 @@ import logging
 import math
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,7 @@ import torch
 from workers.trainer.engine_config import engine_spec
 from workers.trainer.ranks import LocalRanks, RayRanks, SpawnedRanks
 from workers.trainer.update import compute_advantages, lr_at, rollout_correction
-from workers.trainer.verl_batch import VerlBatch
+from workers.trainer.verl_batch import VerlBatch, to_verl_batch
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,15 @@ class EngineTrainer:
         width = vb.responses.shape[1]
         return torch.cat([p[:, :width] for p in parts])[: len(vb)]
 
+    def probe_log_probs(self, ids: list[int]) -> list[float]:
+        """Log-probs of ``ids[1:]`` after ``ids[0]`` at temperature 1, through the engine's own
+        forward: what the weight-sync probe expects an inference server to answer."""
+        from workers.trainer.batch import Sample
+
+        probe = to_verl_batch([Sample(ids[:1], ids[1:], [0.0] * (len(ids) - 1), 0.0, "probe",
+                                      1.0, 0)], 0)
+        return self.log_probs(probe)[0, probe.response_mask[0] > 0].tolist()
+
     def _mini_batches(self, vb: VerlBatch) -> list[list[int]]:
         groups = sorted(set(vb.group_ids[: vb.real]))
         per = int(self.cfg.actor_rollout_ref.actor.ppo_mini_batch_size) or len(groups)
@@ -141,9 +151,7 @@ class EngineTrainer:
             old_log_prob, vb.rollout_log_probs, mask, algo.rollout_correction)
         if is_weights is not None:
             fields["rollout_is_weights"] = is_weights
-        trained = VerlBatch(vb.prompts, vb.responses, vb.prompt_mask, vb.response_attention,
-                            mask, vb.rollout_log_probs, vb.temperatures, vb.rewards,
-                            vb.group_ids, vb.rollout_ids, vb.calls, real=vb.real)
+        trained = replace(vb, response_mask=mask)  # after rollout correction's rejection
 
         metrics: dict[str, list[float]] = {}
         skipped = 0

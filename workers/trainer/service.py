@@ -40,7 +40,7 @@ from workers.trainer.batch import collect_samples
 from workers.trainer.engine import EngineTrainer
 from workers.trainer.keeper import publish_lock, running_keeper
 from workers.trainer.liveness import Beats
-from workers.trainer.verl_batch import VerlBatch, to_verl_batch
+from workers.trainer.verl_batch import to_verl_batch
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,6 @@ def _claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[
     return claimed
 
 
-def _probe_batch(ids: list[int]) -> VerlBatch:
-    """The probe as a one-row batch: scored through the engine's own forward, temperature 1."""
-    from workers.trainer.batch import Sample
-
-    return to_verl_batch([Sample(ids[:1], ids[1:], [0.0] * (len(ids) - 1), 0.0, "probe",
-                                 1.0, 0)], 0)
-
-
 def _publish(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: dict,
              previous: list[float] | None, metrics: dict, timings: dict[str, float],
              wake: bool) -> int:
@@ -125,8 +117,7 @@ def _publish(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: di
 
     t = time.monotonic()
     ids = resident["probe_ids"]
-    probe = _probe_batch(ids)
-    expected = trainer.log_probs(probe)[0, probe.response_mask[0] > 0].tolist()
+    expected = trainer.probe_log_probs(ids)
     for url in loaded:
         metrics.update(weights.verify_sync(url, cfg.inference.served_model_name, expected,
                                            previous, float(cfg.trainer.probe_tolerance), ids))
