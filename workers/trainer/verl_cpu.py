@@ -17,6 +17,7 @@ Invariant: ``current_device()`` returns the *string* ``"cpu"``: verl passes it s
 from __future__ import annotations
 
 import os
+import sys
 import types
 from contextlib import contextmanager
 from typing import Any
@@ -163,7 +164,7 @@ def activate() -> None:
 
 # Imported by verl through VERL_USE_EXTERNAL_MODULES: register at import, but only when the
 # environment asks for the CPU platform (a GPU rank that inherited the module list must not).
-if os.environ.get("VERL_PLATFORM", "").lower() == "cpu" and "verl" in __import__("sys").modules:
+if os.environ.get("VERL_PLATFORM", "").lower() == "cpu" and "verl" in sys.modules:
     try:
         register()
     except ImportError:  # verl is still importing us from its __init__; activate() registers
