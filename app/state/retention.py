@@ -1,4 +1,5 @@
-"""Releasing what a trained group no longer needs, so Redis stays flat over a long run.
+"""Releasing what a trained group no longer needs, so Redis does not grow with what a long run
+captured.
 
 A group's captured calls (prompt and response token ids, log-probs: the bulk of a run's
 Redis memory, and quadratic in the turns of a multi-turn agent) and its rollout records are
@@ -8,7 +9,7 @@ and trains only the step it was sent. So they are deleted right after the step's
 stored, with the Celery results of the group's siblings and chord callback (copies of the
 sibling results). The group record and its sibling results (a few KB) expire
 ``trainer.trained_data_ttl_s`` later: long enough to look at what a step trained, short
-enough that Redis stays flat over a long run. The exactly-once guards (``group_done``,
+enough that a long run keeps about 80 bytes per trained rollout. The exactly-once guards (``group_done``,
 ``group_trained``) keep the run's lifetime of the rest (a week): a late duplicate callback
 must still find its group done.
 
