@@ -9,9 +9,9 @@ and trains only the step it was sent. So they are deleted right after the step's
 stored, with the Celery results of the group's siblings and chord callback (copies of the
 sibling results). The group record and its sibling results (a few KB) expire
 ``trainer.trained_data_ttl_s`` later: long enough to look at what a step trained, short
-enough that a long run keeps about 80 bytes per trained rollout. The exactly-once guards (``group_done``,
-``group_trained``) keep the run's lifetime of the rest (a week): a late duplicate callback
-must still find its group done.
+enough that a long run keeps about 80 bytes per trained rollout. The exactly-once guards
+(``group_done``, ``group_trained``) keep the run's lifetime of the rest (a week): a late
+duplicate callback must still find its group done.
 
 Groups that are never trained (dropped, cancelled) keep their data for ``UNTRAINED_TTL_S``,
 since siblings may still be stopping and a debugging user may want to look.
