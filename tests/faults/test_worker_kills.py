@@ -32,10 +32,12 @@ def sigkill(supervisor, role: str) -> None:
     proc.wait(10)
 
 
-def wait_for(pred, timeout: float, what: str, poll: float = 0.01) -> float:
+def wait_for(pred, timeout: float, what: str, poll: float = 0.01, detail=None) -> float:
     start = time.monotonic()
     while not pred():
-        assert time.monotonic() - start < timeout, f"timed out waiting for {what}"
+        if time.monotonic() - start >= timeout:
+            raise AssertionError(f"timed out waiting for {what}"
+                                 + (f"\n{detail()}" if detail else ""))
         time.sleep(poll)
     return time.monotonic() - start
 
@@ -56,9 +58,30 @@ def train_in_thread(run_cfg, run_id: str) -> tuple[threading.Thread, dict]:
     return thread, out
 
 
-def finished(thread: threading.Thread, out: dict, timeout: float, steps: int, what: str) -> None:
+def _state(client, supervisor, run_id: str) -> str:
+    """What a failure message needs to tell where a run stalled: the run's groups, the
+    rollout workers' liveness and deliveries, and the end of each role's log."""
+    parts = [f"run: {client.hgetall(keys.run(run_id))}",
+             f"active: {client.smembers(keys.run_active(run_id))}",
+             f"ready: {client.lrange(keys.run_ready(run_id), 0, -1)}"]
+    for gid in client.smembers(keys.run_active(run_id)):
+        parts.append(f"group {gid}: {client.hgetall(keys.group(gid))} results "
+                     f"{sorted(client.hkeys(keys.group_results(gid)))}")
+    for worker in client.smembers(keys.rollout_workers()):
+        parts.append(f"rollout worker {worker}: alive={client.exists(keys.worker_alive(worker))}"
+                     f" deliveries={client.hlen(keys.worker_deliveries(worker))}")
+    parts.append(f"unacked: {client.hlen('unacked')}")
+    for role in ("rollout", "groups", "trainer"):
+        text = supervisor.log_path(role).read_text(errors="replace")
+        parts.append(f"--- {role}.log (tail) ---\n" + text[-3000:])
+    return "\n".join(parts)
+
+
+def finished(thread: threading.Thread, out: dict, timeout: float, steps: int, what: str,
+             client, supervisor, run_id: str) -> None:
     thread.join(timeout)
-    assert not thread.is_alive(), f"training did not finish after {what}"
+    assert not thread.is_alive(), (f"training did not finish after {what}\n"
+                                    + _state(client, supervisor, run_id))
     assert "error" not in out, out.get("error")
     assert out["result"]["steps"] == steps
 
@@ -84,11 +107,11 @@ def test_rollout_worker_sigkilled_mid_rollout(stack, tmp_path, celery_workers): 
     thread, out = train_in_thread(run_cfg, run_id)
     # Every sibling has made its model call and waits at the gate, inside the worker.
     wait_for(lambda: sum(1 for _ in stack.scan_iter("co:rollout:*:calls")) >= 8, 90,
-             "8 siblings running")
+             "8 siblings running", detail=lambda: _state(stack, celery_workers, run_id))
     sigkill(celery_workers, "rollout")
     stack.set("test:gate:after-kill", 1)  # the re-run siblings pass straight through
     celery_workers.start(["rollout"])
-    finished(thread, out, 180, 2, "the rollout worker died")
+    finished(thread, out, 180, 2, "the rollout worker died", stack, celery_workers, run_id)
     assert_trained_once_and_whole(stack, run_id, 2, 2, 2)
     run = stack.hgetall(keys.run(run_id))
     assert int(run.get("n_dropped", 0)) == 0  # requeued messages, not failed siblings
@@ -113,7 +136,8 @@ def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # n
     # Tiny steps pause the gateway for a fraction of a second, too short to be sure of
     # catching. So once step 1 is done the test holds a model call "in flight" (a lease):
     # step 2's drain waits for it, and its pause lasts until the kill.
-    wait_for(lambda: stack.llen(keys.run_metrics(run_id)) >= 2, 120, "step 1", poll=0.002)
+    wait_for(lambda: stack.llen(keys.run_metrics(run_id)) >= 2, 120, "step 1", poll=0.002,
+             detail=lambda: _state(stack, celery_workers, run_id))
     adm = Admission(stack)
     status, lease, _ = adm.admit("kill-trainer-inflight")
     wait_for(lambda: stack.exists(keys.trainer_heartbeat(run_id, "2"))
@@ -127,7 +151,7 @@ def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # n
                       "the pause to expire")
     assert waited <= heartbeat + 1.0
     celery_workers.start(["trainer"])
-    finished(thread, out, 240, 4, "the trainer worker died")
+    finished(thread, out, 240, 4, "the trainer worker died", stack, celery_workers, run_id)
     assert_trained_once_and_whole(stack, run_id, 4, 2, 2)
     rows = [json.loads(r) for r in stack.lrange(keys.run_metrics(run_id), 0, -1)]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
