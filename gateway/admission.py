@@ -241,17 +241,24 @@ class Admission:
         deadline = start + timeout_s
         while self.live_leases() > 0:
             if time.monotonic() >= deadline:
-                remaining = self.r.zrange(keys.leases(), 0, -1)
-                if remaining:
-                    self.r.sadd(keys.cancelled(), *remaining)
-                    self.r.expire(keys.cancelled(), int(self.ttl_ms / 1000) + 60)
-                unended = self._wait_ended(remaining, self.ttl_ms / 1000.0
-                                           if cancel_wait_s is None else cancel_wait_s, poll_s)
+                remaining = self.cancel_live()
+                unended = self.wait_ended(remaining, self.ttl_ms / 1000.0
+                                          if cancel_wait_s is None else cancel_wait_s, poll_s)
                 return DrainResult(time.monotonic() - start, len(remaining), unended)
             time.sleep(poll_s)
         return DrainResult(time.monotonic() - start, 0)
 
-    def _wait_ended(self, lease_ids: list[str], wait_s: float, poll_s: float) -> int:
+    def cancel_live(self) -> list[str]:
+        """Mark every live lease cancelled: its gateway aborts the upstream call, the caller
+        gets a retryable error and nothing of the call is recorded. -> the lease ids."""
+        self.live_leases()  # drops expired leases
+        remaining = self.r.zrange(keys.leases(), 0, -1)
+        if remaining:
+            self.r.sadd(keys.cancelled(), *remaining)
+            self.r.expire(keys.cancelled(), int(self.ttl_ms / 1000) + 60)
+        return remaining
+
+    def wait_ended(self, lease_ids: list[str], wait_s: float, poll_s: float = 0.01) -> int:
         """Wait until none of ``lease_ids`` is live (released, or expired); -> how many
         still were when ``wait_s`` ran out."""
         end = time.monotonic() + wait_s

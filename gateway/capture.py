@@ -54,9 +54,13 @@ def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[Any]:
 
 
 def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, temperature: float,
-                        upstream: str, started_at: float, stream: bool = False
+                        upstream: str, started_at: float, stream: bool = False,
+                        version_end: int | None = None,
+                        switches: dict[int, list[list[int]]] | None = None
                         ) -> list[CapturedCall]:
-    """One CapturedCall per choice of a complete (non-streamed or reassembled) response."""
+    """One CapturedCall per choice of a complete (non-streamed or reassembled) response.
+    ``version_end``: the policy version when the call ended; ``switches``: per choice index,
+    where a streamed call's tokens changed version (``StreamAccumulator.switch``)."""
     top_prompt_ids = list(resp.get("prompt_token_ids") or [])
     calls = []
     for choice in resp.get("choices") or []:
@@ -71,7 +75,10 @@ def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, tempe
             prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs,
             finish_reason=choice.get("finish_reason"), policy_version=version,
             temperature=temperature, upstream=upstream, started_at=started_at,
-            ended_at=time.time(), endpoint=endpoint, stream=stream, nonfinite_logprobs=bad))
+            ended_at=time.time(), endpoint=endpoint, stream=stream, nonfinite_logprobs=bad,
+            policy_version_end=None if version_end in (None, version) else version_end,
+            version_switches=((switches or {}).get(choice.get("index", 0)) or None
+                              if version_end not in (None, version) else None)))
     return calls
 
 
@@ -103,12 +110,23 @@ class StreamAccumulator:
         self.endpoint = endpoint
         self.prompt_ids: list[int] = []
         self.choices: dict[int, dict[str, Any]] = {}
+        self.switches: dict[int, list[list[int]]] = {}
+        self.pending_switch: int | None = None   # for choices that had no token yet
+
+    def switch(self, version: int) -> None:
+        """The policy version changed: the tokens from here on (per choice) are sampled on
+        ``version``."""
+        for idx, acc in self.choices.items():
+            self.switches.setdefault(idx, []).append([len(acc["token_ids"]), version])
+        self.pending_switch = version
 
     def add(self, chunk: dict[str, Any]) -> None:
         if chunk.get("prompt_token_ids"):
             self.prompt_ids = list(chunk["prompt_token_ids"])
         for choice in chunk.get("choices") or []:
             idx = choice.get("index", 0)
+            if idx not in self.choices and self.pending_switch is not None:
+                self.switches[idx] = [[0, self.pending_switch]]
             acc = self.choices.setdefault(idx, {"token_ids": [], "lp": [], "finish_reason": None})
             if choice.get("prompt_token_ids"):
                 self.prompt_ids = list(choice["prompt_token_ids"])

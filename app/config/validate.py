@@ -258,6 +258,7 @@ RULES: dict[str, Check] = {
     "trainer.ranks": positive_int,
     "controller.retry_max_wait_s": positive_num,
     "gateway.sampling": one_of("enforce", "reject"),
+    "gateway.drain_mode": one_of("wait", "keep", "abort"),
     "trainer.launcher": one_of("auto", "local", "ray"),
     "trainer.nnodes": positive_int,
     "trainer.n_gpus_per_node": positive_int,
@@ -336,6 +337,12 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             is True and _get(cfg, "inference.device") == "cpu":
         problems.append("inference.sleep_mode: value true is refused by vLLM on CPU "
                         "(inference.device cpu), where sleeping frees nothing; use auto")
+    if ok("inference.sleep_mode", "gateway.drain_mode") and _get(cfg, "gateway.drain_mode") \
+            == "keep" and _get(cfg, "inference.sleep_mode") is True:
+        problems.append("gateway.drain_mode: value 'keep' cannot work with inference.sleep_mode "
+                        "true: calls frozen across the update hold the engine's KV cache, which "
+                        "a sleeping engine drops; use sleep_mode auto (the engine stays awake "
+                        "and the update needs memory beside it) or drain_mode wait or abort")
     wait = _get(cfg, "controller.retry_max_wait_s")
     drain = _get(cfg, "gateway.drain_timeout_s")
     beat = _get(cfg, "trainer.heartbeat_s")

@@ -70,13 +70,15 @@ def redis_command(cfg: Any) -> Command:
 def sleep_mode(cfg: Any, device: str) -> bool:
     """Whether the server starts with ``--enable-sleep-mode``: on GPU when the update runs
     with the gateway paused (collocated: the engine sleeps and lends its memory to the
-    update). vLLM refuses the flag on CPU, where sleeping frees nothing."""
+    update), unless ``gateway.drain_mode`` is ``keep`` (calls frozen across the update keep
+    their KV cache in the engine's memory). vLLM refuses the flag on CPU, where sleeping frees
+    nothing."""
     if device != "cuda":
         return False
     setting = cfg.inference.sleep_mode
     if setting == "auto":
         pause = cfg.trainer.pause_during_update
-        return pause in ("auto", True)
+        return pause in ("auto", True) and cfg.gateway.drain_mode != "keep"
     return bool(setting)
 
 

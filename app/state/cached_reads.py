@@ -44,3 +44,24 @@ def read_cached(key: str, max_age_s: float, read: Callable[[], Any]) -> Any:
 def gateway_paused(client: redis.Redis, max_age_s: float) -> bool:
     """The gateway's pause flag as this process last read it (at most ``max_age_s`` old)."""
     return bool(read_cached(keys.paused(), max_age_s, lambda: client.exists(keys.paused())))
+
+
+# How old a gateway process's view of the policy version may be. The trainer bumps the
+# version while the engines are frozen and waits twice this long before resuming them, so
+# every token sampled on new weights is seen by the gateway under the new version.
+POLICY_VERSION_MAX_AGE_S = 0.02
+_version: dict[str, tuple[float, int]] = {}
+
+
+def policy_version(client: redis.Redis, max_age_s: float = POLICY_VERSION_MAX_AGE_S) -> int:
+    """The policy version as this process last read it (at most ``max_age_s`` old). Unlike
+    :func:`read_cached`, a caller that finds the value too old reads it itself rather than
+    take the previous one while another caller refreshes: a streamed call's version switch
+    is placed by this read."""
+    now = time.monotonic()
+    seen = _version.get("v")
+    if seen is not None and now - seen[0] < max_age_s:
+        return seen[1]
+    value = int(client.get(keys.policy_version()) or 0)
+    _version["v"] = (now, value)
+    return value

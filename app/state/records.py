@@ -66,6 +66,26 @@ class CapturedCall:
     endpoint: str                  # chat.completions | completions
     stream: bool = False
     nonfinite_logprobs: int = 0    # count of non-finite/missing values; >0 -> sample unusable
+    # A call frozen across a weight update (gateway.drain_mode keep) spans policy versions:
+    # ``policy_version`` is the version at its start, ``policy_version_end`` the one at its
+    # end (None: the same), and for a streamed call ``version_switches`` lists
+    # [index of the first response token sampled on a version, that version] per switch.
+    policy_version_end: int | None = None
+    version_switches: list[list[int]] | None = None
+
+    @property
+    def spans_update(self) -> bool:
+        return self.policy_version_end is not None and self.policy_version_end != \
+            self.policy_version
+
+    def tokens_after_switch(self) -> int | None:
+        """Response tokens sampled after the first version switch; None when unknown (a
+        call that spans an update without being streamed)."""
+        if not self.spans_update:
+            return 0
+        if not self.version_switches:
+            return None
+        return len(self.response_ids) - self.version_switches[0][0]
 
     def to_json(self) -> str:
         # json cannot hold inf/nan: such values are stored as null and counted. vars(), not

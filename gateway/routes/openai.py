@@ -21,7 +21,7 @@ import orjson
 from flask import Blueprint, Response, current_app, jsonify, request
 
 from app.state import keys
-from app.state.cached_reads import gateway_paused
+from app.state.cached_reads import gateway_paused, policy_version
 from gateway import capture, sampling
 from gateway.errors import GatewayError, bad_request, retryable
 from gateway.leases import UpstreamCancelled
@@ -158,9 +158,10 @@ def _admit(rollout_id: str, token_sha256: str) -> tuple[str, int]:
             time.sleep(0.05)
 
 
-def _cancelled_error() -> GatewayError:
+def _cancelled_error(state=None) -> GatewayError:
+    # ``state`` inside a streamed answer's generator, which runs outside the app context
     return retryable("request cancelled by a weight update; retry",
-                     _state().settings.retry_after_s, code="cancelled_by_update")
+                     (state or _state()).settings.retry_after_s, code="cancelled_by_update")
 
 
 def _forward(rollout_id: str, endpoint: str):
@@ -220,7 +221,9 @@ def _forward(rollout_id: str, endpoint: str):
                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     try:
         data = _loads(data)
-        calls = capture.calls_from_response(data, **meta)
+        # a call frozen across a weight update ends on a later version than it started
+        calls = capture.calls_from_response(data, **meta,
+                                            version_end=policy_version(state.redis))
     except BaseException:
         _release(state, lease_id)
         raise
@@ -239,19 +242,29 @@ def _stream(state, resp: UpstreamResponse, rollout_id: str, lease_id: str, cance
             meta: dict, wants_lp: bool, wants_ids: bool) -> Iterator[str]:
     acc = capture.StreamAccumulator(meta["endpoint"])
     released = False
+    current = meta["version"]
     try:
         for line in _lines(resp):
+            # The trainer bumps the version while the engines are frozen and before they
+            # resume (gateway.drain_mode keep): the first chunk read under a new version
+            # holds the first tokens sampled on it.
+            now = policy_version(state.redis)
+            if now != current:
+                acc.switch(now)
+                current = now
             if cancel.is_set():
-                yield f"data: {json.dumps(_cancelled_error().body())}\n\n"
+                yield f"data: {json.dumps(_cancelled_error(state).body())}\n\n"
                 return
             if not line or not line.startswith("data:"):
                 continue
             payload = line[5:].strip()
             if payload == "[DONE]":
                 released = True
-                calls = capture.calls_from_response(acc.response(), stream=True, **meta)
+                calls = capture.calls_from_response(acc.response(), stream=True, **meta,
+                                                    version_end=current,
+                                                    switches=acc.switches)
                 if not _record_and_release(state, lease_id, calls):
-                    yield f"data: {json.dumps(_cancelled_error().body())}\n\n"
+                    yield f"data: {json.dumps(_cancelled_error(state).body())}\n\n"
                     return
                 yield "data: [DONE]\n\n"
                 continue

@@ -42,7 +42,11 @@ class BatchStats:
     excluded_samples: int = 0
     failed_rollouts_zero_reward: int = 0
     rewards: list[float] = field(default_factory=list)   # one per rollout
-    versions: list[int] = field(default_factory=list)    # one per sample
+    # one per sample: the version at the call's start (a call frozen across an update is
+    # as old as its oldest tokens)
+    versions: list[int] = field(default_factory=list)
+    mixed_version_samples: int = 0   # calls that spanned a weight update (drain_mode keep)
+    mixed_version_tokens: int = 0    # their response tokens sampled after the first switch
 
 
 def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failures: bool
@@ -74,6 +78,12 @@ def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failu
                                       reward, gid, call.temperature, call.policy_version,
                                       result.rollout_id))
                 stats.versions.append(call.policy_version)
+                if call.spans_update:
+                    stats.mixed_version_samples += 1
+                    after = call.tokens_after_switch()
+                    # not streamed: where the switch fell is unknown, count the whole call
+                    stats.mixed_version_tokens += len(call.response_ids) if after is None \
+                        else after
     stats.samples = len(samples)
     return samples, stats
 

@@ -1,8 +1,12 @@
 """One collocated update cycle, in order, each phase timed:
 
 pause gateway -> drain (bounded) -> sleep engine (GPU only) -> update -> save weights ->
-wake engine + reload + reset prefix cache -> verify with a probe -> bump policy version ->
+wake engine + reload + reset prefix cache -> bump policy version -> verify with a probe ->
 resume gateway.
+
+``gateway.drain_mode`` keep or abort replaces the drain: the engines pause their generation
+(keep freezes the calls in flight, abort ends them), and resume right after the version bump,
+before the probe (which needs them running).
 
 Invariants:
 - The gateway is resumed whatever happens after the pause (``finally``); the pause is also a
@@ -33,6 +37,7 @@ from app.config.loader import REPO_ROOT
 from app.services.commands import sleep_mode
 from app.services.device import resolve as resolve_device
 from app.state import keys, retention
+from app.state.cached_reads import POLICY_VERSION_MAX_AGE_S
 from app.state.runs import run_config
 from gateway.admission import Admission
 from workers.trainer import checkpoint, weights
@@ -95,9 +100,14 @@ def _claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[
 
 def _publish(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: dict,
              previous: list[float] | None, metrics: dict, timings: dict[str, float],
-             wake: bool) -> int:
+             wake: bool, held: list[str] | None = None, frozen: bool = False) -> int:
     """Save the trainer's weights as the next version, load them into every inference
-    server, prove it with the probe, then bump the policy version; returns the version."""
+    server, bump the policy version, resume the engines in ``held`` (paused by
+    ``gateway.drain_mode`` keep or abort; ``frozen``: calls wait frozen in them), then prove
+    the load with the probe; returns the version.
+
+    A probe that fails leaves the version bumped: the servers do hold that version's
+    weights, only not verified ones, and the step fails."""
     urls = list(cfg.inference.urls)
     version = int(client.get(keys.policy_version()) or 0) + 1
     t = time.monotonic()
@@ -111,8 +121,9 @@ def _publish(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: di
     t = time.monotonic()
     if wake:
         weights.wake_engines(urls)
-    loaded = _reload_reachable(client, urls, path, version, float(cfg.trainer.reload_timeout_s),
-                               float(cfg.trainer.upstream_check_s))
+    loaded = switch_weights(client, urls, path, version, held or [], frozen,
+                            float(cfg.trainer.reload_timeout_s),
+                            float(cfg.trainer.upstream_check_s))
     timings["reload"] = time.monotonic() - t
 
     t = time.monotonic()
@@ -128,12 +139,28 @@ def _publish(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: di
     client.hset(keys.policy_published(), mapping={
         "version": version, "path": str(path.resolve()), "probe": json.dumps(expected),
         "probe_ids": json.dumps(ids)})
-    client.set(keys.policy_version(), version)
     return version
 
 
+def switch_weights(client: redis.Redis, urls: list[str], path: Path, version: int,
+                   held: list[str], frozen: bool, wait_s: float, every_s: float) -> list[str]:
+    """Load ``path`` into every reachable server, make ``version`` the policy version, then
+    resume the engines in ``held`` (emptied). Returns the servers loaded.
+
+    The version is set while the engines are still paused, and they resume twice
+    ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new version by
+    the first token a frozen call samples on the new weights, and places the switch there."""
+    loaded = _reload_reachable(client, urls, path, version, wait_s, every_s, frozen)
+    client.set(keys.policy_version(), version)
+    if held:
+        time.sleep(2 * POLICY_VERSION_MAX_AGE_S)
+        weights.resume_engines(held)
+        held.clear()
+    return loaded
+
+
 def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version: int,
-                      wait_s: float, every_s: float) -> list[str]:
+                      wait_s: float, every_s: float, frozen: bool = False) -> list[str]:
     """Load ``path`` into every server that answers; returns those. A server that is down
     is marked stale (the upstream keeper loads it when it is back, the gateway routes around
     it meanwhile). With none reachable, keep trying for ``wait_s`` (the gateway stays
@@ -144,7 +171,7 @@ def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version:
         loaded = []
         for url in urls:
             try:
-                weights.reload_weights(url, path)
+                weights.reload_weights(url, path, frozen_calls=frozen)
                 loaded.append(url)
             except requests.ConnectionError as exc:
                 client.sadd(keys.upstreams_stale(), url.rstrip("/"))
@@ -244,6 +271,40 @@ def _restore_servers(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resi
             "trainer/restored_policy_version": version}
 
 
+def _drain(adm: Admission, cfg: Any, metrics: dict[str, Any]) -> None:
+    """``gateway.drain_mode: wait``: wait for the calls in flight (bounded), cancel the rest."""
+    drained = adm.drain(float(cfg.gateway.drain_timeout_s))
+    metrics["training/async/proxy_drain_seconds"] = drained.seconds
+    metrics["training/async/proxy_cancelled_at_drain_timeout"] = drained.cancelled
+    if drained.unended:
+        raise StepError(f"{drained.unended} request(s) cancelled at the drain timeout were "
+                        "still generating after a lease TTL; not loading weights under them")
+
+
+def hold_engines(adm: Admission, urls: list[str], mode: str, metrics: dict[str, Any]
+                 ) -> list[str]:
+    """``gateway.drain_mode`` keep or abort: pause generation inside the engines instead of
+    waiting for the calls in flight. keep freezes them (they finish on the new weights);
+    abort cancels their leases first (their agents get a retryable error, nothing of them
+    is recorded), then ends them in the engines. -> the servers paused."""
+    t = time.monotonic()
+    cancelled = adm.cancel_live() if mode == "abort" else []
+    frozen = adm.live_leases() if mode == "keep" else 0
+    try:
+        held = weights.pause_engines(urls, mode)
+    except weights.EnginePauseError as exc:
+        raise StepError(str(exc)) from exc
+    unended = adm.wait_ended(cancelled, adm.ttl_ms / 1000.0) if cancelled else 0
+    metrics["training/async/proxy_drain_seconds"] = time.monotonic() - t
+    metrics["training/async/proxy_frozen_calls"] = frozen
+    metrics["training/async/proxy_aborted_calls"] = len(cancelled)
+    if unended:
+        weights.resume_engines(held, check=False)
+        raise StepError(f"{unended} aborted request(s) were still live after a lease TTL; "
+                        "not loading weights under them")
+    return held
+
+
 def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Beats
                 ) -> dict[str, Any]:
     trainer, resident = resident_trainer(run_id, cfg)
@@ -283,27 +344,29 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Be
         update()  # rollouts go on meanwhile; the pause below covers only the weight load
     t0 = time.monotonic()
     out: dict[str, float] = {}
+    mode = str(cfg.gateway.drain_mode)
+    held: list[str] = []   # engines paused (drain_mode keep or abort) until the new weights
     with _paused(adm, cfg, beats, out) as inflight:
         try:
-            drained = adm.drain(float(cfg.gateway.drain_timeout_s))
-            timings["pause_drain"] = time.monotonic() - t0
             metrics["training/async/proxy_inflight_at_pause"] = inflight
-            metrics["training/async/proxy_drain_seconds"] = drained.seconds
-            metrics["training/async/proxy_cancelled_at_drain_timeout"] = drained.cancelled
-            if drained.unended:
-                raise StepError(f"{drained.unended} request(s) cancelled at the drain timeout "
-                                "were still generating after a lease TTL; not loading weights "
-                                "under them")
+            if mode == "wait":
+                _drain(adm, cfg, metrics)
+            else:
+                held.extend(hold_engines(adm, urls, mode, metrics))
+            timings["pause_drain"] = time.monotonic() - t0
             if collocated:
                 require_pause(adm, "the update")
                 update()
             require_pause(adm, "loading the new weights")
             version = _publish(client, cfg, trainer, resident, resident["probe_prev"],
-                               metrics, timings, wake=engines["asleep"])
+                               metrics, timings, wake=engines["asleep"], held=held,
+                               frozen=mode == "keep")
             engines["asleep"] = False
         finally:
             if engines["asleep"]:  # a failure between sleep and reload: agents need them
                 weights.wake_engines(urls, check=False)
+            if held:  # a failure before the engines resumed: frozen calls must go on
+                weights.resume_engines(held, check=False)
     timings["resume"] = out["resume"]
     metrics["timing/gateway_paused_seconds"] = out["paused_for"]
     metrics.update({f"timing/trainer_{k}_seconds": v for k, v in timings.items()})
@@ -317,6 +380,8 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Be
         "batch/samples": stats.samples,
         "batch/excluded_samples": stats.excluded_samples,
         "batch/failed_rollouts_zero_reward": stats.failed_rollouts_zero_reward,
+        "batch/mixed_version_samples": stats.mixed_version_samples,
+        "batch/mixed_version_tokens": stats.mixed_version_tokens,
         "policy/sample_version_lag_mean": statistics.fmean(
             [version - 1 - v for v in stats.versions]) if stats.versions else 0.0,
         "policy/version": version,

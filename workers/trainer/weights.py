@@ -61,7 +61,13 @@ def save_weights(model: torch.nn.Module, root: Path, version: int, keep: int) ->
     return publish_version(root, version, keep, write)
 
 
-def reload_weights(url: str, path: Path, timeout: float = 120.0) -> None:
+def reload_weights(url: str, path: Path, timeout: float = 120.0,
+                   frozen_calls: bool = False) -> None:
+    """Load ``path`` into the server at ``url`` and reset its prefix cache. With
+    ``frozen_calls`` (the engine is paused with calls frozen in it) the reset also drops the
+    KV cache those calls hold, so they recompute it under the new weights when they resume:
+    every token sampled after the switch reads a prefix computed by the weights that sample
+    it."""
     url = url.rstrip("/")
     resp = requests.post(url + "/collective_rpc", json={
         "method": "reload_weights", "kwargs": {"weights_path": str(path.resolve())}},
@@ -71,8 +77,9 @@ def reload_weights(url: str, path: Path, timeout: float = 120.0) -> None:
                               f"{resp.text[:300]}")
     # The reset fails while requests hold KV blocks; after a drain that is rare, so retry
     # briefly, then fail loudly: a stale prefix cache means off-policy log-probs.
+    params = {"reset_running_requests": "true"} if frozen_calls else None
     for _ in range(50):
-        body = requests.post(url + "/reset_prefix_cache", timeout=timeout).json()
+        body = requests.post(url + "/reset_prefix_cache", params=params, timeout=timeout).json()
         if body.get("success") is True:
             return
         time.sleep(0.1)
@@ -165,6 +172,60 @@ def engine_dtype(name: str, model_path: str | Path | None = None) -> torch.dtype
                 name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
     return {"float32": torch.float32, "bfloat16": torch.bfloat16,
             "float16": torch.float16}.get(name, torch.float32)
+
+
+class EnginePauseError(WeightSyncError):
+    """An inference server did not pause its generation (or resume it) when asked."""
+
+
+def pause_engines(urls: list[str], mode: str, timeout: float = 120.0) -> list[str]:
+    """Pause generation in every server (vLLM ``/pause``): ``keep`` freezes the requests in
+    flight inside the engine, ``abort`` ends them. Each must then report itself paused
+    (``/is_paused``): weights are never loaded under running requests. A server that cannot
+    be reached is skipped (the reload marks it stale; it serves nobody until it has the new
+    weights). On any other failure the servers already paused are resumed. -> the servers
+    paused."""
+    paused: list[str] = []
+    for raw in urls:
+        url = raw.rstrip("/")
+        try:
+            resp = requests.post(url + "/pause", params={"mode": mode}, timeout=timeout)
+            state = (requests.get(url + "/is_paused", timeout=timeout).json().get("is_paused")
+                     if resp.status_code == 200 else None)
+        except requests.ConnectionError:
+            log.warning("%s: unreachable; not paused (it gets the new weights when it is back)",
+                        url)
+            continue
+        except (requests.RequestException, ValueError) as exc:
+            resp, state = None, f"{exc.__class__.__name__}: {exc}"
+        if resp is None or resp.status_code != 200 or state is not True:
+            why = (f"/pause answered {resp.status_code}: {resp.text[:200]}"
+                   if resp is not None and resp.status_code != 200 else
+                   f"/is_paused says {state}")
+            resume_engines(paused, timeout, check=False)
+            raise EnginePauseError(
+                f"{url}: the engine did not pause its generation (mode={mode}; {why}); "
+                "not loading weights under running requests. The server needs "
+                "VLLM_SERVER_DEV_MODE=1 (the project's inference command sets it)")
+        paused.append(url)
+    return paused
+
+
+def resume_engines(urls: list[str], timeout: float = 120.0, check: bool = True) -> None:
+    """Resume generation in every server; with ``check``, one still paused is an error."""
+    for raw in urls:
+        url = raw.rstrip("/")
+        try:
+            resp = requests.post(url + "/resume", timeout=timeout)
+            paused = requests.get(url + "/is_paused", timeout=timeout).json().get("is_paused")
+        except (requests.RequestException, ValueError) as exc:
+            if check:
+                raise EnginePauseError(f"{url}: /resume failed: {exc}") from exc
+            log.warning("%s: could not resume the engine: %s", url, exc)
+            continue
+        if check and (resp.status_code != 200 or paused is not False):
+            raise EnginePauseError(f"{url}: the engine did not resume (/resume answered "
+                                   f"{resp.status_code}: {resp.text[:200]})")
 
 
 class EngineSleepError(WeightSyncError):

@@ -1,0 +1,193 @@
+"""Weight loads that do not wait for generations (``gateway.drain_mode`` keep and abort),
+against the real vLLM CPU server behind the gateway, with the trainer's own pause, switch
+and resume functions.
+
+- keep: long calls are frozen inside the engine, the new weights load, and the calls finish
+  with all their tokens; each is captured with its start and end versions, a streamed one
+  also with the index of its first token on the new weights. Teacher-forced, the tokens
+  before that index score as the old weights do and the tokens after as the new ones do.
+- abort: the call in flight gets a retryable error, nothing of it is captured, and the same
+  call sent again after the load succeeds.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+
+import pytest
+import requests
+import torch
+
+from app.config.loader import REPO_ROOT
+from app.state import keys
+from app.state.records import CapturedCall
+from gateway.admission import Admission
+from workers.trainer import service, weights
+from workers.trainer.update import PolicyTrainer
+
+pytestmark = pytest.mark.slow
+MODEL = REPO_ROOT / "var" / "models" / "tiny-qwen2"
+PROMPT = [1, 2, 3, 4]
+LONG = 400
+
+
+@pytest.fixture
+def gw(redis_client, gateway_service, vllm_service):
+    redis_client.set(keys.policy_version(), 3)
+    yield redis_client
+    weights.resume_engines([vllm_service], check=False)
+    Admission(redis_client).resume()
+    weights.reload_weights(vllm_service, MODEL)  # leave the engine on the base model
+
+
+def _body(cfg, stream: bool) -> dict:
+    return {"model": cfg.inference.served_model_name, "prompt": PROMPT, "max_tokens": LONG,
+            "ignore_eos": True, "temperature": 1.0, "stream": stream}
+
+
+def _streamed(base: str, token: str, cfg, out: dict) -> None:
+    import json
+
+    out["ids"] = []
+    resp = requests.post(f"{base}/completions", json={**_body(cfg, True), "logprobs": 0,
+                                                      "return_token_ids": True},
+                         headers={"Authorization": f"Bearer {token}"}, stream=True, timeout=120)
+    out["status"] = resp.status_code
+    for line in resp.iter_lines():
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            for choice in chunk.get("choices") or []:
+                out["ids"].extend(choice.get("token_ids") or [])
+                out["finish"] = choice.get("finish_reason") or out.get("finish")
+            if "error" in chunk:
+                out["error"] = chunk["error"]
+
+
+def _plain(base: str, token: str, cfg, out: dict) -> None:
+    resp = requests.post(f"{base}/completions", json=_body(cfg, False),
+                         headers={"Authorization": f"Bearer {token}"}, timeout=120)
+    out["status"], out["body"] = resp.status_code, resp.json()
+
+
+def _new_weights(cfg, tmp_path):
+    """The base model moved far enough that the two score any text very differently."""
+    trainer = PolicyTrainer(cfg, str(MODEL))
+    old = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    path = weights.save_weights(trainer.model, tmp_path, 4, keep=2)
+    return trainer, old, {k: v.clone() for k, v in trainer.model.state_dict().items()}, path
+
+
+def _scores(trainer, state: dict, ids: list[int]) -> list[float]:
+    """Teacher-forced log-probs of the response tokens (temperature 1)."""
+    trainer.model.load_state_dict(state)
+    with torch.no_grad():
+        logits = trainer.model(input_ids=torch.tensor([PROMPT + ids])).logits.float()
+    logp = torch.log_softmax(logits[0, len(PROMPT) - 1:-1], dim=-1)
+    return logp.gather(1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def _gap(a: list[float], b: list[float]) -> float:
+    return statistics.fmean(abs(x - y) for x, y in zip(a, b, strict=True))
+
+
+def _wait(pred, timeout: float, what: str) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(0.002)
+
+
+def test_keep_freezes_long_calls_across_a_real_weight_load(gw, new_rollout, cfg, tmp_path,
+                                                           vllm_service):
+    trainer, old, new, path = _new_weights(cfg, tmp_path)
+    rid_s, tok_s, base_s = new_rollout()
+    rid_p, tok_p, base_p = new_rollout()
+    streamed: dict = {}
+    plain: dict = {}
+    threads = [threading.Thread(target=_streamed, args=(base_s, tok_s, cfg, streamed)),
+               threading.Thread(target=_plain, args=(base_p, tok_p, cfg, plain))]
+    for t in threads:
+        t.start()
+    _wait(lambda: len(streamed.get("ids", ())) >= 40, 60, "the streamed call to be under way")
+
+    adm = Admission(gw)
+    adm.pause(30)
+    metrics: dict = {}
+    held = service.hold_engines(adm, [vllm_service], "keep", metrics)
+    time.sleep(0.3)  # frozen: nothing more arrives
+    at_switch = len(streamed["ids"])
+    assert 40 <= at_switch < LONG and metrics["training/async/proxy_frozen_calls"] == 2
+    time.sleep(0.3)
+    assert len(streamed["ids"]) == at_switch, "tokens arrived while the engine was paused"
+    assert all(t.is_alive() for t in threads)  # nothing was cancelled or failed
+
+    loaded = service.switch_weights(gw, [vllm_service], path, 4, held, True, 30, 1)
+    assert loaded == [vllm_service] and held == []
+    adm.resume()
+    for t in threads:
+        t.join(120)
+    assert streamed["status"] == 200 and "error" not in streamed
+    assert len(streamed["ids"]) == LONG and streamed["finish"] == "length"
+    assert plain["status"] == 200 and plain["body"]["choices"][0]["finish_reason"] == "length"
+
+    call_s = CapturedCall.from_json(gw.lrange(keys.rollout_calls(rid_s), 0, -1)[0])
+    call_p = CapturedCall.from_json(gw.lrange(keys.rollout_calls(rid_p), 0, -1)[0])
+    assert call_s.response_ids == streamed["ids"] and len(call_p.response_ids) == LONG
+    assert (call_s.policy_version, call_s.policy_version_end) == (3, 4)
+    assert call_s.version_switches == [[at_switch, 4]]
+    assert call_s.tokens_after_switch() == LONG - at_switch
+    # not streamed: it spans the load, where it switched is unknown
+    assert (call_p.policy_version, call_p.policy_version_end, call_p.version_switches) == \
+        (3, 4, None)
+
+    # What the engine returned is what sampled each token: the old weights before the
+    # switch, the new weights (reading a prefix recomputed by them) after it.
+    ids, engine = call_s.response_ids, call_s.logprobs
+    under_old, under_new = _scores(trainer, old, ids), _scores(trainer, new, ids)
+    k = at_switch
+    before_old, before_new = _gap(engine[:k], under_old[:k]), _gap(engine[:k], under_new[:k])
+    after_old, after_new = _gap(engine[k:], under_old[k:]), _gap(engine[k:], under_new[k:])
+    assert before_old < 1e-3 < 0.1 < before_new, (before_old, before_new)
+    assert after_new < 1e-3 < 0.1 < after_old, (after_new, after_old)
+
+
+def test_abort_gives_a_retryable_error_and_the_call_is_sent_again(gw, new_rollout, cfg,
+                                                                  tmp_path, vllm_service):
+    _, _, _, path = _new_weights(cfg, tmp_path)
+    rid, token, base = new_rollout()
+    streamed: dict = {}
+    plain: dict = {}
+    rid_p, tok_p, base_p = new_rollout()
+    threads = [threading.Thread(target=_streamed, args=(base, token, cfg, streamed)),
+               threading.Thread(target=_plain, args=(base_p, tok_p, cfg, plain))]
+    for t in threads:
+        t.start()
+    _wait(lambda: len(streamed.get("ids", ())) >= 20, 60, "the streamed call to be under way")
+
+    adm = Admission(gw)
+    adm.pause(30)
+    metrics: dict = {}
+    held = service.hold_engines(adm, [vllm_service], "abort", metrics)
+    for t in threads:
+        t.join(30)
+    assert metrics["training/async/proxy_aborted_calls"] == 2
+    assert adm.live_leases() == 0
+    # the agents were told to retry; nothing of the cut calls was recorded
+    assert streamed["error"]["code"] == "cancelled_by_update" and len(streamed["ids"]) < LONG
+    assert plain["status"] == 503 and plain["body"]["error"]["code"] == "cancelled_by_update"
+    assert gw.llen(keys.rollout_calls(rid)) == 0 and gw.llen(keys.rollout_calls(rid_p)) == 0
+
+    service.switch_weights(gw, [vllm_service], path, 4, held, False, 30, 1)
+    adm.resume()
+    again: dict = {}
+    _plain(base_p, tok_p, cfg, again)
+    assert again["status"] == 200
+    call = CapturedCall.from_json(gw.lrange(keys.rollout_calls(rid_p), 0, -1)[0])
+    assert (call.policy_version, call.policy_version_end) == (4, None)
+    assert len(call.response_ids) == LONG
