@@ -25,3 +25,4 @@ bench: setup
 	@.venv/bin/python -m bench.async_vs_sync
 	@.venv/bin/python -m bench.overhead
 	@.venv/bin/python -m bench.scale
+	@.venv/bin/python -m bench.drain_modes

@@ -53,3 +53,18 @@ def sleeping(sample: dict, llm: Any, *, median_s: float = 1.0, sigma: float = 0.
     seq = int(group.rsplit("-g", 1)[1])
     time.sleep(min(duration("lognormal", median_s, sigma, seed, seq, int(index)), max_s))
     return 1.0
+
+
+def long_calls(sample: dict, llm: Any, *, calls: int = 2, max_tokens: int = 256,
+               **_: Any) -> float:
+    """``calls`` model calls of exactly ``max_tokens`` tokens each (``ignore_eos``): long
+    generations, the case where a weight update either waits for them or freezes them."""
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=50,
+                           timeout=300, http_client=_HTTP)
+    text = ""
+    for _ in range(calls):
+        out = client.chat.completions.create(
+            model=llm.model, max_tokens=max_tokens, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": f"reverse {sample.get('text', 'abc')}"}])
+        text = out.choices[0].message.content or ""
+    return float(len(text) % 2)

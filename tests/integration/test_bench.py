@@ -109,3 +109,18 @@ def test_gpu_trainer_bench_tiny_json(tmp_path):
     assert r["skipped_steps"] == 0
     # bf16 compute against an fp32 forward of the same weights: close, not equal
     assert 0 < r["logprob_gap_engine_vs_hf"]["mean"] < 0.1
+
+
+def test_drain_modes_bench_json():
+    r = run_bench("bench.drain_modes", "--quick")
+    assert r["benchmark"] == "drain_modes"
+    assert [x["drain_mode"] for x in r["results"]] == ["wait", "keep", "abort"]
+    for x in r["results"]:
+        assert x["steps_timed"] == 2 and x["trained_rollouts_per_s"] > 0
+        assert {"pause_s_per_step", "gateway_paused_s_per_step", "frozen_calls_per_step",
+                "aborted_calls_per_step", "trainer_idle_fraction",
+                "mixed_version_samples_per_step"} <= set(x)
+    wait, keep, abort = r["results"]
+    # only keep freezes calls, only abort ends them
+    assert wait["frozen_calls_per_step"] == abort["frozen_calls_per_step"] == 0
+    assert wait["aborted_calls_per_step"] == keep["aborted_calls_per_step"] == 0

@@ -49,3 +49,20 @@ def test_gpu_command_not_collocated_and_forced_eager():
 def test_sleep_mode_on_cpu_is_refused():
     with pytest.raises(ConfigError, match="inference.sleep_mode: value true is refused"):
         load_config(None, ["inference.device=cpu", "inference.sleep_mode=true"])
+
+
+def test_drain_mode_keep_keeps_the_engine_awake():
+    # calls frozen across the update hold the engine's KV cache: auto does not sleep it
+    args, _ = argv("inference.device=cuda", "gateway.drain_mode=keep")
+    assert "--enable-sleep-mode" not in args
+    args, _ = argv("inference.device=cuda", "gateway.drain_mode=abort")
+    assert "--enable-sleep-mode" in args
+
+
+def test_drain_mode_keep_with_sleep_mode_true_is_refused():
+    with pytest.raises(ConfigError, match="gateway.drain_mode: value 'keep' cannot work with "
+                                          "inference.sleep_mode true"):
+        load_config(None, ["inference.device=cuda", "inference.sleep_mode=true",
+                           "gateway.drain_mode=keep"])
+    with pytest.raises(ConfigError, match="gateway.drain_mode: value 'later' must be one of"):
+        load_config(None, ["gateway.drain_mode=later"])
