@@ -41,6 +41,7 @@ import math
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -128,7 +129,27 @@ def run_mode(base: list[str], data: Path, tmp: Path, dist: str, sigma: float, mo
                 inflight_age, args.min_warmup, args.max_warmup)
         return state["timed_from"] is not None and len(rows) >= state["timed_from"] + args.steps
 
-    train(cfg, on_step=on_step, run_id=run_id, should_stop=should_stop)
+    # Why slots idle: every 0.25 s, the rollouts of active groups not yet finished (queued
+    # or running). Below ``slots``, the pool itself is short of work; at or above it, idle
+    # slots come from dispatch latency instead.
+    samples: list[tuple[float, int]] = []
+    stop = threading.Event()
+
+    def sample_unfinished() -> None:
+        while not stop.wait(0.25):
+            pipe = client.pipeline(transaction=False)
+            pipe.zcard(keys.run_active(run_id))
+            pipe.hget(keys.run(run_id), "finished_active")
+            active, finished = pipe.execute()
+            samples.append((time.time(), int(active) * args.n - int(finished or 0)))
+
+    sampler = threading.Thread(target=sample_unfinished, daemon=True)
+    sampler.start()
+    try:
+        train(cfg, on_step=on_step, run_id=run_id, should_stop=should_stop)
+    finally:
+        stop.set()
+        sampler.join()
     w = state["timed_from"]
     timed = rows[w:w + args.steps]
     t0, t1 = marks[w - 1], marks[w + len(timed) - 1]
@@ -162,6 +183,7 @@ def run_mode(base: list[str], data: Path, tmp: Path, dist: str, sigma: float, mo
             versions.append(int(row["policy/version"]) - 1
                             - int(client.hget(keys.group(gid), "dispatch_version")))
     trained_rollouts = sum(r["training/async/n_completed_rollouts"] for r in timed)
+    unfinished = [u for t, u in samples if t0 <= t <= t1]
     versions.sort()
     return {
         "mode": "sync" if ratio is None else
@@ -174,6 +196,9 @@ def run_mode(base: list[str], data: Path, tmp: Path, dist: str, sigma: float, mo
         "steps_per_min": 60.0 * len(timed) / wall if wall > 0 else 0.0,
         "groups": {"dispatched": seq, **statuses},
         "slot_utilisation": busy / (args.slots * wall) if wall > 0 else 0.0,
+        "unfinished_rollouts_mean": statistics.fmean(unfinished) if unfinished else 0.0,
+        "time_unfinished_below_slots": sum(u < args.slots for u in unfinished)
+        / len(unfinished) if unfinished else 0.0,
         "waste_slot_s": waste,
         "trainer_idle_fraction": 1.0 - sum(r["timing/update_seconds"] for r in timed) / wall
         if wall > 0 else 0.0,
@@ -290,8 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1))
     print("\n| workload | mode | trained rollouts/s | of ideal | vs sync | steps/min | "
           "sample age mean/p90/max | version lag | groups dispatched/trained/cancelled/"
-          "in flight | waste slot-s | slot util |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "in flight | waste slot-s | slot util | unfinished rollouts mean (time below slots) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         g, a = r["groups"], r["sample_age_versions"]
         print(f"| {r['label']} | {r['mode']} | {r['trained_rollouts_per_s']:.2f} | "
@@ -299,7 +324,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['steps_per_min']:.1f} | {a['mean']:.2f}/{a['p90']}/{a['max']} | "
               f"{r['sample_version_lag_mean']:.2f} | {g['dispatched']}/{g['trained']}/"
               f"{g['cancelled']}/{g['in_flight']} | {r['waste_slot_s']:.0f} | "
-              f"{r['slot_utilisation']:.0%} |")
+              f"{r['slot_utilisation']:.0%} | {r['unfinished_rollouts_mean']:.1f} "
+              f"({r['time_unfinished_below_slots']:.0%}) |")
     problem = above_ideal(results)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

@@ -8,8 +8,9 @@ make ``--calls`` calls of exactly ``--max-tokens`` tokens each (``bench/agents.p
 
 Per mode: the seconds per step spent pausing (the drain under wait; pausing the engines
 under keep and abort), the seconds the gateway stayed paused, the calls frozen or aborted
-per step, the trainer's idle fraction (1 - update seconds / wall), trained rollouts per
-second, and the trained calls that spanned an update.
+per step, the trainer's idle fraction (1 - the seconds it updates, saves, loads and probes
+/ wall: waiting for data or for a drain is idle), trained rollouts per second, and the
+trained calls that spanned an update.
 
 Usage: python -m bench.drain_modes [--quick] [--modes wait,keep,abort] [--steps 8]
        [--max-tokens 256] [--calls 2]
@@ -66,7 +67,11 @@ def run_mode(base: list[str], data, tmp, mode: str, args: argparse.Namespace) ->
         "inflight_at_pause": mean("training/async/proxy_inflight_at_pause"),
         "frozen_calls_per_step": mean("training/async/proxy_frozen_calls"),
         "aborted_calls_per_step": mean("training/async/proxy_aborted_calls"),
-        "trainer_idle_fraction": 1.0 - sum(r["timing/update_seconds"] for r in timed) / wall,
+        # the trainer working: update, save, reload, probe (not waiting for data or a drain)
+        "trainer_idle_fraction": 1.0 - sum(
+            sum(float(r.get(f"timing/trainer_{k}_seconds") or 0.0)
+                for k in ("update", "save", "reload", "probe")) for r in timed) / wall,
+        "trainer_step_seconds": mean("timing/update_seconds"),
         "trained_rollouts_per_s": sum(r["training/async/n_completed_rollouts"]
                                       for r in timed) / wall,
         "mixed_version_samples_per_step": mean("batch/mixed_version_samples"),
@@ -78,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="CI's smoke test: a few short steps")
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--tbs", type=int, default=4)
     ap.add_argument("--n", type=int, default=4)
@@ -108,14 +113,17 @@ def main(argv: list[str] | None = None) -> int:
                "max_tokens": args.max_tokens, "calls_per_rollout": args.calls,
                "train_batch_size": args.tbs, "n": args.n, "results": results}
     print(json.dumps(summary, indent=1))
-    print("\n| drain_mode | pausing s/step | gateway paused s/step | calls frozen/aborted "
-          "per step | trainer idle | trained rollouts/s | mixed-version calls/step |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| drain_mode | pausing s/step | gateway paused s/step | calls frozen / aborted "
+          "per step | trainer step s | trainer idle | trained rollouts/s | trained calls "
+          "spanning a load, per step | version lag |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['drain_mode']} | {r['pause_s_per_step']:.2f} | "
-              f"{r['gateway_paused_s_per_step']:.2f} | {r['frozen_calls_per_step']:.1f}/"
-              f"{r['aborted_calls_per_step']:.1f} | {r['trainer_idle_fraction']:.0%} | "
-              f"{r['trained_rollouts_per_s']:.2f} | {r['mixed_version_samples_per_step']:.1f} |")
+              f"{r['gateway_paused_s_per_step']:.2f} | {r['frozen_calls_per_step']:.1f} / "
+              f"{r['aborted_calls_per_step']:.1f} | {r['trainer_step_seconds']:.1f} | "
+              f"{r['trainer_idle_fraction']:.0%} | {r['trained_rollouts_per_s']:.2f} | "
+              f"{r['mixed_version_samples_per_step']:.1f} | "
+              f"{r['sample_version_lag_mean']:.2f} |")
     return 0
 
 

@@ -64,6 +64,7 @@ def test_async_vs_sync_bench_json(tmp_path):
         g = x["groups"]  # every dispatched group accounted for
         assert g["dispatched"] == g["trained"] + g["cancelled"] + g["dropped"] + g["in_flight"]
         assert 0 <= x["slot_utilisation"] <= 1.0 + 1e-6 and x["waste_slot_s"] >= 0
+        assert x["unfinished_rollouts_mean"] >= 0 and 0 <= x["time_unfinished_below_slots"] <= 1
         age = x["sample_age_versions"]
         assert 0 <= age["mean"] <= age["max"] and age["p90"] <= age["max"]
         assert x["sample_version_lag_mean"] >= 0
