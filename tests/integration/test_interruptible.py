@@ -103,23 +103,35 @@ def _wait(pred, timeout: float, what: str) -> None:
         time.sleep(0.002)
 
 
-def test_keep_freezes_long_calls_across_a_real_weight_load(gw, new_rollout, cfg, tmp_path,
-                                                           vllm_service):
-    trainer, old, new, path = _new_weights(cfg, tmp_path)
-    rid_s, tok_s, base_s = new_rollout()
-    rid_p, tok_p, base_p = new_rollout()
+def _two_long_calls(new_rollout, cfg, under_way: int):
+    """A streamed and a plain long call, each in its rollout, both generating once the
+    streamed one has ``under_way`` tokens. -> (rollout ids, streamed, plain, threads)."""
     streamed: dict = {}
-    plain: dict = {}
+    plain: dict = {"rollout": new_rollout()}
+    rid_s, tok_s, base_s = new_rollout()
+    rid_p, tok_p, base_p = plain["rollout"]
     threads = [threading.Thread(target=_streamed, args=(base_s, tok_s, cfg, streamed)),
                threading.Thread(target=_plain, args=(base_p, tok_p, cfg, plain))]
     for t in threads:
         t.start()
-    _wait(lambda: len(streamed.get("ids", ())) >= 40, 60, "the streamed call to be under way")
+    _wait(lambda: len(streamed.get("ids", ())) >= under_way, 60,
+          "the streamed call to be under way")
+    return (rid_s, rid_p), streamed, plain, threads
 
-    adm = Admission(gw)
+
+def _hold(client, url: str, mode: str) -> tuple[Admission, dict, list[str]]:
+    """The trainer's first moves: pause the gateway, then the engines in ``mode``."""
+    adm = Admission(client)
     adm.pause(30)
     metrics: dict = {}
-    held = service.hold_engines(adm, [vllm_service], "keep", metrics)
+    return adm, metrics, service.hold_engines(adm, [url], mode, metrics)
+
+
+def test_keep_freezes_long_calls_across_a_real_weight_load(gw, new_rollout, cfg, tmp_path,
+                                                           vllm_service):
+    trainer, old, new, path = _new_weights(cfg, tmp_path)
+    (rid_s, rid_p), streamed, plain, threads = _two_long_calls(new_rollout, cfg, 40)
+    adm, metrics, held = _hold(gw, vllm_service, "keep")
     time.sleep(0.3)  # frozen: nothing more arrives
     at_switch = len(streamed["ids"])
     assert 40 <= at_switch < LONG and metrics["training/async/proxy_frozen_calls"] == 2
@@ -160,20 +172,8 @@ def test_keep_freezes_long_calls_across_a_real_weight_load(gw, new_rollout, cfg,
 def test_abort_gives_a_retryable_error_and_the_call_is_sent_again(gw, new_rollout, cfg,
                                                                   tmp_path, vllm_service):
     _, _, _, path = _new_weights(cfg, tmp_path)
-    rid, token, base = new_rollout()
-    streamed: dict = {}
-    plain: dict = {}
-    rid_p, tok_p, base_p = new_rollout()
-    threads = [threading.Thread(target=_streamed, args=(base, token, cfg, streamed)),
-               threading.Thread(target=_plain, args=(base_p, tok_p, cfg, plain))]
-    for t in threads:
-        t.start()
-    _wait(lambda: len(streamed.get("ids", ())) >= 20, 60, "the streamed call to be under way")
-
-    adm = Admission(gw)
-    adm.pause(30)
-    metrics: dict = {}
-    held = service.hold_engines(adm, [vllm_service], "abort", metrics)
+    (rid, rid_p), streamed, plain, threads = _two_long_calls(new_rollout, cfg, 20)
+    adm, metrics, held = _hold(gw, vllm_service, "abort")
     for t in threads:
         t.join(30)
     assert metrics["training/async/proxy_aborted_calls"] == 2
@@ -186,6 +186,7 @@ def test_abort_gives_a_retryable_error_and_the_call_is_sent_again(gw, new_rollou
     service.switch_weights(gw, [vllm_service], path, 4, held, False, 30, 1)
     adm.resume()
     again: dict = {}
+    _, tok_p, base_p = plain["rollout"]
     _plain(base_p, tok_p, cfg, again)
     assert again["status"] == 200
     call = CapturedCall.from_json(gw.lrange(keys.rollout_calls(rid_p), 0, -1)[0])

@@ -174,6 +174,14 @@ def engine_dtype(name: str, model_path: str | Path | None = None) -> torch.dtype
             "float16": torch.float16}.get(name, torch.float32)
 
 
+def _why(route: str, resp: requests.Response | None, state_route: str, state: object) -> str:
+    """Why an engine did not change state: the route's refusal, or the state it reports."""
+    if resp is not None and resp.status_code != 200:
+        return f"{route} answered {resp.status_code}: {resp.text[:200]}"
+    return f"{route} answered 200 but {state_route} says {state}" if resp is not None \
+        else f"{state_route}: {state}"
+
+
 class EnginePauseError(WeightSyncError):
     """An inference server did not pause its generation (or resume it) when asked."""
 
@@ -199,9 +207,7 @@ def pause_engines(urls: list[str], mode: str, timeout: float = 120.0) -> list[st
         except (requests.RequestException, ValueError) as exc:
             resp, state = None, f"{exc.__class__.__name__}: {exc}"
         if resp is None or resp.status_code != 200 or state is not True:
-            why = (f"/pause answered {resp.status_code}: {resp.text[:200]}"
-                   if resp is not None and resp.status_code != 200 else
-                   f"/is_paused says {state}")
+            why = _why("/pause", resp, "/is_paused", state)
             resume_engines(paused, timeout, check=False)
             raise EnginePauseError(
                 f"{url}: the engine did not pause its generation (mode={mode}; {why}); "
@@ -250,9 +256,7 @@ def sleep_engines(urls: list[str], level: int, timeout: float = 120.0) -> None:
         resp = requests.post(url + "/sleep", params={"level": level}, timeout=timeout)
         state = _is_sleeping(url, timeout) if resp.status_code == 200 else None
         if resp.status_code != 200 or state is not True:
-            why = (f"/sleep answered {resp.status_code}: {resp.text[:200]}"
-                   if resp.status_code != 200 else
-                   f"/sleep answered 200 but /is_sleeping says {state}")
+            why = _why("/sleep", resp, "/is_sleeping", state)
             wake_engines(slept, timeout, check=False)
             raise EngineSleepError(
                 f"{url}: the engine did not go to sleep ({why}); the update would share the "
