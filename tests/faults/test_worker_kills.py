@@ -32,6 +32,17 @@ def sigkill(supervisor, role: str) -> None:
     proc.wait(10)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def fresh_trainer(celery_workers):  # noqa: F811
+    """A new trainer worker process for these tests: whatever an earlier test's run left it
+    doing (a step retried by a driver, a reload waiting for a server) must not hold the solo
+    worker while these runs are timed."""
+    if "trainer" in celery_workers.procs:
+        sigkill(celery_workers, "trainer")
+    celery_workers.start(["trainer"])
+    return celery_workers
+
+
 def wait_for(pred, timeout: float, what: str, poll: float = 0.01, detail=None) -> float:
     start = time.monotonic()
     while not pred():

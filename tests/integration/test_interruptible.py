@@ -35,6 +35,8 @@ LONG = 400
 
 @pytest.fixture
 def gw(redis_client, gateway_service, vllm_service):
+    # the "old" weights are the base model's (an earlier test's run may have left others)
+    weights.reload_weights(vllm_service, MODEL)
     redis_client.set(keys.policy_version(), 3)
     yield redis_client
     weights.resume_engines([vllm_service], check=False)
