@@ -73,6 +73,13 @@ def non_negative_num(v: Any) -> str | None:
     return None if _is_num(v) and v >= 0 else "must be a number >= 0"
 
 
+def at_least(low: float) -> Check:
+    def check(v: Any) -> str | None:
+        return None if _is_num(v) and v >= low else f"must be a number >= {_fmt(low)}"
+
+    return check
+
+
 def fraction(v: Any) -> str | None:
     return None if _is_num(v) and 0 <= v <= 1 else "must be a number from 0 to 1"
 
@@ -201,6 +208,7 @@ RULES: dict[str, Check] = {
     "redis.port": port,
     "redis.dir": string,
     "redis.password": optional(string),
+    "redis.reconnect_s": at_least(5),
     "inference.urls": url_list,
     "inference.host": string,
     "inference.port": port,

@@ -202,3 +202,9 @@ def role_restarts() -> str:
     """HASH role -> times the supervisor (``carryover up``, ``make demo``) started it again
     after it exited; read by ``carryover status``."""
     return PREFIX + "services:restarts"
+
+
+def redis_outages() -> str:
+    """LIST of JSON OutageRecord, newest first (capped): each process that lost its Redis
+    connection and got it back pushes one once Redis answers; read by ``carryover status``."""
+    return PREFIX + "services:redis_outages"

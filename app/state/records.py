@@ -165,3 +165,27 @@ class RunRecord(_HashRecord):
     next_seq: int = 0
     status: str = "running"      # running | finished | failed
     created_at: float = 0.0
+
+
+@dataclass
+class OutageRecord:
+    """A Redis outage one process rode out (LPUSH keys.redis_outages). Writer: any client
+    made by ``app.state.connection.connect``, once Redis answers again. Reader:
+    ``carryover status``."""
+
+    role: str            # the process's role under the supervisor, else its program name
+    pid: int
+    down_at: float       # epoch seconds of the first failed command
+    up_at: float         # epoch seconds of the first command that succeeded again
+    error: str = ""      # the first error seen
+
+    @property
+    def seconds(self) -> float:
+        return self.up_at - self.down_at
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str) -> OutageRecord:
+        return cls(**json.loads(raw))
