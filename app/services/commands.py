@@ -81,6 +81,10 @@ def sleep_mode(cfg: Any, device: str) -> bool:
         return pause in ("auto", True) and cfg.gateway.drain_mode != "keep"
     return bool(setting)
 
+        # A model's generation_config.json (top_k, top_p, repetition_penalty: Qwen2.5-Instruct
+        # sets all three) would otherwise apply to every call that does not set them, and
+        # the rollouts would be sampled from a distribution the trainer does not model.
+        "--generation-config", "vllm",
 
 def inference_command(cfg: Any) -> Command:
     inf = cfg.inference

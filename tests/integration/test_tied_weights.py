@@ -5,17 +5,13 @@ server's output head follows the trained embeddings."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 
 import pytest
-import requests
 
 from app.config import load_config
-from app.services.commands import inference_command
-from tests.conftest import free_port
+from tests.conftest import model_server
 from workers.trainer import weights
 from workers.trainer.batch import Sample
 from workers.trainer.engine import EngineTrainer
@@ -35,30 +31,8 @@ def tied_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tied_server(tied_model, tmp_path_factory):
-    port = free_port()
-    cfg = load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
-                             f"actor_rollout_ref.model.path={tied_model}",
-                             f"inference.port={port}", "inference.served_model_name=tied"])
-    cmd = inference_command(cfg)
-    log = tmp_path_factory.mktemp("logs") / "vllm-tied.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            time.sleep(1)
+    with model_server(tied_model, "tied", tmp_path_factory.mktemp("logs")) as url:
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
 
 
 def test_tied_embeddings_train_reload_and_pass_the_probe(tied_model, tied_server, tmp_path):

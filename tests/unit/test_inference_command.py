@@ -24,6 +24,7 @@ def test_cpu_command():
     assert "--enable-sleep-mode" not in args and "--gpu-memory-utilization" not in args
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "1"
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert opt(args, "--generation-config") == "vllm"  # a model's sampling defaults never apply
 
 
 def test_gpu_command_collocated():
@@ -38,6 +39,7 @@ def test_gpu_command_collocated():
     assert not {"VLLM_ENABLE_V1_MULTIPROCESSING", "OMP_NUM_THREADS",
                 "VLLM_CPU_OMP_THREADS_BIND"} & set(env)
     assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    assert opt(args, "--generation-config") == "vllm"  # a model's sampling defaults never apply
 
 
 def test_gpu_command_not_collocated_and_forced_eager():
