@@ -4,6 +4,7 @@ fails its attempt with the reason (and stderr) visible."""
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import psutil
@@ -64,13 +65,25 @@ def test_bad_process_agents_fail_their_attempt(cmd, fragment):
         assert "oops" in info.value.stderr_tail
 
 
-def test_hanging_process_agent_is_killed_with_its_children():
+def test_hanging_process_agent_is_killed_with_its_children(tmp_path):
+    # The agent's shell leads its own process group (the controller starts a new session);
+    # it writes that group id first, so the check sees only this agent's children, never
+    # another process on the machine that happens to run the same command.
+    pgid_file = tmp_path / "pgid"
     start = time.monotonic()
     with pytest.raises(AgentError, match="timed out"):
-        run_process("sleep 60 & sleep 60; wait", timeout=1.0)
+        run_process(f"echo $$ > {pgid_file}; sleep 60 & sleep 60; wait", timeout=1.0)
     assert time.monotonic() - start < 5
+    pgid = int(pgid_file.read_text())
     time.sleep(0.3)
-    left = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "60"]]
+    left = []
+    for p in psutil.process_iter(["status"]):
+        # a killed child that nobody has reaped yet is a zombie: dead, only not waited for
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except ProcessLookupError:
+            continue
     assert left == []
 
 
