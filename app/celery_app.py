@@ -18,12 +18,25 @@ from app.config import service_config
 from app.state.connection import resolve_redis_url
 
 
+def retries_covering(budget_s: float, start: float, step: float, maximum: float) -> int:
+    """How many retries kombu's growing intervals (``start``, ``start + step``, ... capped
+    at ``maximum``) take to span ``budget_s`` seconds."""
+    waited, retries = 0.0, 0
+    while waited < budget_s:
+        waited += max(min(start + step * retries, maximum), 0.01)
+        retries += 1
+    return retries
+
+
 def make_celery() -> Celery:
-    url = resolve_redis_url(service_config())
+    cfg = service_config()
+    url = resolve_redis_url(cfg)
+    budget = float(cfg.redis.reconnect_s)
     celery = Celery(
         "carryover",
         broker=url,
-        backend=url,
+        # the project's backend class: its connections ride out a restart (see the module)
+        backend="app.result_backend:Backend+" + url,
         include=["workers.rollout.tasks", "workers.trainer.tasks"],
     )
     celery.conf.update(
@@ -45,6 +58,22 @@ def make_celery() -> Celery:
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
+        # A Redis restart (redis.reconnect_s): a worker's consumer reconnects with kombu's
+        # intervals (2 s growing by 2 s up to 30 s) for at least the budget; a publish (the
+        # driver's chords and trainer calls, a chord callback sent by the last sibling) is
+        # retried every second or less for as long; the result backend's connections use
+        # the clients' own retry (app/result_backend.py) and its retry policy.
+        broker_connection_retry=True,
+        broker_connection_max_retries=retries_covering(budget, 2.0, 2.0, 30.0),
+        task_publish_retry=True,
+        task_publish_retry_policy={
+            "max_retries": retries_covering(budget, 0.0, 0.25, 1.0),
+            "interval_start": 0.0, "interval_step": 0.25, "interval_max": 1.0},
+        result_backend_transport_options={"retry_policy": {
+            "max_retries": retries_covering(budget, 0.0, 0.25, 1.0),
+            "interval_start": 0.0, "interval_step": 0.25, "interval_max": 1.0}},
+        redis_socket_keepalive=True,
+        carryover_reconnect_s=budget,
         # kombu's Redis transport, fixed so a worker survives a broker restart while it holds
         # unacknowledged messages (see app/broker_transport.py)
         broker_transport="app.broker_transport:Transport",

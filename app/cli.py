@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 from typing import Any
 
 from app.config import ConfigError, load_config, to_yaml
@@ -61,7 +62,13 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from app.services.health import check_all, environment, format_table, role_restarts
+    from app.services.health import (
+        check_all,
+        environment,
+        format_table,
+        redis_outages,
+        role_restarts,
+    )
 
     cfg = _load(args)
     _export_config_env(args)
@@ -72,6 +79,10 @@ def cmd_status(args: argparse.Namespace) -> int:
     if restarts:
         print("restarted after exiting: " + ", ".join(f"{role} x{n}"
                                                       for role, n in sorted(restarts.items())))
+    for outage in redis_outages(cfg)[-5:]:
+        began = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(outage["down_at"]))
+        print(f"redis outage at {began}: {outage['seconds']:.1f} s, ridden out by "
+              + ", ".join(sorted(outage["roles"])))
     down = [r.part for r in rows if not r.ok]
     if down:
         print(f"down: {', '.join(down)}", file=sys.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import statistics
 import time
@@ -46,6 +47,7 @@ def run_training(cfg: Any, resume: str | None = None, *,
                  on_step: Callable[[int, dict], None] | None = None,
                  run_id: str | None = None) -> int:
     """Entry point of ``carryover train``; returns an exit code."""
+    os.environ["CARRYOVER_ROLE"] = "driver"  # names the process in what it records
     try:
         result = train(cfg, resume=resume, on_step=on_step, run_id=run_id)
     except TrainingFailed as exc:

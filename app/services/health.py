@@ -111,6 +111,32 @@ def role_restarts(cfg: Any, timeout: float = 2.0) -> dict[str, int]:
         return {}
 
 
+def redis_outages(cfg: Any, timeout: float = 2.0) -> list[dict[str, Any]]:
+    """The Redis outages the stack's processes rode out, oldest first, each
+    ``{"down_at", "up_at", "seconds", "roles"}``: the processes' records
+    (``keys.redis_outages``) merged where they overlap ([] if Redis is down)."""
+    from app.state import keys
+    from app.state.records import OutageRecord
+
+    try:
+        client = connect(resolve_redis_url(cfg), socket_timeout=timeout,
+                         socket_connect_timeout=timeout, retry=None)
+        raw = client.lrange(keys.redis_outages(), 0, -1)
+    except Exception:  # noqa: BLE001 - status reports what it can
+        return []
+    merged: list[dict[str, Any]] = []
+    for rec in sorted((OutageRecord.from_json(r) for r in raw), key=lambda r: r.down_at):
+        if merged and rec.down_at <= merged[-1]["up_at"] + 1.0:
+            last = merged[-1]
+            last["up_at"] = max(last["up_at"], rec.up_at)
+            last["roles"].add(rec.role)
+        else:
+            merged.append({"down_at": rec.down_at, "up_at": rec.up_at, "roles": {rec.role}})
+    for outage in merged:
+        outage["seconds"] = outage["up_at"] - outage["down_at"]
+    return merged
+
+
 def environment(repo: Any = None) -> list[tuple[str, str]]:
     """(what, value) of the host and the two environments, read without importing torch or
     vLLM: the device, torch's build and CUDA version, the vLLM build."""

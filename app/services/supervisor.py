@@ -112,7 +112,9 @@ class Supervisor:
                 f"or choose another port with {address[2]}=...")
         logfile = open(self.log_path(cmd.role), "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(
-            cmd.argv, cwd=REPO_ROOT, env={**self.env, **cmd.env}, stdout=logfile,
+            # CARRYOVER_ROLE names the process in what it records (a Redis outage it rode)
+            cmd.argv, cwd=REPO_ROOT, env={**self.env, **cmd.env, "CARRYOVER_ROLE": cmd.role},
+            stdout=logfile,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         )
         logfile.close()
