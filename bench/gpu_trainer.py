@@ -61,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from app.config import load_config
+    from bench.reference import token_log_probs
     from workers.trainer.batch import Sample, to_batch
     from workers.trainer.engine import EngineTrainer
-    from workers.trainer.update import token_log_probs
     from workers.trainer.verl_batch import to_verl_batch
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"

@@ -41,11 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     from app.config import service_config
     from app.services.supervisor import Supervisor
     from app.state.connection import connect, resolve_redis_url
-    from gateway.admission import Admission
+    from app.state.pause import Pause
+    from bench.reference import PolicyTrainer
     from workers.trainer import weights
     from workers.trainer.batch import Sample, to_batch
     from workers.trainer.engine import EngineTrainer
-    from workers.trainer.update import PolicyTrainer
     from workers.trainer.verl_batch import to_verl_batch
 
     cfg = service_config()
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     model_path = str(REPO / cfg.actor_rollout_ref.model.path)
     with Supervisor(cfg, log_dir=tmp / "logs") as sup:
         sup.start(["redis", "inference"])
-        adm = Admission(connect(resolve_redis_url(cfg)))
+        adm = Pause(connect(resolve_redis_url(cfg)))
         engine = EngineTrainer(cfg, model_path)
         reference = PolicyTrainer(cfg, model_path)
         ref_batch = to_batch(samples, reference.pad_id)

@@ -12,28 +12,10 @@ from typing import Any
 from flask import Flask
 
 from gateway.settings import GatewaySettings
+from gateway.state import GatewayState
 
 __version__ = "0.1.0"
-
-
-class GatewayState:
-    """Per-process resources, built once by the factory and kept in ``app.extensions``."""
-
-    def __init__(self, settings: GatewaySettings) -> None:
-        from app.state.connection import connect
-        from gateway.admission import Admission
-        from gateway.leases import LocalLeases
-        from gateway.upstream import Upstreams
-
-        self.settings = settings
-        self.redis = connect(settings.redis_url, max_connections=1024)
-        # Admission and capture (two calls per model call) share one connection
-        self.admission = Admission(connect(settings.redis_url, single_connection=True),
-                                   settings.lease_ttl_s,
-                                   settings.max_concurrent_per_rollout)
-        self.leases = LocalLeases(self.admission, refresh_every_s=settings.lease_ttl_s / 3)
-        self.upstreams = Upstreams(list(settings.upstreams), client=self.redis,
-                                   health_every_s=settings.upstream_health_s)
+__all__ = ["GatewayState", "create_app"]
 
 
 def create_app(settings: GatewaySettings | None = None, cfg: Any | None = None) -> Flask:
@@ -46,7 +28,7 @@ def create_app(settings: GatewaySettings | None = None, cfg: Any | None = None) 
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]
-    app.extensions["carryover"] = GatewayState(settings)
+    GatewayState(settings).install(app)
 
     from gateway.errors import register_error_handlers
     from gateway.routes.admin import bp as admin_bp

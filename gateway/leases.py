@@ -13,7 +13,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from gateway.admission import Admission
+from app.state.pause import Admission
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,33 @@ def _current_greenlet() -> Any:
     except ImportError:  # pragma: no cover - the gateway always runs under gevent
         return None
     return getcurrent() if monkey.is_module_patched("socket") else None
+
+
+class Lease:
+    """One admitted call's lease, ended exactly once: recorded (the capture is stored as the
+    lease goes) or released (nothing is). Whatever ends it second is a no-op."""
+
+    def __init__(self, leases: LocalLeases, lease_id: str) -> None:
+        self.leases = leases
+        self.id = lease_id
+        self.ended = False
+        self.handed_over = False   # a streamed answer's generator ends it, not the route
+
+    def record(self, calls: list[str]) -> bool:
+        """Store ``calls`` (JSON) and release; False when a drain cancelled the lease (nothing
+        is recorded)."""
+        if self.ended:
+            return False
+        self.ended = True
+        self.leases.discard(self.id)
+        return self.leases.admission.record_and_release(self.id, calls)
+
+    def release(self) -> None:
+        if self.ended:
+            return
+        self.ended = True
+        self.leases.discard(self.id)
+        self.leases.admission.release(self.id)
 
 
 class LocalLeases:
@@ -49,6 +76,17 @@ class LocalLeases:
                                                 daemon=True)
                 self._thread.start()
         return event
+
+    @contextlib.contextmanager
+    def held(self, lease_id: str) -> Iterator[Lease]:
+        """The lease of one call: released on the way out unless it was recorded, or handed
+        over (``lease.handed_over = True``) to what ends it later (a stream)."""
+        lease = Lease(self, lease_id)
+        try:
+            yield lease
+        finally:
+            if not lease.handed_over:
+                lease.release()
 
     def discard(self, lease_id: str) -> None:
         with self._lock:

@@ -29,9 +29,9 @@ def main() -> int:
 
     from app.config import load_config
     from app.driver.dataset import load_samples
+    from bench.reference import PolicyTrainer, token_log_probs
     from examples.reverse.agent import ask, score
     from workers.trainer.batch import Sample, to_batch
-    from workers.trainer.update import PolicyTrainer, token_log_probs
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=80)

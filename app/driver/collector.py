@@ -27,6 +27,7 @@ import redis
 from celery import chord, group
 
 from app.driver.dataset import epoch_order, load_samples
+from app.driver.selection import oldest_first
 from app.state import carry, keys, retention
 from app.state.completion import finish_group
 from app.state.records import GroupRecord, RunRecord
@@ -58,7 +59,8 @@ class Collector:
         self.r = client
         self.run_id = run_id
         self.cfg = cfg
-        self.n = int(cfg.actor_rollout_ref.rollout.n)
+        # ``n``: siblings per group when not the training ``rollout.n`` (an evaluation's)
+        self.n = int(n if n is not None else cfg.actor_rollout_ref.rollout.n)
         self.train_batch = int(cfg.data.train_batch_size)
         async_cfg = cfg.agentlightning.async_rollout
         self.async_mode = bool(async_cfg.enabled)
@@ -84,7 +86,8 @@ class Collector:
         return read_run(self.r, self.run_id)
 
     def counters(self) -> dict[str, int]:
-        raw = self.r.hmget(keys.run(self.run_id), "n_dropped", "n_cancelled", "n_dispatched")
+        raw = self.r.hmget(keys.run(self.run_id), RunRecord.field("n_dropped"),
+                           RunRecord.field("n_cancelled"), RunRecord.field("n_dispatched"))
         return {name: int(v or 0) for name, v in
                 zip(("dropped", "cancelled", "dispatched"), raw, strict=True)}
 
@@ -125,7 +128,7 @@ class Collector:
             pipe.zadd(keys.run_active(self.run_id), {gid: seq})
             pipe.hset(keys.run(self.run_id), mapping={
                 "cursor": run.cursor, "epoch": run.epoch, "next_seq": run.next_seq})
-            pipe.hincrby(keys.run(self.run_id), "n_dispatched", 1)
+            pipe.hincrby(keys.run(self.run_id), RunRecord.field("n_dispatched"), 1)
             pipe.execute()
             self._send(gid)
             sent += 1
@@ -140,15 +143,15 @@ class Collector:
         result = chord(siblings)(celery_app.signature(FINISH_GROUP, args=(group_id,)))
         sibling_ids = [r.id for r in result.parent.results] if result.parent else []
         # Marked after sending: on resume, groups without the mark are sent again.
-        self.r.hset(keys.group(group_id), mapping={"sent": "1",
-                                                   "task_ids": json.dumps(sibling_ids),
-                                                   "callback_id": result.id})
+        self.r.hset(keys.group(group_id), mapping={
+            GroupRecord.field("sent"): "1", GroupRecord.field("task_ids"): json.dumps(sibling_ids),
+            GroupRecord.field("callback_id"): result.id})
 
     def resend_unsent(self) -> int:
         """After a driver crash between recording a group and sending its chord."""
         resent = 0
         for gid in self.r.zrange(keys.run_active(self.run_id), 0, -1):
-            if not self.r.hexists(keys.group(gid), "sent"):
+            if self.r.hget(keys.group(gid), GroupRecord.field("sent")) != "1":
                 self._send(gid)
                 resent += 1
         return resent
@@ -181,7 +184,8 @@ class Collector:
         ``cancelled`` status and stop their agents (process groups are killed)."""
         from app.celery_app import celery_app
 
-        ids = json.loads(self.r.hget(keys.group(group_id), "task_ids") or "[]")
+        ids = json.loads(self.r.hget(keys.group(group_id), GroupRecord.field("task_ids"))
+                         or "[]")
         if ids:
             celery_app.control.revoke(ids)
 
@@ -222,7 +226,8 @@ class Collector:
                ) -> Selection:
         ready_key = keys.run_ready(self.run_id)
         active_key = keys.run_active(self.run_id)
-        chosen = self.r.zrange(ready_key, 0, self.train_batch - 1)  # oldest dispatch first
+        chosen = oldest_first(self.r.zrange(ready_key, 0, -1, withscores=True),
+                              self.train_batch)
         pipe = self.r.pipeline(transaction=True)
         pipe.zrem(ready_key, *chosen)
         pipe.zrem(active_key, *chosen)
@@ -230,7 +235,8 @@ class Collector:
         pipe.rpush(keys.run_step_groups(self.run_id, step), *chosen)
         now = str(time.time())
         for gid in chosen:
-            pipe.hset(keys.group(gid), mapping={"status": "selected", "selected_at": now})
+            pipe.hset(keys.group(gid), mapping={GroupRecord.field("status"): "selected",
+                                                GroupRecord.field("selected_at"): now})
         # complete groups hold all n results, each counted while the group was active
         pipe.hincrby(keys.run(self.run_id), carry.FIELD, -len(chosen) * self.n)
         pipe.execute()
@@ -240,7 +246,7 @@ class Collector:
         oldest = self.r.zrange(active_key, 0, 0)
         age_max = (step - int(self.r.hget(keys.group(oldest[0]), "dispatch_step"))
                    if oldest else 0)
-        self.r.hset(keys.run(self.run_id), "carry_unfinished", unfinished)
+        self.r.hset(keys.run(self.run_id), RunRecord.field("carry_unfinished"), unfinished)
         return Selection(step=step, group_ids=list(chosen),
                          prev_carry_over_rollouts=prev_carry_over_rollouts,
                          new_carry_over_rollouts=unfinished,
@@ -252,7 +258,8 @@ class Collector:
 
     def carried_in(self) -> int:
         """Unfinished rollouts the last selection carried over (0 for a new run)."""
-        return int(self.r.hget(keys.run(self.run_id), "carry_unfinished") or 0)
+        return int(self.r.hget(keys.run(self.run_id), RunRecord.field("carry_unfinished"))
+                   or 0)
 
     def active_count(self) -> int:
         return self.r.zcard(keys.run_active(self.run_id))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config.loader import REPO_ROOT
+from app.config.settings import sleep_mode
 from app.services.device import resolve as resolve_device
 from app.state.connection import is_external
 
@@ -67,25 +68,6 @@ def redis_command(cfg: Any) -> Command:
     return Command("redis", argv)
 
 
-def sleep_mode(cfg: Any, device: str) -> bool:
-    """Whether the server starts with ``--enable-sleep-mode``: on GPU when the update runs
-    with the gateway paused (collocated: the engine sleeps and lends its memory to the
-    update), unless ``gateway.drain_mode`` is ``keep`` (calls frozen across the update keep
-    their KV cache in the engine's memory). vLLM refuses the flag on CPU, where sleeping frees
-    nothing."""
-    if device != "cuda":
-        return False
-    setting = cfg.inference.sleep_mode
-    if setting == "auto":
-        pause = cfg.trainer.pause_during_update
-        return pause in ("auto", True) and cfg.gateway.drain_mode != "keep"
-    return bool(setting)
-
-        # A model's generation_config.json (top_k, top_p, repetition_penalty: Qwen2.5-Instruct
-        # sets all three) would otherwise apply to every call that does not set them, and
-        # the rollouts would be sampled from a distribution the trainer does not model.
-        "--generation-config", "vllm",
-
 def inference_command(cfg: Any) -> Command:
     inf = cfg.inference
     device = resolve_device(str(inf.device))
@@ -99,6 +81,10 @@ def inference_command(cfg: Any) -> Command:
         "--dtype", inf.dtype,
         "--max-model-len", str(inf.max_model_len),
         "--logprobs-mode", inf.logprobs_mode,
+        # A model's generation_config.json (top_k, top_p, repetition_penalty: Qwen2.5-Instruct
+        # sets all three) would otherwise apply to every call that does not set them, and
+        # the rollouts would be sampled from a distribution the trainer does not model.
+        "--generation-config", "vllm",
         "--disable-uvicorn-access-log",
     ]
     eager = inf.enforce_eager if inf.enforce_eager is not None else device == "cpu"

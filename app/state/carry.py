@@ -17,8 +17,9 @@ from __future__ import annotations
 import redis
 
 from app.state import keys
+from app.state.records import RunRecord
 
-FIELD = "finished_active"
+FIELD = RunRecord.field("finished_active")
 
 # KEYS: group_results, run_active, run   ARGV: sibling index, result JSON, group id
 # -> 1 a new result, 0 an overwrite (a redelivered sibling)

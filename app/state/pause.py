@@ -1,4 +1,10 @@
-"""Pause, drain and in-flight leases, all in Redis.
+"""The pause and lease protocol the gateway and the trainer share, all in Redis.
+
+Two roles, one protocol: :class:`Admission` is the gateway's half (admit a call under a
+lease, record its capture and release the lease, keep the lease alive, see cancellations),
+:class:`Pause` is the half of whoever stops traffic for a weight load (the trainer, and the
+gateway's admin routes for an operator): pause, keep the pause, drain or cancel the leases,
+resume. Neither role imports the other; both import this module.
 
 Invariants:
 - Admission is one Lua script: it checks the pause flag and takes a lease atomically, so a
@@ -8,8 +14,6 @@ Invariants:
 - Every lease has an expiry (refreshed while its request lives), and the pause flag has one
   too: a dead gateway worker or a dead trainer cannot hold a drain or a pause forever.
 - Times come from the Redis server clock (``TIME``), so gateway hosts with skewed clocks agree.
-
-Used by the gateway (admit/release/refresh) and by the trainer (pause/drain/resume).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from enum import IntEnum
 
 import redis
 
@@ -29,13 +34,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 
 # KEYS: paused, leases, rollout_inflight, policy_version, rollout
 # ARGV: lease_id, ttl_ms, max_per_rollout, token_sha256 ('' = caller already authenticated)
-# -> {status, policy_version}: status 1 admitted, 0 paused, -1 rollout over its cap,
-#    -2 unknown rollout, -3 wrong token, -4 rollout closed.
-# Authentication rides in the same round trip: the gateway's hot path is two Redis calls
-# (this one, and RECORD_RELEASE at the end).
+# -> {status, policy_version, the rollout's own sampling temperature ('' or 'null': none)}:
+# status as in AdmitStatus. Authentication rides in the same round trip: the gateway's hot
+# path is two Redis calls (this one, and RECORD_RELEASE at the end).
 ADMIT = _NOW_MS + """
+local rec = redis.call('HMGET', KEYS[5], 'token_sha256', 'status', 'temperature')
 if ARGV[4] ~= '' then
-  local rec = redis.call('HMGET', KEYS[5], 'token_sha256', 'status')
   if not rec[1] then return {-2, 0} end
   if rec[1] ~= ARGV[4] then return {-3, 0} end
   if rec[2] ~= 'running' then return {-4, 0} end
@@ -49,7 +53,7 @@ if n > tonumber(ARGV[3]) then
 end
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
 local v = redis.call('GET', KEYS[4])
-return {1, tonumber(v or '0')}
+return {1, tonumber(v or '0'), rec[3] or ''}
 """
 
 # KEYS: leases, rollout_inflight, cancelled, rollout_calls   ARGV: lease_id, calls...
@@ -135,6 +139,21 @@ return {now - tonumber(started), med}
 """
 
 
+class AdmitStatus(IntEnum):
+    """What the admission script answers (its Lua returns these numbers)."""
+
+    ADMITTED = 1
+    PAUSED = 0
+    OVER_CAP = -1          # the rollout has gateway.max_concurrent_per_rollout calls live
+    UNKNOWN_ROLLOUT = -2   # the statuses below only when a token was checked
+    WRONG_TOKEN = -3
+    ROLLOUT_CLOSED = -4
+
+    @property
+    def is_auth_failure(self) -> bool:
+        return self < AdmitStatus.OVER_CAP
+
+
 @dataclass
 class DrainResult:
     seconds: float
@@ -143,7 +162,7 @@ class DrainResult:
 
 
 class Admission:
-    """Lease bookkeeping for one Redis. Cheap to build; scripts are registered once."""
+    """The gateway's half, for one Redis. Cheap to build; scripts are registered once."""
 
     def __init__(self, client: redis.Redis, lease_ttl_s: float = 30.0,
                  max_per_rollout: int = 8) -> None:
@@ -153,25 +172,25 @@ class Admission:
         self._admit = client.register_script(ADMIT)
         self._record_release = client.register_script(RECORD_RELEASE)
         self._refresh = client.register_script(REFRESH)
-        self._pause = client.register_script(PAUSE)
-        self._extend_pause = client.register_script(EXTEND_PAUSE)
-        self.pause_token = ""
-        self.lost = False   # an extension of this object's pause failed: it may be gone
-        self._live = client.register_script(LIVE)
-        self._resume = client.register_script(RESUME)
         self._estimate = client.register_script(PAUSE_ESTIMATE)
 
-    # --- gateway side -----------------------------------------------------------------
+    def admit(self, rollout_id: str, token_sha256: str = "") -> tuple[AdmitStatus, str, int]:
+        """-> (status, lease_id, policy_version); the statuses that judge the token only
+        with ``token_sha256``."""
+        return self.admit_call(rollout_id, token_sha256)[:3]
 
-    def admit(self, rollout_id: str, token_sha256: str = "") -> tuple[int, str, int]:
-        """-> (status, lease_id, policy_version); status 1 admitted, 0 paused, -1 over cap,
-        and with ``token_sha256``: -2 unknown rollout, -3 wrong token, -4 rollout closed."""
+    def admit_call(self, rollout_id: str, token_sha256: str = ""
+                   ) -> tuple[AdmitStatus, str, int, float | None]:
+        """``admit``, and the temperature this rollout's calls are sampled at when it has
+        one of its own (``RolloutRecord.temperature``: an evaluation's), else None."""
         lease_id = f"{rollout_id}|{uuid.uuid4().hex}"
-        status, version = self._admit(
+        status, version, *rest = self._admit(
             keys=[keys.paused(), keys.leases(), keys.rollout_inflight(rollout_id),
                   keys.policy_version(), keys.rollout(rollout_id)],
             args=[lease_id, self.ttl_ms, self.max_per_rollout, token_sha256])
-        return int(status), lease_id, int(version)
+        own = rest[0] if rest and rest[0] not in ("", "null") else None
+        return (AdmitStatus(int(status)), lease_id, int(version),
+                float(own) if own is not None else None)
 
     def record_and_release(self, lease_id: str, calls: list[str]) -> bool:
         """Append the captured calls (JSON) to the rollout and release the lease, atomically;
@@ -208,7 +227,23 @@ class Admission:
         remaining = (int(median) - max(int(paused_for), 0)) / 1000.0
         return max(remaining, 0.2)
 
-    # --- trainer side -----------------------------------------------------------------
+
+class Pause:
+    """The pausing half, for one Redis: the trainer around a weight load, or an operator
+    through the gateway's admin routes. One object holds at most one pause at a time."""
+
+    def __init__(self, client: redis.Redis, lease_ttl_s: float = 30.0) -> None:
+        self.r = client
+        self.ttl_ms = int(lease_ttl_s * 1000)
+        self._pause = client.register_script(PAUSE)
+        self._extend_pause = client.register_script(EXTEND_PAUSE)
+        self._live = client.register_script(LIVE)
+        self._resume = client.register_script(RESUME)
+        self.pause_token = ""
+        self.lost = False   # an extension of this object's pause failed: it may be gone
+
+    def is_paused(self) -> bool:
+        return bool(self.r.exists(keys.paused()))
 
     def pause(self, pause_ttl_s: float = 900.0) -> int:
         """Set the pause flag (expiring after ``pause_ttl_s`` unless resumed) and return the

@@ -3,6 +3,11 @@
 Records are plain dataclasses serialised to JSON (lists) or to flat string hashes. Token
 data (ids, log-probs) lives only in ``CapturedCall``; Celery messages carry ids and the
 small ``SiblingResult``, never tensors.
+
+Every field a hash ever holds is declared here, including those written one at a time
+(``HSET``/``HINCRBY`` from Python, or inside a Lua script): code that names such a field
+goes through ``Record.field("name")``, which refuses an undeclared one, and a unit test
+checks the names the Lua scripts write.
 """
 
 from __future__ import annotations
@@ -15,6 +20,15 @@ from typing import Any, Self
 
 class _HashRecord:
     """Round-trip through a Redis hash: every field stored as a string (JSON for non-str)."""
+
+    @classmethod
+    def field(cls, name: str) -> str:
+        """``name``, checked to be a declared field of this record."""
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        if name not in names:
+            raise KeyError(f"{cls.__name__} has no field {name!r} (declared: "
+                           f"{', '.join(sorted(names))})")
+        return name
 
     def to_hash(self) -> dict[str, str]:
         out = {}
@@ -150,6 +164,13 @@ class GroupRecord(_HashRecord):
     completed_at: float = 0.0
     callback_early: int = 0      # 1: the chord callback fired before every sibling stored its
                                  # result; the last sibling completes the group
+    # Written by the driver after sending the group's chord (a group without ``sent`` is
+    # sent again on resume): the sibling task ids (revoked on cancel, forgotten by
+    # retention) and the chord callback's id.
+    sent: int = 0
+    task_ids: list[str] = field(default_factory=list)
+    callback_id: str = ""
+    selected_at: float = 0.0     # epoch seconds; written by the selection
 
 
 @dataclass
@@ -165,6 +186,15 @@ class RunRecord(_HashRecord):
     next_seq: int = 0
     status: str = "running"      # running | finished | failed
     created_at: float = 0.0
+    # Counters, each HINCRBY'd where the event happens: dispatch (driver), a group dropped
+    # at completion (completion script), cancelled for its age (carry's cancel script).
+    n_dispatched: int = 0
+    n_dropped: int = 0
+    n_cancelled: int = 0
+    # finished rollouts of active groups, kept exactly by the carry and completion scripts
+    # (``app.state.carry``); the unfinished ones the last selection carried over.
+    finished_active: int = 0
+    carry_unfinished: int = 0
 
 
 @dataclass

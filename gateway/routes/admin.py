@@ -3,23 +3,14 @@ an agent's token (agents hold per-rollout tokens only)."""
 
 from __future__ import annotations
 
-import hmac
+from flask import Blueprint, jsonify, request
 
-from flask import Blueprint, current_app, jsonify, request
-
-from gateway.errors import GatewayError, bad_request
+from gateway.auth import require_admin
+from gateway.errors import bad_request
+from gateway.state import get_state
 
 bp = Blueprint("admin", __name__, url_prefix="/admin")
-
-
-@bp.before_request
-def _require_admin():
-    state = current_app.extensions["carryover"]
-    header = request.headers.get("Authorization", "")
-    token = header[7:] if header.startswith("Bearer ") else ""
-    if not token or not hmac.compare_digest(token, state.settings.admin_token):
-        raise GatewayError(401, "admin token required (Authorization: Bearer <admin token>)",
-                           code="invalid_admin_token")
+bp.before_request(require_admin)
 
 
 def _number(name: str, default: float) -> float:
@@ -32,28 +23,28 @@ def _number(name: str, default: float) -> float:
 
 @bp.post("/pause")
 def pause():
-    state = current_app.extensions["carryover"]
+    state = get_state()
     ttl = _number("pause_ttl_s", 900.0)
-    return jsonify({"paused": True, "inflight_at_pause": state.admission.pause(ttl)})
+    return jsonify({"paused": True, "inflight_at_pause": state.pause.pause(ttl)})
 
 
 @bp.post("/drain")
 def drain():
-    state = current_app.extensions["carryover"]
-    result = state.admission.drain(_number("timeout_s", 30.0))
+    state = get_state()
+    result = state.pause.drain(_number("timeout_s", 30.0))
     return jsonify({"drain_seconds": result.seconds, "cancelled": result.cancelled})
 
 
 @bp.post("/resume")
 def resume():
-    state = current_app.extensions["carryover"]
-    return jsonify({"paused": False, "paused_seconds": state.admission.resume()})
+    state = get_state()
+    return jsonify({"paused": False, "paused_seconds": state.pause.resume()})
 
 
 @bp.get("/state")
-def get_state():
-    state = current_app.extensions["carryover"]
-    return jsonify({"paused": state.admission.is_paused(),
-                    "inflight": state.admission.live_leases(),
+def show_state():
+    state = get_state()
+    return jsonify({"paused": state.pause.is_paused(),
+                    "inflight": state.pause.live_leases(),
                     "upstreams": state.upstreams.urls,
                     "upstreams_healthy": state.upstreams.healthy()})

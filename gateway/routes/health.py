@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, current_app, jsonify
+from flask import Blueprint, jsonify
+
+from gateway.state import get_state
 
 bp = Blueprint("health", __name__)
 
@@ -11,7 +13,7 @@ bp = Blueprint("health", __name__)
 def healthz():
     from gateway import __version__
 
-    state = current_app.extensions["carryover"]
+    state = get_state()
     try:
         paused = state.admission.is_paused()
         redis_ok = True

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from app.client import GatewayClient, openai_max_retries
+from app.state.pause import Pause
 from examples.reverse.agent import run as demo_agent
-from gateway.admission import Admission
 from tests.conftest import standin_gateway
 from workers.rollout.controller import LLMEndpoint
 
@@ -24,7 +24,7 @@ def gateway(redis_service, tmp_root):
 
 
 def paused_for(redis_client, seconds: float) -> threading.Thread:
-    adm = Admission(redis_client)
+    adm = Pause(redis_client)
     adm.pause(pause_ttl_s=seconds + 30)
     t = threading.Timer(seconds, adm.resume)
     t.start()

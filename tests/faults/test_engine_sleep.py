@@ -12,8 +12,8 @@ from omegaconf import OmegaConf
 
 from app.config import load_config
 from app.state import keys
+from app.state.pause import Pause
 from app.state.records import CapturedCall, GroupRecord, SiblingResult
-from gateway.admission import Admission
 from tests.conftest import standin_gateway
 from workers.trainer import service, weights
 
@@ -63,16 +63,14 @@ def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
             "chat.completions").to_json())
     redis_client.rpush(keys.run_step_groups(run_id, 0), gid)
     redis_client.set(keys.policy_version(), 7)
-    service._resident.clear()
-    service._resident.update(run_id=run_id, published=True, probe_prev=None,
-                             restored_step=None, probe_ids=weights.PROBE_IDS,
-                             trainer=_untouchable())
+    service._resident = service.Resident(run_id, _untouchable(), weights.PROBE_IDS,
+                                         published=True)
     with pytest.raises(service.StepError, match="did not go to sleep"):
         service.train_step(redis_client, run_id, 0)
-    assert not Admission(redis_client).is_paused()  # resumed
+    assert not Pause(redis_client).is_paused()  # resumed
     assert redis_client.get(keys.policy_version()) == "7"
     assert redis_client.get(keys.run_step_result(run_id, 0)) is None
-    service._resident.clear()
+    service._resident = None
     behave(upstream, "ok")
 
 

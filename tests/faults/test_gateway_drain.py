@@ -16,7 +16,7 @@ import requests
 
 from app.client import GatewayClient
 from app.state import keys
-from gateway.admission import Admission
+from app.state.pause import Admission, Pause
 from tests.conftest import standin_gateway
 
 BIN = Path(sys.executable).parent
@@ -32,7 +32,7 @@ def slow_gateway(redis_service, tmp_root):
 
 @pytest.fixture
 def adm(redis_client):
-    a = Admission(redis_client, lease_ttl_s=LEASE_TTL)
+    a = Pause(redis_client, lease_ttl_s=LEASE_TTL)
     yield a
     a.resume()
 

@@ -11,7 +11,7 @@ import time
 import requests
 
 from app.state import keys
-from gateway.admission import Admission
+from app.state.pause import Pause
 from tests.conftest import standin_gateway
 
 AGENTS = 200
@@ -50,7 +50,7 @@ def test_load_with_pauses_loses_and_duplicates_nothing(redis_client, tmp_root, n
                     errors.append(f"{rid}: {r.status_code} {r.text[:200]}")
                     return
 
-        adm = Admission(redis_client, lease_ttl_s=30)
+        adm = Pause(redis_client, lease_ttl_s=30)
         drains = []
         threads = [threading.Thread(target=agent, args=(i,), daemon=True)
                    for i in range(AGENTS)]

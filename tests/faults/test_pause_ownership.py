@@ -10,19 +10,19 @@ import time
 import pytest
 
 from app.state import keys
-from gateway.admission import Admission
+from app.state.pause import Admission, Pause
 from workers.trainer import service
 
 
 @pytest.fixture
 def clean(redis_client):
     yield redis_client
-    Admission(redis_client).resume()  # an operator's resume: clears any pause
+    Pause(redis_client).resume()  # an operator's resume: clears any pause
     redis_client.delete(keys.leases(), keys.cancelled())
 
 
 def test_drain_timeout_waits_for_its_cancelled_request_to_close(clean):
-    adm = Admission(clean, lease_ttl_s=5)
+    adm = Pause(clean, lease_ttl_s=5)
     status, lease, _ = Admission(clean, lease_ttl_s=5).admit("slowpoke")
     assert status == 1
     closed_at: list[float] = []
@@ -47,7 +47,7 @@ def test_drain_timeout_waits_for_its_cancelled_request_to_close(clean):
 
 
 def test_drain_gives_up_on_a_request_that_never_ends(clean):
-    adm = Admission(clean, lease_ttl_s=30)
+    adm = Pause(clean, lease_ttl_s=30)
     Admission(clean, lease_ttl_s=30).admit("stuck")
     adm.pause()
     result = adm.drain(0.1, cancel_wait_s=0.3)  # bounded
@@ -55,10 +55,10 @@ def test_drain_gives_up_on_a_request_that_never_ends(clean):
 
 
 def test_a_stale_resume_leaves_a_newer_pause(clean):
-    old = Admission(clean)
+    old = Pause(clean)
     old.pause(pause_ttl_s=0.2)
     time.sleep(0.4)  # the old holder's pause expired (it stopped extending it) ...
-    new = Admission(clean)
+    new = Pause(clean)
     new.pause(pause_ttl_s=30)  # ... and another trainer paused since
     assert old.resume() == 0.0
     assert new.is_paused() and new.holds_pause() and not old.holds_pause()
@@ -67,12 +67,12 @@ def test_a_stale_resume_leaves_a_newer_pause(clean):
 
 
 def test_a_lost_pause_stops_the_step_before_the_weights(clean):
-    adm = Admission(clean)
+    adm = Pause(clean)
     adm.pause(pause_ttl_s=0.2)
     time.sleep(0.4)
     assert adm.extend_pause(0.2) is False  # what the trainer's beat sees
     with pytest.raises(service.StepError, match="pause was lost before loading"):
         service.require_pause(adm, "loading the new weights")
-    mine = Admission(clean)
+    mine = Pause(clean)
     mine.pause(pause_ttl_s=30)
     service.require_pause(mine, "loading the new weights")  # held: goes on

@@ -11,8 +11,8 @@ import pytest
 
 from app.config import load_config
 from app.state import keys
+from app.state.pause import Pause
 from app.state.records import CapturedCall, GroupRecord, SiblingResult
-from gateway.admission import Admission
 from tests.conftest import free_port
 from workers.trainer import service
 
@@ -43,6 +43,6 @@ def test_gateway_resumed_after_failure_mid_update(redis_client, tmp_path):
     redis_client.set(keys.policy_version(), 5)
     with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
         service.train_step(redis_client, run_id, 0)
-    assert not Admission(redis_client).is_paused()
+    assert not Pause(redis_client).is_paused()
     assert redis_client.get(keys.policy_version()) == "5"
     assert redis_client.get(keys.run_step_result(run_id, 0)) is None

@@ -19,8 +19,8 @@ import time
 import pytest
 
 from app.state import keys
+from app.state.pause import Admission
 from app.state.records import SiblingResult
-from gateway.admission import Admission
 from tests.integration.test_collector import make_cfg, stack  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.slow

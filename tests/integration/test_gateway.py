@@ -14,15 +14,15 @@ import requests
 
 from app.client import GatewayClient
 from app.state import keys
+from app.state.pause import Pause
 from app.state.records import CapturedCall
-from gateway.admission import Admission
 
 
 @pytest.fixture
 def gw(redis_client, gateway_service):
     redis_client.set(keys.policy_version(), 7)
     yield redis_client
-    Admission(redis_client).resume()
+    Pause(redis_client).resume()
 
 
 def captured(client, rid) -> list[CapturedCall]:
@@ -78,7 +78,7 @@ def test_completions_and_streaming(gw, new_rollout):
 
 
 def test_paused_requests_ride_through_with_retries(gw, new_rollout):
-    adm = Admission(gw)
+    adm = Pause(gw)
     assert adm.pause() == 0
     rid, token, base = new_rollout()
     resp = requests.post(base + "/chat/completions", headers={"Authorization": f"Bearer {token}"},
@@ -142,7 +142,7 @@ def test_bad_requests_get_the_right_4xx(gw, new_rollout, cfg):
         assert body["message"]
         if code:
             assert body["code"] == code
-    assert not Admission(gw).is_paused()
+    assert not Pause(gw).is_paused()
     # and it keeps serving
     ok = post(headers=auth, json={"messages": [{"role": "user", "content": "a"}],
                                   "max_tokens": 1})

@@ -22,10 +22,10 @@ import torch
 
 from app.config.loader import REPO_ROOT
 from app.state import keys
+from app.state.pause import Pause
 from app.state.records import CapturedCall
-from gateway.admission import Admission
-from workers.trainer import service, weights
-from workers.trainer.update import PolicyTrainer
+from bench.reference import PolicyTrainer
+from workers.trainer import drain, service, weights
 
 pytestmark = pytest.mark.slow
 MODEL = REPO_ROOT / "var" / "models" / "tiny-qwen2"
@@ -40,7 +40,7 @@ def gw(redis_client, gateway_service, vllm_service):
     redis_client.set(keys.policy_version(), 3)
     yield redis_client
     weights.resume_engines([vllm_service], check=False)
-    Admission(redis_client).resume()
+    Pause(redis_client).resume()
     weights.reload_weights(vllm_service, MODEL)  # leave the engine on the base model
 
 
@@ -121,12 +121,12 @@ def _two_long_calls(new_rollout, cfg, under_way: int):
     return (rid_s, rid_p), streamed, plain, threads
 
 
-def _hold(client, url: str, mode: str) -> tuple[Admission, dict, list[str]]:
+def _hold(client, url: str, mode: str) -> tuple[Pause, dict, weights.Held]:
     """The trainer's first moves: pause the gateway, then the engines in ``mode``."""
-    adm = Admission(client)
+    adm = Pause(client)
     adm.pause(30)
     metrics: dict = {}
-    return adm, metrics, service.hold_engines(adm, [url], mode, metrics)
+    return adm, metrics, drain.DRAINS[mode](30.0, [url]).quiet(adm, metrics)
 
 
 def test_keep_freezes_long_calls_across_a_real_weight_load(gw, new_rollout, cfg, tmp_path,
@@ -141,8 +141,9 @@ def test_keep_freezes_long_calls_across_a_real_weight_load(gw, new_rollout, cfg,
     assert len(streamed["ids"]) == at_switch, "tokens arrived while the engine was paused"
     assert all(t.is_alive() for t in threads)  # nothing was cancelled or failed
 
-    loaded = service.switch_weights(gw, [vllm_service], path, 4, held, True, 30, 1)
-    assert loaded == [vllm_service] and held == []
+    assert held.frozen_calls
+    loaded = service.switch_weights(gw, [vllm_service], path, 4, held, 30, 1)
+    assert loaded == [vllm_service] and held.urls == []
     adm.resume()
     for t in threads:
         t.join(120)
@@ -185,7 +186,8 @@ def test_abort_gives_a_retryable_error_and_the_call_is_sent_again(gw, new_rollou
     assert plain["status"] == 503 and plain["body"]["error"]["code"] == "cancelled_by_update"
     assert gw.llen(keys.rollout_calls(rid)) == 0 and gw.llen(keys.rollout_calls(rid_p)) == 0
 
-    service.switch_weights(gw, [vllm_service], path, 4, held, False, 30, 1)
+    assert not held.frozen_calls
+    service.switch_weights(gw, [vllm_service], path, 4, held, 30, 1)
     adm.resume()
     again: dict = {}
     _, tok_p, base_p = plain["rollout"]

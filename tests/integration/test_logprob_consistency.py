@@ -11,10 +11,10 @@ import torch
 from app.config.loader import REPO_ROOT
 from app.state import keys
 from app.state.records import CapturedCall
+from bench.reference import PolicyTrainer, token_log_probs
 from tests.conftest import standin_gateway
 from workers.trainer import weights
 from workers.trainer.batch import Sample, to_batch
-from workers.trainer.update import PolicyTrainer, token_log_probs
 
 MODEL = REPO_ROOT / "var" / "models" / "tiny-qwen2"
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from app.config.loader import REPO_ROOT
+from bench.reference import PolicyTrainer
 from workers.trainer import weights
-from workers.trainer.update import PolicyTrainer
 
 MODEL = REPO_ROOT / "var" / "models" / "tiny-qwen2"
 

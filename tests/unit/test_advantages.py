@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from workers.trainer.algorithms import compute_advantages
 from workers.trainer.batch import Sample
-from workers.trainer.update import compute_advantages
 from workers.trainer.verl_batch import to_verl_batch
 
 REWARDS = [1.0, 0.0, 0.5, 0.25]

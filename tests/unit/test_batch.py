@@ -8,8 +8,8 @@ from transformers import AutoTokenizer
 
 from app.config import load_config
 from app.config.loader import REPO_ROOT
+from bench.reference import PolicyTrainer, token_log_probs
 from workers.trainer.batch import Sample, pack_turns, to_batch
-from workers.trainer.update import PolicyTrainer, token_log_probs
 
 MODEL = str(REPO_ROOT / "var" / "models" / "tiny-qwen2")
 

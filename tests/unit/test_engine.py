@@ -11,9 +11,9 @@ import torch
 
 from app.config import load_config
 from app.config.loader import REPO_ROOT
+from bench.reference import PolicyTrainer, token_log_probs
 from workers.trainer.batch import Sample, to_batch
 from workers.trainer.engine import EngineTrainer
-from workers.trainer.update import PolicyTrainer, token_log_probs
 from workers.trainer.verl_batch import to_verl_batch
 
 MODEL = str(REPO_ROOT / "var" / "models" / "tiny-qwen2")

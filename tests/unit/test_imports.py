@@ -19,20 +19,36 @@ def test_light_import(module):
     assert out.stdout.strip() == ""
 
 
-def test_app_never_imports_workers():
-    """Data flows one way: the driver sends tasks by name and never imports worker code."""
+def _imports_of(package: str, forbidden: tuple[str, ...]) -> list[str]:
+    """Every import statement under ``package`` (top level or inside a function) that names
+    one of the ``forbidden`` top-level packages."""
     import ast
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[2] / "app"
+    repo = Path(__file__).resolve().parents[2]
     offenders = []
-    for path in root.rglob("*.py"):
+    for path in (repo / package).rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             names = []
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module:
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 names = [node.module]
-            offenders += [f"{path.relative_to(root.parent)}: {n}" for n in names
-                          if n == "workers" or n.startswith("workers.")]
-    assert offenders == []
+            offenders += [f"{path.relative_to(repo)}: {n}" for n in names
+                          if n.split(".")[0] in forbidden]
+    return offenders
+
+
+def test_app_never_imports_workers_or_gateway():
+    """Data flows one way: the driver sends tasks by name and never imports a role's code;
+    what the roles share (keys, records, the pause protocol) lives in ``app.state``."""
+    assert _imports_of("app", ("workers", "gateway")) == []
+
+
+def test_workers_never_import_the_gateway():
+    """The trainer pauses the gateway through ``app.state.pause``, not the gateway's code."""
+    assert _imports_of("workers", ("gateway",)) == []
+
+
+def test_gateway_never_imports_workers():
+    assert _imports_of("gateway", ("workers",)) == []

@@ -7,8 +7,9 @@ import torch
 
 from app.config import load_config
 from app.config.loader import REPO_ROOT
+from bench.reference import PolicyTrainer, token_log_probs
+from workers.trainer.algorithms import rollout_correction
 from workers.trainer.batch import Sample, to_batch
-from workers.trainer.update import PolicyTrainer, rollout_correction, token_log_probs
 
 MODEL = str(REPO_ROOT / "var" / "models" / "tiny-qwen2")
 

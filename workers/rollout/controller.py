@@ -19,98 +19,24 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from workers.rollout.base import (
+    AgentError,
+    Controller,
+    LLMEndpoint,
+    PauseAwareClock,
+    parse_reward,
+    stop_reason,
+)
 
-class AgentError(Exception):
-    """An attempt failed: the agent raised, exited non-zero, timed out or gave no reward."""
-
-    def __init__(self, message: str, stderr_tail: str = "") -> None:
-        super().__init__(message)
-        self.stderr_tail = stderr_tail
-
-
-@dataclass(frozen=True)
-class LLMEndpoint:
-    base_url: str    # <gateway>/rollout/<rollout_id>/v1
-    api_key: str     # the rollout's token
-    model: str
-    rollout_id: str
-    max_wait_s: float = 900.0  # keep retrying a paused gateway this long (retry_max_wait_s)
-
-    def env(self) -> dict[str, str]:
-        reward_url = self.base_url.removesuffix("/v1") + "/reward"
-        return {"OPENAI_BASE_URL": self.base_url, "OPENAI_API_KEY": self.api_key,
-                "OPENAI_MODEL": self.model, "CARRYOVER_ROLLOUT_ID": self.rollout_id,
-                "CARRYOVER_REWARD_URL": reward_url,
-                "CARRYOVER_MAX_WAIT_S": str(self.max_wait_s)}
-
-
-def parse_reward(value: Any) -> float:
-    """A finite float, or AgentError naming what came back."""
-    if isinstance(value, dict) and "reward" in value:
-        value = value["reward"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise AgentError(f"agent returned a non-numeric reward: {value!r:.200}")
-    reward = float(value)
-    if not math.isfinite(reward):
-        raise AgentError(f"agent returned a non-finite reward: {reward}")
-    return reward
-
-
-class PauseAwareClock:
-    """Elapsed time that stops while the gateway is paused."""
-
-    def __init__(self, is_paused: Callable[[], bool]) -> None:
-        self.is_paused = is_paused
-        self.active = 0.0
-        self.paused = 0.0
-        self._last = time.monotonic()
-
-    def tick(self) -> None:
-        now = time.monotonic()
-        dt, self._last = now - self._last, now
-        try:
-            paused = self.is_paused()
-        except Exception:  # noqa: BLE001 - Redis blip: count the time
-            paused = False
-        if paused:
-            self.paused += dt
-        else:
-            self.active += dt
-
-
-def stop_reason(clock: PauseAwareClock, timeout_s: float, cancelled: Callable[[], bool]
-                ) -> str | None:
-    """Advance the clock; why the attempt must stop now (timeout, cancel), or None."""
-    clock.tick()
-    if clock.active > timeout_s:
-        return f"agent timed out after {timeout_s:.0f}s (controller.rollout_timeout_s)"
-    if cancelled():
-        return "rollout cancelled"
-    return None
-
-
-class Controller:
-    def adopt(self) -> str | None:
-        """The rollout id of this sibling's agent that is still running from an earlier
-        delivery of its task (so it is watched, not started twice); None to start fresh."""
-        return None
-
-    def run(self, sample: dict, llm: LLMEndpoint, timeout_s: float, clock: PauseAwareClock,
-            cancelled: Callable[[], bool],
-            posted_reward: Callable[[], Any] = lambda: None, adopted: bool = False) -> float:
-        """``posted_reward`` reads a reward the agent POSTed to the gateway (or None);
-        ``adopted``: the agent of ``llm.rollout_id`` is already running (see :meth:`adopt`)."""
-        raise NotImplementedError
+__all__ = ["AgentError", "Controller", "LLMEndpoint", "PauseAwareClock", "ProcessController",
+           "PythonController", "make_controller", "parse_reward", "stop_reason"]
 
 
 class PythonController(Controller):

@@ -28,7 +28,7 @@ import redis
 import tenacity
 
 from app.state import keys
-from workers.rollout.controller import (
+from workers.rollout.base import (
     AgentError,
     Controller,
     LLMEndpoint,

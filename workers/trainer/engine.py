@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from workers.trainer.algorithms import compute_advantages, lr_at, rollout_correction
 from workers.trainer.engine_config import engine_spec
 from workers.trainer.ranks import LocalRanks, RayRanks, SpawnedRanks
-from workers.trainer.update import compute_advantages, lr_at, rollout_correction
 from workers.trainer.verl_batch import VerlBatch, to_verl_batch
 
 log = logging.getLogger(__name__)
@@ -181,6 +181,14 @@ class EngineTrainer:
         out_metrics["actor/advantage_abs_mean"] = float(
             (fields["advantages"][: vb.real].abs() * real).sum() / real.sum().clamp(min=1))
         out_metrics["batch/rows"] = float(vb.real)
+        # A later turn re-sends the conversation; when its prompt begins with the tokens
+        # sampled before, it joins their row (``batch.pack_turns``). Calls that could not
+        # (the chat template re-rendered the earlier turn differently) each cost a row.
+        calls = sum(vb.calls[: vb.real])
+        ids = vb.rollout_ids[: vb.real]
+        rollouts = len({r for r in ids if r}) + ids.count("")  # "" never shares a row
+        out_metrics["batch/later_turn_calls"] = float(calls - rollouts)
+        out_metrics["batch/packed_calls"] = float(calls - vb.real)
         out_metrics["actor/response_length_mean"] = float(
             real.sum() / max(sum(vb.calls[: vb.real]), 1))
         out_metrics["batch/trained_tokens"] = float(real.sum())

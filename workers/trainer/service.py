@@ -1,17 +1,20 @@
-"""One collocated update cycle, in order, each phase timed:
+"""One update cycle, read top to bottom in ``_train_step``, each phase timed:
 
-pause gateway -> drain (bounded) -> sleep engine (GPU only) -> update -> save weights ->
-wake engine + reload + reset prefix cache -> bump policy version -> verify with a probe ->
-resume gateway.
+claim the step's groups -> pause the gateway -> drain -> update (with the engines asleep on
+GPU) -> publish (save, reload every server, bump the policy version) -> verify with a probe
+-> resume the gateway.
 
-``gateway.drain_mode`` keep or abort replaces the drain: the engines pause their generation
-(keep freezes the calls in flight, abort ends them), and resume right after the version bump,
-before the probe (which needs them running).
+Where the update runs outside the pause (``trainer.pause_during_update`` false, or auto on
+CPU) it comes right after the claim and rollouts go on meanwhile. ``gateway.drain_mode``
+picks the drain (``drain.py``); keep and abort hold the engines paused, and they resume
+right after the version bump, before the probe (which needs them running).
 
 Invariants:
 - The gateway is resumed whatever happens after the pause (``finally``); the pause is also a
   lease the trainer keeps extending (``liveness.Beats``), so a SIGKILLed trainer leaves the
   gateway paused for at most ``trainer.heartbeat_s``.
+- An engine paused or put to sleep by a step is resumed or woken whatever happens after
+  (``weights.Held`` as a context manager).
 - A step is trained at most once: its result is stored under ``run_step_result`` and a
   redelivered task returns it; each group is claimed for one step only (``group_trained``).
 - A trainer process that takes up a run it did not start (the previous worker died) restores
@@ -26,64 +29,134 @@ import logging
 import statistics
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import redis
 import requests
 
-from app.config.loader import REPO_ROOT
-from app.services.commands import sleep_mode
-from app.services.device import resolve as resolve_device
 from app.state import keys, retention
 from app.state.cached_reads import POLICY_VERSION_MAX_AGE_S
+from app.state.pause import Pause
 from app.state.runs import run_config
-from gateway.admission import Admission
 from workers.trainer import checkpoint, weights
-from workers.trainer.batch import collect_samples
+from workers.trainer.batch import BatchStats, Sample, collect_samples
+from workers.trainer.drain import drain_for
 from workers.trainer.engine import EngineTrainer
+from workers.trainer.errors import StepError
 from workers.trainer.keeper import publish_lock, running_keeper
 from workers.trainer.liveness import Beats
+from workers.trainer.settings import TrainerSettings
 from workers.trainer.verl_batch import to_verl_batch
+
+__all__ = ["Resident", "StepError", "init_run", "require_pause", "switch_weights",
+           "train_step"]
 
 log = logging.getLogger(__name__)
 
-_resident: dict[str, Any] = {}
+Metrics = dict[str, Any]
 
 
-class StepError(RuntimeError):
-    pass
+@dataclass
+class Resident:
+    """The run this process trains: model and optimizer stay between its steps."""
+
+    run_id: str
+    trainer: EngineTrainer
+    probe_ids: list[int]
+    probe_prev: list[float] | None = None  # the probe of the weights the servers hold
+    restored_step: int | None = None       # the checkpoint this process started from
+    published: bool = False                # the servers hold this process's weights
 
 
-def _path(p: str) -> Path:
-    path = Path(p)
-    return path if path.is_absolute() else REPO_ROOT / path
+_resident: Resident | None = None
 
 
-def resident_trainer(run_id: str, cfg: Any) -> tuple[EngineTrainer, dict]:
-    """The model and optimizer stay in this process between steps of a run. Loaded from the
-    run's last checkpoint when it has one (a resumed run, or a restarted worker)."""
-    if _resident.get("run_id") != run_id:
-        if "trainer" in _resident:
-            _resident["trainer"].close()
-        _resident.clear()
-        model_path = str(_path(cfg.actor_rollout_ref.model.path))
-        trainer = EngineTrainer(cfg, model_path)
-        _resident.update(run_id=run_id, trainer=trainer, probe_prev=None, restored_step=None,
-                         published=False, probe_ids=weights.probe_ids(model_path))
-        log.info("loaded policy for run %s on %s", run_id, trainer.device)
-        latest = checkpoint.latest_checkpoint(_path(cfg.trainer.checkpoint_dir), run_id)
-        if latest is not None:
-            meta = checkpoint.load_checkpoint(trainer, latest)
-            _resident["restored_step"] = meta["step"]
-            log.info("run %s: restored trainer state from %s (step %d)", run_id, latest,
-                     meta["step"])
-        keeper = running_keeper()
-        if keeper is not None:
-            keeper.configure(list(cfg.inference.urls), cfg.inference.served_model_name,
-                             float(cfg.trainer.probe_tolerance))
-    return _resident["trainer"], _resident
+def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Resident:
+    """The run's resident trainer, loaded from the run's last checkpoint when it has one (a
+    resumed run, or a restarted worker)."""
+    global _resident
+    if _resident is not None and _resident.run_id == run_id:
+        return _resident
+    if _resident is not None:
+        _resident.trainer.close()
+        _resident = None
+    trainer = EngineTrainer(cfg, str(settings.model_path))
+    resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path))
+    log.info("loaded policy for run %s on %s", run_id, trainer.device)
+    latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
+    if latest is not None:
+        meta = checkpoint.load_checkpoint(trainer, latest)
+        resident.restored_step = meta["step"]
+        log.info("run %s: restored trainer state from %s (step %d)", run_id, latest,
+                 meta["step"])
+    keeper = running_keeper()
+    if keeper is not None:
+        inf = settings.inference
+        keeper.configure(list(inf.urls), inf.served_model_name, settings.probe_tolerance)
+    _resident = resident
+    return resident
+
+
+def train_step(client: redis.Redis, run_id: str, step: int) -> Metrics:
+    done = client.get(keys.run_step_result(run_id, step))
+    if done is not None:
+        log.info("step %d of run %s already trained (redelivery); returning its metrics",
+                 step, run_id)
+        return dict(json.loads(done))
+    cfg = run_config(client, run_id)
+    settings = TrainerSettings.from_config(cfg)
+    with Beats(client, keys.trainer_heartbeat(run_id, str(step)), settings.heartbeat_s) as beats:
+        return _train_step(client, run_id, step, cfg, settings, beats)
+
+
+def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
+                settings: TrainerSettings, beats: Beats) -> Metrics:
+    resident = resident_trainer(run_id, cfg, settings)
+    metrics: Metrics = {}
+    timings: dict[str, float] = {}
+    if not resident.published:
+        metrics.update(_restore_servers(client, settings, resident, beats, step))
+    group_ids, samples, stats = claim(client, run_id, step, settings)
+    collocated = settings.collocated(resident.trainer.device)
+    if not collocated:
+        update(resident, samples, step, metrics, timings)  # rollouts go on meanwhile
+    pause = Pause(client, settings.lease_ttl_s)
+    t = time.monotonic()
+    with paused(pause, settings, beats, timings) as inflight, ExitStack() as undo:
+        metrics["training/async/proxy_inflight_at_pause"] = inflight
+        held = undo.enter_context(drain_for(settings).quiet(pause, metrics))
+        timings["pause_drain"] = time.monotonic() - t
+        asleep = weights.NOTHING_HELD
+        if collocated:
+            require_pause(pause, "the update")
+            if settings.sleeps(resident.trainer.device):
+                asleep = undo.enter_context(sleep_engines(settings, step))
+            update(resident, samples, step, metrics, timings)
+        require_pause(pause, "loading the new weights")
+        published = publish(client, settings, resident, timings, asleep, held)
+        verify(client, settings, resident, published, resident.probe_prev, metrics, timings)
+    version = published.version
+    metrics.update(step_metrics(stats, version, timings))
+    record(client, run_id, step, group_ids, metrics, settings)
+    save_if_due(client, settings, resident, run_id, step, version, metrics)
+    return metrics
+
+
+# --- the phases, in order -------------------------------------------------------------
+
+def claim(client: redis.Redis, run_id: str, step: int, settings: TrainerSettings
+          ) -> tuple[list[str], list[Sample], BatchStats]:
+    """The step's groups, each claimed for this step only, and their samples."""
+    group_ids = _claim_groups(client, client.lrange(keys.run_step_groups(run_id, step), 0, -1),
+                              step)
+    samples, stats = collect_samples(client, group_ids, settings.zero_reward_failures)
+    if not samples:
+        raise StepError(f"step {step}: no usable samples in {len(group_ids)} groups "
+                        f"({stats.excluded_samples} excluded)")
+    return group_ids, samples, stats
 
 
 def _claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[str]:
@@ -98,80 +171,187 @@ def _claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[
     return claimed
 
 
-def _publish(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: dict,
-             previous: list[float] | None, metrics: dict, timings: dict[str, float],
-             wake: bool, held: list[str] | None = None, frozen: bool = False) -> int:
-    """Save the trainer's weights as the next version, load them into every inference
-    server, bump the policy version, resume the engines in ``held`` (paused by
-    ``gateway.drain_mode`` keep or abort; ``frozen``: calls wait frozen in them), then prove
-    the load with the probe; returns the version.
+@contextmanager
+def paused(pause: Pause, settings: TrainerSettings, beats: Beats, timings: dict[str, float]
+           ) -> Iterator[int]:
+    """Pause the gateway as a lease kept alive by ``beats``; always resume. Yields the
+    requests in flight at the pause; ``timings`` gets ``paused_for`` and ``resume`` on the
+    way out. Holds the publish lock so the upstream keeper never reloads a server in
+    between."""
+    ttl = settings.heartbeat_s
+    with publish_lock:
+        inflight = pause.pause(pause_ttl_s=ttl)
 
-    A probe that fails leaves the version bumped: the servers do hold that version's
-    weights, only not verified ones, and the step fails."""
-    urls = list(cfg.inference.urls)
+        def extend() -> None:
+            if not pause.extend_pause(ttl):
+                log.error("the gateway pause could not be extended (it expired or was taken "
+                          "over): this step will not touch the weights")
+
+        beats.add("pause", extend)
+        try:
+            yield inflight
+        finally:
+            beats.remove("pause")
+            t = time.monotonic()
+            timings["paused_for"] = pause.resume()
+            timings["resume"] = time.monotonic() - t
+
+
+def require_pause(pause: Pause, what: str) -> None:
+    """Abort the step, before ``what`` touches any weight, when the pause is no longer ours
+    (its lease could not be extended, or it expired and another holder took it over):
+    agents may be generating, and a reload under them trains on garbage."""
+    if not pause.holds_pause():
+        raise StepError(f"the gateway pause was lost before {what}; the step is aborted "
+                        "with no weight changed (trainer.heartbeat_s may be too short for "
+                        "this machine)")
+
+
+def sleep_engines(settings: TrainerSettings, step: int) -> weights.Held:
+    """The engines asleep, their accelerator memory lent to the update (checked)."""
+    inf = settings.inference
+    try:
+        return weights.sleep_engines(list(inf.urls), inf.sleep_level)
+    except weights.EngineSleepError as exc:
+        raise StepError(f"step {step} not trained: {exc}") from exc
+
+
+def update(resident: Resident, samples: list[Sample], step: int, metrics: Metrics,
+           timings: dict[str, float]) -> None:
+    t = time.monotonic()
+    trainer = resident.trainer
+    metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id), step))
+    timings["update"] = time.monotonic() - t
+
+
+@dataclass(frozen=True)
+class Published:
+    version: int
+    path: Path
+    loaded: list[str]   # the servers that hold it
+
+
+def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
+            timings: dict[str, float], asleep: weights.Held = weights.NOTHING_HELD,
+            held: weights.Held = weights.NOTHING_HELD) -> Published:
+    """Save the trainer's weights as the next version, wake the engines in ``asleep``, load
+    the weights into every reachable server, bump the policy version and resume the
+    engines in ``held``."""
+    inf = settings.inference
     version = int(client.get(keys.policy_version()) or 0) + 1
     t = time.monotonic()
-    model_path = _path(cfg.actor_rollout_ref.model.path)
-    dtype = str(weights.engine_dtype(cfg.inference.dtype, model_path)).replace("torch.", "")
+    dtype = str(weights.engine_dtype(inf.dtype, settings.model_path)).replace("torch.", "")
     path = weights.publish_version(
-        _path(cfg.trainer.weights_dir), version, int(cfg.trainer.keep_weight_versions),
-        lambda tmp: trainer.export_weights(tmp, dtype))
+        settings.weights_dir, version, settings.keep_weight_versions,
+        lambda tmp: resident.trainer.export_weights(tmp, dtype))
     timings["save"] = time.monotonic() - t
 
     t = time.monotonic()
-    if wake:
-        weights.wake_engines(urls)
-    loaded = switch_weights(client, urls, path, version, held or [], frozen,
-                            float(cfg.trainer.reload_timeout_s),
-                            float(cfg.trainer.upstream_check_s))
+    asleep.release()
+    loaded = switch_weights(client, list(inf.urls), path, version, held,
+                            settings.reload_timeout_s, settings.upstream_check_s)
     timings["reload"] = time.monotonic() - t
+    return Published(version, path, loaded)
 
+
+def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
+           published: Published, previous: list[float] | None, metrics: Metrics,
+           timings: dict[str, float]) -> None:
+    """Prove the load with the probe: every loaded server scores the probe as the trainer
+    does (and, given the ``previous`` probe, closer to the new weights than to the old);
+    only then is the version recorded as published, which the upstream keeper loads into
+    a server that restarts.
+
+    A probe that fails leaves the version bumped: the servers do hold that version's
+    weights, only not verified ones, and the step fails."""
     t = time.monotonic()
-    ids = resident["probe_ids"]
-    expected = trainer.probe_log_probs(ids)
-    for url in loaded:
-        metrics.update(weights.verify_sync(url, cfg.inference.served_model_name, expected,
-                                           previous, float(cfg.trainer.probe_tolerance), ids))
-    client.srem(keys.upstreams_stale(), *[u.rstrip("/") for u in loaded])
-    resident["probe_prev"] = expected
-    resident["published"] = True
+    ids = resident.probe_ids
+    expected = resident.trainer.probe_log_probs(ids)
+    for url in published.loaded:
+        metrics.update(weights.verify_sync(url, settings.inference.served_model_name,
+                                           expected, previous, settings.probe_tolerance, ids))
+    client.srem(keys.upstreams_stale(), *[u.rstrip("/") for u in published.loaded])
+    resident.probe_prev = expected
+    resident.published = True
     timings["probe"] = time.monotonic() - t
     client.hset(keys.policy_published(), mapping={
-        "version": version, "path": str(path.resolve()), "probe": json.dumps(expected),
-        "probe_ids": json.dumps(ids)})
-    return version
+        "version": published.version, "path": str(published.path.resolve()),
+        "probe": json.dumps(expected), "probe_ids": json.dumps(ids)})
 
+
+def step_metrics(stats: BatchStats, version: int, timings: dict[str, float]) -> Metrics:
+    timings = dict(timings)
+    out: Metrics = {"timing/gateway_paused_seconds": timings.pop("paused_for")}
+    out.update({f"timing/trainer_{k}_seconds": v for k, v in timings.items()})
+    rewards = stats.rewards
+    out.update({
+        "reward/mean": statistics.fmean(rewards) if rewards else None,
+        "reward/max": max(rewards) if rewards else None,
+        "reward/min": min(rewards) if rewards else None,
+        "batch/groups": stats.groups,
+        "batch/rollouts": stats.rollouts,
+        "batch/samples": stats.samples,
+        "batch/excluded_samples": stats.excluded_samples,
+        "batch/failed_rollouts_zero_reward": stats.failed_rollouts_zero_reward,
+        "batch/mixed_version_samples": stats.mixed_version_samples,
+        "batch/mixed_version_tokens": stats.mixed_version_tokens,
+        "policy/sample_version_lag_mean": statistics.fmean(
+            [version - 1 - v for v in stats.versions]) if stats.versions else 0.0,
+        "policy/version": version,
+    })
+    return out
+
+
+def record(client: redis.Redis, run_id: str, step: int, group_ids: list[str],
+           metrics: Metrics, settings: TrainerSettings) -> None:
+    client.set(keys.run_step_result(run_id, step), json.dumps(metrics))
+    # a redelivery returns the stored result: what the groups captured is not read again
+    retention.release_trained(client, group_ids, settings.trained_data_ttl_s)
+
+
+def save_if_due(client: redis.Redis, settings: TrainerSettings, resident: Resident,
+                run_id: str, step: int, version: int, metrics: Metrics) -> None:
+    done = step + 1
+    if done % settings.save_freq == 0 or done >= settings.total_steps:
+        t = time.monotonic()
+        checkpoint.save_checkpoint(resident.trainer, settings.checkpoint_dir, run_id, done,
+                                   version, client.hgetall(keys.run(run_id)))
+        metrics["timing/trainer_checkpoint_seconds"] = time.monotonic() - t
+
+
+# --- weight loading -------------------------------------------------------------------
 
 def switch_weights(client: redis.Redis, urls: list[str], path: Path, version: int,
-                   held: list[str], frozen: bool, wait_s: float, every_s: float) -> list[str]:
+                   held: weights.Held, wait_s: float, every_s: float) -> list[str]:
     """Load ``path`` into every reachable server, make ``version`` the policy version, then
-    resume the engines in ``held`` (emptied). Returns the servers loaded.
+    resume the engines in ``held`` (checked). Returns the servers loaded.
 
     The version is set while the engines are still paused, and they resume twice
     ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new version by
     the first token a frozen call samples on the new weights, and places the switch there."""
-    loaded = _reload_reachable(client, urls, path, version, wait_s, every_s, frozen)
+    loaded = _reload_reachable(client, urls, path, version, wait_s, every_s,
+                               held.frozen_calls)
     client.set(keys.policy_version(), version)
-    if held:
+    if held.urls:
         time.sleep(2 * POLICY_VERSION_MAX_AGE_S)
-        weights.resume_engines(held)
-        held.clear()
+        held.release()
     return loaded
 
 
 def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version: int,
-                      wait_s: float, every_s: float, frozen: bool = False) -> list[str]:
+                      wait_s: float, every_s: float, frozen_calls: bool) -> list[str]:
     """Load ``path`` into every server that answers; returns those. A server that is down
     is marked stale (the upstream keeper loads it when it is back, the gateway routes around
     it meanwhile). With none reachable, keep trying for ``wait_s`` (the gateway stays
-    paused: a restarted server must hold the current weights before agents reach it)."""
+    paused: a restarted server must hold the current weights before agents reach it).
+    ``frozen_calls``: requests wait frozen in the engines (their KV is dropped too)."""
     deadline = time.monotonic() + wait_s
     errors: dict[str, str] = {}
     while True:
         loaded = []
         for url in urls:
             try:
-                weights.reload_weights(url, path, frozen_calls=frozen)
+                weights.reload_weights(url, path, frozen_calls=frozen_calls)
                 loaded.append(url)
             except requests.ConnectionError as exc:
                 client.sadd(keys.upstreams_stale(), url.rstrip("/"))
@@ -189,226 +369,49 @@ def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version:
         time.sleep(every_s)
 
 
-@contextmanager
-def _paused(adm: Admission, cfg: Any, beats: Beats, out: dict[str, float]) -> Iterator[int]:
-    """Pause the gateway as a lease kept alive by ``beats``; always resume. Yields the
-    requests in flight at the pause; ``out["paused_for"]`` is set on the way out. Holds the
-    publish lock so the upstream keeper never reloads a server in between."""
-    ttl = float(cfg.trainer.heartbeat_s)
-    with publish_lock:
-        inflight = adm.pause(pause_ttl_s=ttl)
+# --- serving the resident weights without an update -----------------------------------
 
-        def extend() -> None:
-            if not adm.extend_pause(ttl):
-                log.error("the gateway pause could not be extended (it expired or was taken "
-                          "over): this step will not touch the weights")
-
-        beats.add("pause", extend)
-        try:
-            yield inflight
-        finally:
-            beats.remove("pause")
-            t = time.monotonic()
-            out["paused_for"] = adm.resume()
-            out["resume"] = time.monotonic() - t
-
-
-def require_pause(adm: Admission, what: str) -> None:
-    """Abort the step, before ``what`` touches any weight, when the pause is no longer ours
-    (its lease could not be extended, or it expired and another holder took it over):
-    agents may be generating, and a reload under them trains on garbage."""
-    if not adm.holds_pause():
-        raise StepError(f"the gateway pause was lost before {what}; the step is aborted "
-                        "with no weight changed (trainer.heartbeat_s may be too short for "
-                        "this machine)")
-
-
-def pause_during_update(cfg: Any, device: str) -> bool:
-    """Whether the gateway stays paused for the whole update (``trainer.pause_during_update``).
-
-    ``auto``: yes on CUDA, where the engine sleeps and lends its accelerator memory to the
-    update; no on CPU, where nothing has to be freed, so rollouts keep going while the update
-    runs and the pause covers only loading the new weights (the samples made meanwhile come
-    from the previous version: their staleness is measured and corrected like any other)."""
-    setting = cfg.trainer.pause_during_update
-    if setting == "auto":
-        return device.startswith("cuda")
-    return bool(setting)
-
-
-def train_step(client: redis.Redis, run_id: str, step: int) -> dict[str, Any]:
-    done = client.get(keys.run_step_result(run_id, step))
-    if done is not None:
-        log.info("step %d of run %s already trained (redelivery); returning its metrics",
-                 step, run_id)
-        return json.loads(done)
-    cfg = run_config(client, run_id)
-    with Beats(client, keys.trainer_heartbeat(run_id, str(step)),
-               float(cfg.trainer.heartbeat_s)) as beats:
-        return _train_step(client, run_id, step, cfg, beats)
-
-
-def _serve_resident(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: dict,
-                    beats: Beats, metrics: dict[str, Any]) -> int:
+def _serve_resident(client: redis.Redis, settings: TrainerSettings, resident: Resident,
+                    beats: Beats, metrics: Metrics) -> int:
     """Make every inference server serve the resident weights as they are (no update):
-    pause, drain, publish, resume. Returns the new policy version."""
-    adm = Admission(client, float(cfg.gateway.lease_ttl_s))
-    with _paused(adm, cfg, beats, {}):
-        adm.drain(float(cfg.gateway.drain_timeout_s))
-        require_pause(adm, "loading the weights")
-        return _publish(client, cfg, trainer, resident, None, metrics, {}, wake=False)
+    pause, drain, publish, verify, resume. Returns the new policy version."""
+    pause = Pause(client, settings.lease_ttl_s)
+    timings: dict[str, float] = {}
+    with paused(pause, settings, beats, timings):
+        pause.drain(settings.drain_timeout_s)
+        require_pause(pause, "loading the weights")
+        published = publish(client, settings, resident, timings)
+        # what the servers held before is unknown: no "closer to new than old" check
+        verify(client, settings, resident, published, None, metrics, timings)
+    return published.version
 
 
-def _restore_servers(client: redis.Redis, cfg: Any, trainer: EngineTrainer, resident: dict,
-                     beats: Beats, step: int) -> dict[str, Any]:
+def _restore_servers(client: redis.Redis, settings: TrainerSettings, resident: Resident,
+                     beats: Beats, step: int) -> Metrics:
     """This process took up a run mid-way (its previous trainer worker died): bring every
     inference server back to the weights it restored before training on."""
     log.warning("trainer worker took up run %s at step %d: restored from the checkpoint of "
-                "step %s; loading those weights into the inference servers", resident["run_id"],
-                step, resident["restored_step"])
-    version = _serve_resident(client, cfg, trainer, resident, beats, {})
-    return {"trainer/restored_from_step": resident["restored_step"],
+                "step %s; loading those weights into the inference servers", resident.run_id,
+                step, resident.restored_step)
+    version = _serve_resident(client, settings, resident, beats, {})
+    return {"trainer/restored_from_step": resident.restored_step,
             "trainer/restored_policy_version": version}
 
 
-def _drain(adm: Admission, cfg: Any, metrics: dict[str, Any]) -> None:
-    """``gateway.drain_mode: wait``: wait for the calls in flight (bounded), cancel the rest."""
-    drained = adm.drain(float(cfg.gateway.drain_timeout_s))
-    metrics["training/async/proxy_drain_seconds"] = drained.seconds
-    metrics["training/async/proxy_cancelled_at_drain_timeout"] = drained.cancelled
-    if drained.unended:
-        raise StepError(f"{drained.unended} request(s) cancelled at the drain timeout were "
-                        "still generating after a lease TTL; not loading weights under them")
-
-
-def hold_engines(adm: Admission, urls: list[str], mode: str, metrics: dict[str, Any]
-                 ) -> list[str]:
-    """``gateway.drain_mode`` keep or abort: pause generation inside the engines instead of
-    waiting for the calls in flight. keep freezes them (they finish on the new weights);
-    abort cancels their leases first (their agents get a retryable error, nothing of them
-    is recorded), then ends them in the engines. -> the servers paused."""
-    t = time.monotonic()
-    cancelled = adm.cancel_live() if mode == "abort" else []
-    frozen = adm.live_leases() if mode == "keep" else 0
-    try:
-        held = weights.pause_engines(urls, mode)
-    except weights.EnginePauseError as exc:
-        raise StepError(str(exc)) from exc
-    unended = adm.wait_ended(cancelled, adm.ttl_ms / 1000.0) if cancelled else 0
-    metrics["training/async/proxy_drain_seconds"] = time.monotonic() - t
-    metrics["training/async/proxy_frozen_calls"] = frozen
-    metrics["training/async/proxy_aborted_calls"] = len(cancelled)
-    if unended:
-        weights.resume_engines(held, check=False)
-        raise StepError(f"{unended} aborted request(s) were still live after a lease TTL; "
-                        "not loading weights under them")
-    return held
-
-
-def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any, beats: Beats
-                ) -> dict[str, Any]:
-    trainer, resident = resident_trainer(run_id, cfg)
-    metrics: dict[str, Any] = {}
-    if not resident["published"]:
-        metrics.update(_restore_servers(client, cfg, trainer, resident, beats, step))
-    group_ids = _claim_groups(client, client.lrange(keys.run_step_groups(run_id, step), 0, -1),
-                              step)
-    zero = cfg.controller.on_failure == "zero_reward"
-    samples, stats = collect_samples(client, group_ids, zero)
-    if not samples:
-        raise StepError(f"step {step}: no usable samples in {len(group_ids)} groups "
-                        f"({stats.excluded_samples} excluded)")
-
-    adm = Admission(client, float(cfg.gateway.lease_ttl_s))
-    timings: dict[str, float] = {}
-    urls = list(cfg.inference.urls)
-    collocated = pause_during_update(cfg, trainer.device)
-    # The engines sleep through a collocated update where sleep mode is on (GPU): checked,
-    # and woken again whatever happens to the update.
-    sleeping = collocated and sleep_mode(cfg, resolve_device(str(cfg.inference.device)))
-
-    engines = {"asleep": False}
-
-    def update() -> None:
-        t = time.monotonic()
-        if sleeping:
-            try:
-                weights.sleep_engines(urls, int(cfg.inference.sleep_level))
-            except weights.EngineSleepError as exc:
-                raise StepError(f"step {step} not trained: {exc}") from exc
-            engines["asleep"] = True
-        metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id), step))
-        timings["update"] = time.monotonic() - t
-
-    if not collocated:
-        update()  # rollouts go on meanwhile; the pause below covers only the weight load
-    t0 = time.monotonic()
-    out: dict[str, float] = {}
-    mode = str(cfg.gateway.drain_mode)
-    held: list[str] = []   # engines paused (drain_mode keep or abort) until the new weights
-    with _paused(adm, cfg, beats, out) as inflight:
-        try:
-            metrics["training/async/proxy_inflight_at_pause"] = inflight
-            if mode == "wait":
-                _drain(adm, cfg, metrics)
-            else:
-                held.extend(hold_engines(adm, urls, mode, metrics))
-            timings["pause_drain"] = time.monotonic() - t0
-            if collocated:
-                require_pause(adm, "the update")
-                update()
-            require_pause(adm, "loading the new weights")
-            version = _publish(client, cfg, trainer, resident, resident["probe_prev"],
-                               metrics, timings, wake=engines["asleep"], held=held,
-                               frozen=mode == "keep")
-            engines["asleep"] = False
-        finally:
-            if engines["asleep"]:  # a failure between sleep and reload: agents need them
-                weights.wake_engines(urls, check=False)
-            if held:  # a failure before the engines resumed: frozen calls must go on
-                weights.resume_engines(held, check=False)
-    timings["resume"] = out["resume"]
-    metrics["timing/gateway_paused_seconds"] = out["paused_for"]
-    metrics.update({f"timing/trainer_{k}_seconds": v for k, v in timings.items()})
-    rewards = stats.rewards
-    metrics.update({
-        "reward/mean": statistics.fmean(rewards) if rewards else None,
-        "reward/max": max(rewards) if rewards else None,
-        "reward/min": min(rewards) if rewards else None,
-        "batch/groups": stats.groups,
-        "batch/rollouts": stats.rollouts,
-        "batch/samples": stats.samples,
-        "batch/excluded_samples": stats.excluded_samples,
-        "batch/failed_rollouts_zero_reward": stats.failed_rollouts_zero_reward,
-        "batch/mixed_version_samples": stats.mixed_version_samples,
-        "batch/mixed_version_tokens": stats.mixed_version_tokens,
-        "policy/sample_version_lag_mean": statistics.fmean(
-            [version - 1 - v for v in stats.versions]) if stats.versions else 0.0,
-        "policy/version": version,
-    })
-    client.set(keys.run_step_result(run_id, step), json.dumps(metrics))
-    # a redelivery returns the stored result: what the groups captured is not read again
-    retention.release_trained(client, group_ids, float(cfg.trainer.trained_data_ttl_s))
-    done = step + 1
-    if done % int(cfg.trainer.save_freq) == 0 or done >= int(cfg.trainer.total_steps):
-        t = time.monotonic()
-        checkpoint.save_checkpoint(trainer, _path(cfg.trainer.checkpoint_dir), run_id, done,
-                                   version, client.hgetall(keys.run(run_id)))
-        metrics["timing/trainer_checkpoint_seconds"] = time.monotonic() - t
-    return metrics
-
-
-def init_run(client: redis.Redis, run_id: str) -> dict[str, Any]:
+def init_run(client: redis.Redis, run_id: str) -> Metrics:
     """Load the run's policy into this worker (from its last checkpoint, if any) and make
     every inference server serve exactly it (a previous run may have left other weights
     there). Verified by the probe."""
+    global _resident
     cfg = run_config(client, run_id)
-    _resident.clear()
-    trainer, resident = resident_trainer(run_id, cfg)
-    metrics: dict[str, Any] = {}
-    with Beats(client, keys.trainer_heartbeat(run_id, "init"),
-               float(cfg.trainer.heartbeat_s)) as beats:
-        version = _serve_resident(client, cfg, trainer, resident, beats, metrics)
+    settings = TrainerSettings.from_config(cfg)
+    if _resident is not None:
+        _resident.trainer.close()
+    _resident = None
+    resident = resident_trainer(run_id, cfg, settings)
+    metrics: Metrics = {}
+    with Beats(client, keys.trainer_heartbeat(run_id, "init"), settings.heartbeat_s) as beats:
+        version = _serve_resident(client, settings, resident, beats, metrics)
     metrics["policy/version"] = version
-    metrics["resumed_from_step"] = resident["restored_step"]
+    metrics["resumed_from_step"] = resident.restored_step
     return metrics

@@ -14,6 +14,7 @@ import math
 import shutil
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import requests
@@ -186,97 +187,133 @@ class EnginePauseError(WeightSyncError):
     """An inference server did not pause its generation (or resume it) when asked."""
 
 
-def pause_engines(urls: list[str], mode: str, timeout: float = 120.0) -> list[str]:
-    """Pause generation in every server (vLLM ``/pause``): ``keep`` freezes the requests in
-    flight inside the engine, ``abort`` ends them. Each must then report itself paused
-    (``/is_paused``): weights are never loaded under running requests. A server that cannot
-    be reached is skipped (the reload marks it stale; it serves nobody until it has the new
-    weights). On any other failure the servers already paused are resumed. -> the servers
-    paused."""
-    paused: list[str] = []
-    for raw in urls:
-        url = raw.rstrip("/")
-        try:
-            resp = requests.post(url + "/pause", params={"mode": mode}, timeout=timeout)
-            state = (requests.get(url + "/is_paused", timeout=timeout).json().get("is_paused")
-                     if resp.status_code == 200 else None)
-        except requests.ConnectionError:
-            log.warning("%s: unreachable; not paused (it gets the new weights when it is back)",
-                        url)
-            continue
-        except (requests.RequestException, ValueError) as exc:
-            resp, state = None, f"{exc.__class__.__name__}: {exc}"
-        if resp is None or resp.status_code != 200 or state is not True:
-            why = _why("/pause", resp, "/is_paused", state)
-            resume_engines(paused, timeout, check=False)
-            raise EnginePauseError(
-                f"{url}: the engine did not pause its generation (mode={mode}; {why}); "
-                "not loading weights under running requests. The server needs "
-                "VLLM_SERVER_DEV_MODE=1 (the project's inference command sets it)")
-        paused.append(url)
-    return paused
-
-
-def resume_engines(urls: list[str], timeout: float = 120.0, check: bool = True) -> None:
-    """Resume generation in every server; with ``check``, one still paused is an error."""
-    for raw in urls:
-        url = raw.rstrip("/")
-        try:
-            resp = requests.post(url + "/resume", timeout=timeout)
-            paused = requests.get(url + "/is_paused", timeout=timeout).json().get("is_paused")
-        except (requests.RequestException, ValueError) as exc:
-            if check:
-                raise EnginePauseError(f"{url}: /resume failed: {exc}") from exc
-            log.warning("%s: could not resume the engine: %s", url, exc)
-            continue
-        if check and (resp.status_code != 200 or paused is not False):
-            raise EnginePauseError(f"{url}: the engine did not resume (/resume answered "
-                                   f"{resp.status_code}: {resp.text[:200]})")
-
-
 class EngineSleepError(WeightSyncError):
     """An inference server did not go to sleep (or wake up) when asked."""
 
 
-def _is_sleeping(url: str, timeout: float) -> bool | None:
-    resp = requests.get(url + "/is_sleeping", timeout=timeout)
-    if resp.status_code != 200:
-        return None
-    return bool(resp.json().get("is_sleeping"))
+@dataclass(frozen=True)
+class EngineChange:
+    """A state an engine is put in and taken out of, through vLLM's dev routes: the route
+    that enters it, the route that leaves it, and the query both are checked against."""
+
+    route: str           # /pause
+    undo_route: str      # /resume
+    state_route: str     # /is_paused -> {"is_paused": bool}
+    what: str            # "pause its generation", for the error
+    undo_what: str       # "resume"
+    why_it_matters: str  # what refusing would break, and how to fix it
+    error: type[WeightSyncError]
+    skip_unreachable: bool  # an unreachable server is left out (it is reloaded when back)
+
+    @property
+    def state_key(self) -> str:
+        return self.state_route.lstrip("/")
 
 
-def sleep_engines(urls: list[str], level: int, timeout: float = 120.0) -> None:
-    """Put every server to sleep (vLLM sleep mode: level 1 offloads the weights and drops the
-    KV cache, level 2 drops both) and check that it is asleep, so the update gets the memory.
-    One that refuses, or answers but stays awake, fails the step before the update starts;
-    the servers already asleep are woken first."""
-    slept: list[str] = []
+PAUSE = EngineChange(
+    "/pause", "/resume", "/is_paused", "pause its generation", "resume",
+    "not loading weights under running requests. The server needs VLLM_SERVER_DEV_MODE=1 "
+    "(the project's inference command sets it)", EnginePauseError, skip_unreachable=True)
+SLEEP = EngineChange(
+    "/sleep", "/wake_up", "/is_sleeping", "go to sleep", "wake up",
+    "the update would share the accelerator with it. Start the server with "
+    "--enable-sleep-mode (inference.sleep_mode) or set trainer.pause_during_update: false",
+    EngineSleepError, skip_unreachable=False)
+
+
+def _state(url: str, change: EngineChange, timeout: float) -> object:
+    resp = requests.get(url + change.state_route, timeout=timeout)
+    return resp.json().get(change.state_key) if resp.status_code == 200 else None
+
+
+class Held:
+    """Engines kept in ``change``'s state until :meth:`release`; as a context manager, they
+    are released (unchecked: a failure is already on its way) on any way out that did not
+    release them first."""
+
+    def __init__(self, change: EngineChange, urls: list[str], timeout: float = 120.0,
+                 frozen_calls: bool = False) -> None:
+        self.change = change
+        self.urls = urls
+        self.timeout = timeout
+        self.frozen_calls = frozen_calls   # requests wait frozen inside these engines
+
+    def release(self, check: bool = True) -> None:
+        """Take every engine out of the state; with ``check``, one that stays in it is an
+        error."""
+        urls, self.urls = self.urls, []
+        c = self.change
+        for url in urls:
+            try:
+                resp = requests.post(url + c.undo_route, timeout=self.timeout)
+                state = _state(url, c, self.timeout)
+            except (requests.RequestException, ValueError) as exc:
+                if check:
+                    raise c.error(f"{url}: {c.undo_route} failed: {exc}") from exc
+                log.warning("%s: could not %s the engine: %s", url, c.undo_what, exc)
+                continue
+            if check and (resp.status_code != 200 or state is not False):
+                raise c.error(f"{url}: the engine did not {c.undo_what} ({c.undo_route} "
+                              f"answered {resp.status_code}: {resp.text[:200]})")
+
+    def __enter__(self) -> Held:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release(check=False)
+
+
+NOTHING_HELD = Held(PAUSE, [])
+
+
+def change_engines(urls: list[str], change: EngineChange, params: dict[str, object],
+                   timeout: float = 120.0, frozen_calls: bool = False) -> Held:
+    """Post ``change.route`` to every server and check that each reports the new state; on
+    any failure the servers already changed are changed back and ``change.error`` names
+    the server, why and the fix. -> the servers changed (unreachable ones are skipped
+    where ``change.skip_unreachable``)."""
+    done = Held(change, [], timeout, frozen_calls)
     for raw in urls:
         url = raw.rstrip("/")
-        resp = requests.post(url + "/sleep", params={"level": level}, timeout=timeout)
-        state = _is_sleeping(url, timeout) if resp.status_code == 200 else None
-        if resp.status_code != 200 or state is not True:
-            why = _why("/sleep", resp, "/is_sleeping", state)
-            wake_engines(slept, timeout, check=False)
-            raise EngineSleepError(
-                f"{url}: the engine did not go to sleep ({why}); the update would share the "
-                "accelerator with it. Start the server with --enable-sleep-mode "
-                "(inference.sleep_mode) or set trainer.pause_during_update: false")
-        slept.append(url)
+        resp: requests.Response | None
+        state: object
+        try:
+            resp = requests.post(url + change.route, params=params, timeout=timeout)
+            state = _state(url, change, timeout) if resp.status_code == 200 else None
+        except (requests.RequestException, ValueError) as exc:
+            if isinstance(exc, requests.ConnectionError) and change.skip_unreachable:
+                log.warning("%s: unreachable; not changed (it gets the new weights when it "
+                            "is back)", url)
+                continue
+            resp, state = None, f"{exc.__class__.__name__}: {exc}"
+        if resp is None or resp.status_code != 200 or state is not True:
+            why = _why(change.route, resp, change.state_route, state)
+            done.release(check=False)
+            detail = "; ".join([*(f"{k}={v}" for k, v in params.items()), why])
+            raise change.error(f"{url}: the engine did not {change.what} ({detail}); "
+                               f"{change.why_it_matters}")
+        done.urls.append(url)
+    return done
+
+
+def pause_engines(urls: list[str], mode: str, timeout: float = 120.0) -> Held:
+    """Pause generation in every server (vLLM ``/pause``): ``keep`` freezes the requests in
+    flight inside the engine, ``abort`` ends them. Weights are never loaded under running
+    requests. A server that cannot be reached is skipped (the reload marks it stale; it
+    serves nobody until it has the new weights)."""
+    return change_engines(urls, PAUSE, {"mode": mode}, timeout, frozen_calls=mode == "keep")
+
+
+def resume_engines(urls: list[str], timeout: float = 120.0, check: bool = True) -> None:
+    Held(PAUSE, [u.rstrip("/") for u in urls], timeout).release(check)
+
+
+def sleep_engines(urls: list[str], level: int, timeout: float = 120.0) -> Held:
+    """Put every server to sleep (vLLM sleep mode: level 1 offloads the weights and drops the
+    KV cache, level 2 drops both) so the update gets the memory; one that stays awake fails
+    the step before the update starts."""
+    return change_engines(urls, SLEEP, {"level": level}, timeout)
 
 
 def wake_engines(urls: list[str], timeout: float = 120.0, check: bool = True) -> None:
-    """Wake every server; with ``check``, one still asleep afterwards is an error."""
-    for raw in urls:
-        url = raw.rstrip("/")
-        try:
-            resp = requests.post(url + "/wake_up", timeout=timeout)
-            awake = _is_sleeping(url, timeout) is False
-        except requests.RequestException as exc:
-            if check:
-                raise EngineSleepError(f"{url}: /wake_up failed: {exc}") from exc
-            log.warning("%s: could not wake the engine: %s", url, exc)
-            continue
-        if check and (resp.status_code != 200 or not awake):
-            raise EngineSleepError(f"{url}: the engine did not wake up (/wake_up answered "
-                                   f"{resp.status_code}: {resp.text[:200]})")
+    Held(SLEEP, [u.rstrip("/") for u in urls], timeout).release(check)

@@ -1,0 +1,60 @@
+"""Typed, frozen views of the configuration, one per role that reads it.
+
+The validated ``DictConfig`` stays the source (it is what a run stores in Redis); each role
+builds its settings from it once, so the code past that point reads typed attributes, and
+the modes are ``Literal`` types checked by mypy instead of strings compared along the way.
+The gateway's own view is ``gateway.settings.GatewaySettings``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+from app.services.device import resolve as resolve_device
+
+DrainMode = Literal["wait", "keep", "abort"]
+Launcher = Literal["auto", "local", "ray"]
+
+
+def sleep_mode(cfg: Any, device: str) -> bool:
+    """Whether the server starts with ``--enable-sleep-mode``: on GPU when the update runs
+    with the gateway paused (collocated: the engine sleeps and lends its memory to the
+    update), unless ``gateway.drain_mode`` is ``keep`` (calls frozen across the update keep
+    their KV cache in the engine's memory). vLLM refuses the flag on CPU, where sleeping frees
+    nothing."""
+    if device != "cuda":
+        return False
+    setting = cfg.inference.sleep_mode
+    if setting == "auto":
+        pause = cfg.trainer.pause_during_update
+        return pause in ("auto", True) and cfg.gateway.drain_mode != "keep"
+    return bool(setting)
+
+
+@dataclass(frozen=True)
+class InferenceSettings:
+    """The inference servers as the trainer drives them."""
+
+    urls: tuple[str, ...]
+    served_model_name: str
+    device: str            # resolved: cpu | cuda
+    dtype: str             # what the server computes in (auto: the checkpoint's)
+    sleep_mode: bool       # the servers were started with --enable-sleep-mode
+    sleep_level: int
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> InferenceSettings:
+        inf = cfg.inference
+        device = resolve_device(str(inf.device))
+        return cls(urls=tuple(str(u) for u in inf.urls),
+                   served_model_name=str(inf.served_model_name), device=device,
+                   dtype=str(inf.dtype), sleep_mode=sleep_mode(cfg, device),
+                   sleep_level=int(inf.sleep_level))
+
+
+def drain_mode(cfg: Any) -> DrainMode:
+    value = str(cfg.gateway.drain_mode)
+    if value not in ("wait", "keep", "abort"):
+        raise ValueError(f"gateway.drain_mode {value!r} is not one of wait, keep, abort")
+    return cast(DrainMode, value)

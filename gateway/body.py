@@ -1,0 +1,29 @@
+"""Reading a request's JSON body, for every route that takes one."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import orjson
+from flask import request
+
+from gateway.errors import bad_request
+
+
+def loads(raw: bytes | str) -> Any:
+    """orjson (several times faster on the hot path), falling back to the json module for
+    what only it reads (NaN and Infinity tokens)."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
+def json_body() -> Any:
+    # get_data() enforces MAX_CONTENT_LENGTH (413); get_json(silent=True) would hide that.
+    raw = request.get_data(cache=True)
+    try:
+        return loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        raise bad_request("request body is not valid JSON") from None

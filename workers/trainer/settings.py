@@ -1,0 +1,78 @@
+"""The trainer step's settings: typed, frozen, read once from a run's config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from app.config.loader import REPO_ROOT
+from app.config.settings import DrainMode, InferenceSettings, drain_mode
+
+
+def repo_path(p: str) -> Path:
+    """A config path: absolute, or relative to the repository."""
+    path = Path(p)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    model_path: Path
+    weights_dir: Path
+    checkpoint_dir: Path
+    keep_weight_versions: int
+    heartbeat_s: float          # the pause's lease: extended every beat, gone a TTL after
+    reload_timeout_s: float
+    upstream_check_s: float
+    probe_tolerance: float
+    trained_data_ttl_s: float
+    save_freq: int
+    total_steps: int
+    pause_during_update: bool | Literal["auto"]
+    zero_reward_failures: bool  # controller.on_failure: zero_reward
+    lease_ttl_s: float
+    drain_timeout_s: float
+    drain_mode: DrainMode
+    inference: InferenceSettings
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> TrainerSettings:
+        tr, gw = cfg.trainer, cfg.gateway
+        pause = tr.pause_during_update
+        return cls(
+            model_path=repo_path(str(cfg.actor_rollout_ref.model.path)),
+            weights_dir=repo_path(str(tr.weights_dir)),
+            checkpoint_dir=repo_path(str(tr.checkpoint_dir)),
+            keep_weight_versions=int(tr.keep_weight_versions),
+            heartbeat_s=float(tr.heartbeat_s),
+            reload_timeout_s=float(tr.reload_timeout_s),
+            upstream_check_s=float(tr.upstream_check_s),
+            probe_tolerance=float(tr.probe_tolerance),
+            trained_data_ttl_s=float(tr.trained_data_ttl_s),
+            save_freq=int(tr.save_freq),
+            total_steps=int(tr.total_steps),
+            pause_during_update=cast(Literal["auto"], "auto") if pause == "auto"
+            else bool(pause),
+            zero_reward_failures=cfg.controller.on_failure == "zero_reward",
+            lease_ttl_s=float(gw.lease_ttl_s),
+            drain_timeout_s=float(gw.drain_timeout_s),
+            drain_mode=drain_mode(cfg),
+            inference=InferenceSettings.from_config(cfg),
+        )
+
+    def collocated(self, device: str) -> bool:
+        """Whether the gateway stays paused for the whole update (``pause_during_update``).
+
+        ``auto``: yes on CUDA, where the engine sleeps and lends its accelerator memory to
+        the update; no on CPU, where nothing has to be freed, so rollouts keep going while
+        the update runs and the pause covers only loading the new weights (the samples made
+        meanwhile come from the previous version: their staleness is measured and corrected
+        like any other)."""
+        if self.pause_during_update == "auto":
+            return device.startswith("cuda")
+        return self.pause_during_update
+
+    def sleeps(self, device: str) -> bool:
+        """The engines sleep through a collocated update where sleep mode is on (GPU)."""
+        return self.collocated(device) and self.inference.sleep_mode
