@@ -18,14 +18,17 @@ from gateway.state import GatewayState
 __all__ = ["Admission", "admit"]
 
 
-def admit(state: GatewayState, rollout_id: str, token_sha256: str) -> tuple[str, int]:
-    """-> (lease id, policy version), or the error that refuses the call."""
+def admit(state: GatewayState, rollout_id: str, token_sha256: str
+          ) -> tuple[str, int, float]:
+    """-> (lease id, policy version, the temperature to sample the call at), or the error
+    that refuses the call. The temperature is the rollout temperature the trainer models,
+    unless the rollout has its own (an evaluation's, never trained)."""
     s = state.settings
     deadline = time.monotonic() + s.hold_timeout_s
     while True:
-        status, lease_id, version = state.admission.admit(rollout_id, token_sha256)
+        status, lease_id, version, own = state.admission.admit_call(rollout_id, token_sha256)
         if status is AdmitStatus.ADMITTED:
-            return lease_id, version
+            return lease_id, version, s.default_temperature if own is None else own
         if status is AdmitStatus.OVER_CAP:
             raise GatewayError(429, f"rollout {rollout_id!r} already has "
                                f"{s.max_concurrent_per_rollout} requests in flight "

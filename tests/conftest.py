@@ -168,49 +168,70 @@ def wait_http(url: str, timeout: float = 30) -> None:
 
 
 @contextlib.contextmanager
+def gateway_process(tmp_root: Path, name: str, urls: list[str], *overrides: str):
+    """A gateway of its own (gunicorn, its own port) in front of the inference servers
+    ``urls``, sharing the session's Redis. Yields (gateway URL, gunicorn master Popen)."""
+    import subprocess
+
+    bin_dir = Path(sys.executable).parent
+    (tmp_root / "logs").mkdir(parents=True, exist_ok=True)
+    gw_port = free_port()
+    env_overrides = json.loads(os.environ["CARRYOVER_OVERRIDES"]) + [
+        f"gateway.port={gw_port}", f"gateway.url=http://127.0.0.1:{gw_port}",
+        f"inference.urls=[{','.join(urls)}]", *overrides]
+    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(env_overrides)}
+    with open(tmp_root / "logs" / f"{name}.log", "ab") as logs:
+        gateway = subprocess.Popen(
+            [str(bin_dir / "gunicorn"), "-c", "gateway/gunicorn.conf.py",
+             "gateway:create_app()"],
+            cwd=REPO, env=env, stdout=logs, stderr=logs, start_new_session=True)
+    try:
+        wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        yield f"http://127.0.0.1:{gw_port}", gateway
+    finally:
+        _stop(gateway)
+
+
+def _stop(proc) -> None:
+    import subprocess
+
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:  # a deliberately slow request is still open
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+@contextlib.contextmanager
 def standin_gateway(tmp_root: Path, name: str, *overrides: str, standins: int = 1):
     """A second gateway (gunicorn, its own port) in front of ``standins`` instant OpenAI
     stand-ins (``bench/standin.py``, ``standin_delay_s`` in a request makes it slow), sharing
     the session's Redis. Yields (gateway URL, gunicorn master Popen, [(stand-in URL,
     Popen)])."""
-    import signal
     import subprocess
 
     bin_dir = Path(sys.executable).parent
     (tmp_root / "logs").mkdir(parents=True, exist_ok=True)
-    logs = open(tmp_root / "logs" / f"{name}.log", "ab")  # noqa: SIM115
     upstreams = []
-    for _ in range(standins):
-        port = free_port()
-        upstreams.append((f"http://127.0.0.1:{port}", subprocess.Popen(
-            [str(bin_dir / "gunicorn"), "-k", "gevent", "-w", "1", "-b", f"127.0.0.1:{port}",
-             "bench.standin:create_app()"], cwd=REPO, stdout=logs, stderr=logs,
-            start_new_session=True)))
-    gw_port = free_port()
-    urls = ",".join(u for u, _ in upstreams)
-    env_overrides = json.loads(os.environ["CARRYOVER_OVERRIDES"]) + [
-        f"gateway.port={gw_port}", f"gateway.url=http://127.0.0.1:{gw_port}",
-        f"inference.urls=[{urls}]", *overrides]
-    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(env_overrides)}
-    gateway = subprocess.Popen(
-        [str(bin_dir / "gunicorn"), "-c", "gateway/gunicorn.conf.py", "gateway:create_app()"],
-        cwd=REPO, env=env, stdout=logs, stderr=logs, start_new_session=True)
+    with open(tmp_root / "logs" / f"{name}.log", "ab") as logs:
+        for _ in range(standins):
+            port = free_port()
+            upstreams.append((f"http://127.0.0.1:{port}", subprocess.Popen(
+                [str(bin_dir / "gunicorn"), "-k", "gevent", "-w", "1", "-b",
+                 f"127.0.0.1:{port}", "bench.standin:create_app()"], cwd=REPO, stdout=logs,
+                stderr=logs, start_new_session=True)))
     try:
         for url, _ in upstreams:
             wait_http(f"{url}/health")
-        wait_http(f"http://127.0.0.1:{gw_port}/healthz")
-        yield f"http://127.0.0.1:{gw_port}", gateway, upstreams
+        with gateway_process(tmp_root, name, [u for u, _ in upstreams], *overrides) as (
+                url, gateway):
+            yield url, gateway, upstreams
     finally:
-        for p in (gateway, *(proc for _, proc in upstreams)):
-            if p.poll() is not None:
-                continue
-            os.killpg(p.pid, signal.SIGTERM)
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:  # a deliberately slow request is still open
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
-        logs.close()
+        for _, proc in upstreams:
+            _stop(proc)
 
 
 @contextlib.contextmanager

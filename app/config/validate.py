@@ -11,6 +11,8 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES
+
 # Sections whose content is handed to user code unchecked.
 FREE_FORM_SECTIONS = ("agent", "controller.kubernetes.resources",
                       "controller.kubernetes.node_selector", "controller.kubernetes.labels",
@@ -18,8 +20,6 @@ FREE_FORM_SECTIONS = ("agent", "controller.kubernetes.resources",
 
 ROLLOUT_IS_MODES = (None, "token", "sequence")
 ROLLOUT_RS_MODES = (None, "token", "sequence", "geometric")
-ADV_ESTIMATORS = ("grpo", "rloo")
-GROUP_ESTIMATORS = ("grpo", "rloo")
 BACKENDS = ("python", "process", "kubernetes")
 ON_FAILURE = ("requeue", "zero_reward")
 DEVICES = ("auto", "cpu", "cuda")
@@ -144,16 +144,17 @@ def k8s_label_mapping(v: Any) -> str | None:
     return f"has label values Kubernetes refuses: {bad}" if bad else None
 
 
+def test_freq(v: Any) -> str | None:
+    ok = _is_int(v) and (v == -1 or v > 0)
+    return None if ok else "must be a positive integer, or -1 (never)"
+
+
 def agent_ref(v: Any) -> str | None:
     if isinstance(v, str) and v.strip():
         return None
     return "must name the agent (module:function or a command)"
 
 
-# verl's policy-loss registry (``verl.trainer.ppo.core_algos``), listed here so validation
-# stays free of torch and verl imports.
-POLICY_LOSSES = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg", "clip_cov", "kl_cov",
-                 "geo_mean", "dro", "cispo")
 policy_loss_mode = one_of(*POLICY_LOSSES)
 
 
@@ -162,10 +163,14 @@ RULES: dict[str, Check] = {
     "data.train_files": string,
     "data.shuffle": boolean,
     "data.seed": non_negative_int,
+    "data.val_files": optional(string),
     "actor_rollout_ref.model.path": string,
     "actor_rollout_ref.rollout.n": positive_int,
     "actor_rollout_ref.rollout.temperature": positive_num,
     "actor_rollout_ref.rollout.max_tokens": positive_int,
+    "actor_rollout_ref.rollout.val_kwargs.do_sample": boolean,
+    "actor_rollout_ref.rollout.val_kwargs.temperature": non_negative_num,
+    "actor_rollout_ref.rollout.val_kwargs.n": positive_int,
     "actor_rollout_ref.actor.lr": positive_num,
     "actor_rollout_ref.actor.lr_schedule": one_of("constant", "cosine"),
     "actor_rollout_ref.actor.min_lr_ratio": fraction,
@@ -262,6 +267,8 @@ RULES: dict[str, Check] = {
     "controller.kubernetes.watch_timeout_s": positive_int,
     "controller.kubernetes.api_retries": positive_int,
     "trainer.total_steps": positive_int,
+    "trainer.test_freq": test_freq,
+    "trainer.val_before_train": boolean,
     "trainer.device": one_of(*DEVICES),
     "trainer.ranks": positive_int,
     "controller.retry_max_wait_s": positive_num,
@@ -313,7 +320,7 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
         )
     n = _get(cfg, "actor_rollout_ref.rollout.n")
     est = _get(cfg, "algorithm.adv_estimator")
-    if ok("actor_rollout_ref.rollout.n", "algorithm.adv_estimator") and est in GROUP_ESTIMATORS \
+    if ok("actor_rollout_ref.rollout.n", "algorithm.adv_estimator") and ADV_ESTIMATORS.get(est) \
             and n < 2:
         problems.append(
             f"actor_rollout_ref.rollout.n: value {n} must be >= 2 for the group-relative "
@@ -351,6 +358,16 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
                         "true: calls frozen across the update hold the engine's KV cache, which "
                         "a sleeping engine drops; use sleep_mode auto (the engine stays awake "
                         "and the update needs memory beside it) or drain_mode wait or abort")
+    if ok("trainer.test_freq", "data.val_files") and _get(cfg, "trainer.test_freq") > 0 \
+            and not _get(cfg, "data.val_files"):
+        problems.append(f"trainer.test_freq: value {_get(cfg, 'trainer.test_freq')} needs "
+                        "data.val_files (the held-out prompts to evaluate); set it, or "
+                        "test_freq -1")
+    val = "actor_rollout_ref.rollout.val_kwargs."
+    if ok(val + "do_sample", val + "temperature") and _get(cfg, val + "do_sample") \
+            and _get(cfg, val + "temperature") == 0:
+        problems.append(f"{val}temperature: value 0 cannot sample with {val}do_sample true; "
+                        "set a temperature above 0, or do_sample false (greedy)")
     wait = _get(cfg, "controller.retry_max_wait_s")
     drain = _get(cfg, "gateway.drain_timeout_s")
     beat = _get(cfg, "trainer.heartbeat_s")

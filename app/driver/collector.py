@@ -55,7 +55,8 @@ class Selection:
 
 
 class Collector:
-    def __init__(self, client: redis.Redis, run_id: str, cfg: Any) -> None:
+    def __init__(self, client: redis.Redis, run_id: str, cfg: Any, n: int | None = None
+                 ) -> None:
         self.r = client
         self.run_id = run_id
         self.cfg = cfg
@@ -75,8 +76,10 @@ class Collector:
     # --- run record ----------------------------------------------------------------
 
     @staticmethod
-    def create_run(client: redis.Redis, run_id: str, cfg_plain: dict, mode: str) -> RunRecord:
-        rec = RunRecord(run_id=run_id, config=cfg_plain, mode=mode, created_at=time.time())
+    def create_run(client: redis.Redis, run_id: str, cfg_plain: dict, mode: str,
+                   temperature: float | None = None) -> RunRecord:
+        rec = RunRecord(run_id=run_id, config=cfg_plain, mode=mode, created_at=time.time(),
+                        temperature=temperature)
         if not client.hsetnx(keys.run(run_id), "run_id", run_id):
             raise ValueError(f"run {run_id!r} already exists; use --resume {run_id}")
         client.hset(keys.run(run_id), mapping=rec.to_hash())

@@ -21,7 +21,8 @@ from omegaconf import OmegaConf
 
 from app.config.loader import REPO_ROOT
 from app.driver.collector import Collector
-from app.driver.metrics import CARRY, MetricsSink, console_line
+from app.driver.evaluation import Evaluator
+from app.driver.metrics import CARRY, MetricsSink, console_line, val_line
 from app.driver.trainer_call import call_trainer
 from app.state import keys
 from app.state.connection import connect, resolve_redis_url
@@ -61,9 +62,12 @@ def run_training(cfg: Any, resume: str | None = None, *,
 def train(cfg: Any, resume: str | None = None, *,
           on_step: Callable[[int, dict], None] | None = None,
           run_id: str | None = None,
-          should_stop: Callable[[int, dict], bool] | None = None) -> dict:
+          should_stop: Callable[[int, dict], bool] | None = None,
+          on_eval: Callable[[int, dict], None] | None = None) -> dict:
     """Run (or resume) a run for ``trainer.total_steps``; ``should_stop(step, metrics)``,
-    asked after each step, ends it early (a benchmark that reached its steady state)."""
+    asked after each step, ends it early (a benchmark that reached its steady state).
+    ``on_eval(step, metrics)`` gets each evaluation's ``val/*`` metrics (``data.val_files``),
+    reported after ``step`` updates."""
     from app.celery_app import celery_app
 
     url = resolve_redis_url(cfg)
@@ -93,6 +97,24 @@ def train(cfg: Any, resume: str | None = None, *,
     except Exception as exc:
         raise TrainingFailed(f"the trainer worker could not load run {run_id}'s policy into "
                              f"the inference server: {exc.__class__.__name__}: {exc}") from exc
+    evaluator = Evaluator(client, run_id, cfg)
+    eval_timeout = float(cfg.controller.rollout_timeout_s) * int(cfg.controller.max_attempts) \
+        + 60.0
+
+    def report_eval(steps_done: int, val: dict[str, float] | None) -> None:
+        if val is None:
+            return
+        client.rpush(keys.run_metrics(run_id), json.dumps({"step": steps_done, **val}))
+        sink.log(steps_done, val)
+        if on_eval:
+            on_eval(steps_done, val)
+        elif cfg.logging.console:
+            print(val_line(steps_done, val), flush=True)
+
+    if step == 0 and evaluator.before_training():
+        # the initial policy alone: waited for before any training rollout is sent
+        evaluator.start(0, int(client.get(keys.policy_version()) or 0))
+        report_eval(0, evaluator.wait(eval_timeout))
     last_counters = collector.counters()
     n = collector.n
     is_async = bool(cfg.agentlightning.async_rollout.enabled)
@@ -167,8 +189,22 @@ def train(cfg: Any, resume: str | None = None, *,
                 on_step(step - 1, metrics)
             elif cfg.logging.console:
                 print(console_line(step - 1, total, metrics), flush=True)
+            # Evaluations run beside training: looked at between steps, never waited for.
+            report_eval(step - 1, evaluator.poll())
+            if evaluator.due(step) and step < total:
+                if evaluator.pending is None:
+                    evaluator.start(step, int(client.get(keys.policy_version()) or 0))
+                else:
+                    log.warning("evaluation due after %d updates skipped: %s (sent after %d) "
+                                "is still running", step, evaluator.pending.eval_id,
+                                evaluator.pending.step)
             if should_stop is not None and should_stop(step - 1, metrics):
                 break
+        if step >= total and evaluator.freq > 0 and evaluator.enabled:
+            # the final policy is always measured (verl's last validation)
+            report_eval(step - 1, evaluator.wait(eval_timeout))
+            evaluator.start(step, int(client.get(keys.policy_version()) or 0))
+            report_eval(step - 1, evaluator.wait(eval_timeout))
         client.hset(keys.run(run_id), "status", "finished")
     finally:
         sink.close()

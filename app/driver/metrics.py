@@ -85,3 +85,11 @@ def console_line(step: int, total: int, m: dict[str, Any]) -> str:
             f"stale {g('training/async/consumed_age_mean_steps', '{:.2f}')} "
             f"drain {g(CARRY + 'proxy_drain_seconds', '{:.2f}')}s "
             f"step {g('timing/step_seconds', '{:.1f}')}s")
+
+
+def val_line(step: int, m: dict[str, Any]) -> str:
+    lo, hi = int(m["val/policy_version_min"]), int(m["val/policy_version_max"])
+    versions = f"v{lo}" if lo == hi else f"v{lo}-v{hi}"
+    return (f"eval sent after {m['val/sent_at_step']:.0f} updates (policy {versions}): "
+            f"success {m['val/success_rate']:.3f} reward {m['val/reward_mean']:.3f} over "
+            f"{m['val/n_rollouts']:.0f} rollouts ({m['val/seconds']:.0f} s)")

@@ -61,6 +61,9 @@ class RolloutRecord(_HashRecord):
     token_sha256: str            # the agent's bearer token, hashed: tokens are never stored
     status: str = "running"      # running | finished | failed | cancelled
     created_at: float = 0.0
+    # The temperature the gateway samples this rollout's calls at; None = the rollout
+    # temperature the trainer models. Set for evaluation rollouts, which are never trained.
+    temperature: float | None = None
 
 
 @dataclass
@@ -179,7 +182,8 @@ class RunRecord(_HashRecord):
 
     run_id: str
     config: dict = field(default_factory=dict)
-    mode: str = "async"          # async | sync
+    mode: str = "async"          # async | sync | eval (an evaluation: app.driver.evaluation)
+    temperature: float | None = None  # eval: the sampling temperature of its rollouts
     step: int = 0                # optimizer steps completed
     cursor: int = 0              # next position in the epoch's order
     epoch: int = 0

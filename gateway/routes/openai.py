@@ -85,17 +85,16 @@ def _forward(rollout_id: str, endpoint: str) -> Response:
     # Authentication comes first (as in the OpenAI API) and rides in the admission script;
     # from then on the lease is released on every way out but two: recorded with the
     # call's capture, or handed to the stream that will end it.
-    lease_id, version = admit(state, rollout_id, rollout_token_sha256())
+    lease_id, version, temperature = admit(state, rollout_id, rollout_token_sha256())
     with state.leases.held(lease_id) as lease:
-        body = sampling.apply(validate_body(json_body(), endpoint), s.sampling,
-                              s.default_temperature)
+        body = sampling.apply(validate_body(json_body(), endpoint), s.sampling, temperature)
         upstream = state.upstreams.pick(rollout_id)
         if upstream is None:
             raise retryable("no inference server is reachable", s.retry_after_s,
                             code="upstream_unavailable")
         wants_lp, wants_ids = capture.agent_wants(body, endpoint)
         up_body = capture.prepare_upstream_body(body, endpoint, s.model, s.default_max_tokens,
-                                                s.default_temperature)
+                                                temperature)
         stream = bool(body.get("stream"))
         cancel = state.leases.add(lease_id)
         started = time.time()

@@ -22,7 +22,7 @@ import redis
 
 from app.state import cached_reads, carry, keys
 from app.state.records import RolloutRecord, SiblingResult
-from app.state.runs import read_group, run_config
+from app.state.runs import read_group, read_run, run_config
 from workers.rollout.controller import (
     AgentError,
     LLMEndpoint,
@@ -35,13 +35,13 @@ log = logging.getLogger(__name__)
 ROLLOUT_TTL_S = 7 * 24 * 3600
 
 
-def _start_attempt(client: redis.Redis, run_id: str, group_id: str, index: int, attempt: int
-                   ) -> tuple[str, str]:
+def _start_attempt(client: redis.Redis, run_id: str, group_id: str, index: int, attempt: int,
+                   temperature: float | None = None) -> tuple[str, str]:
     rollout_id = f"{group_id}.{index}.{secrets.token_hex(4)}"
     token = secrets.token_urlsafe(24)
     rec = RolloutRecord(rollout_id=rollout_id, run_id=run_id, group_id=group_id, index=index,
                         attempt=attempt, token_sha256=hashlib.sha256(token.encode()).hexdigest(),
-                        created_at=time.time())
+                        created_at=time.time(), temperature=temperature)
     pipe = client.pipeline()
     pipe.hset(keys.rollout(rollout_id), mapping=rec.to_hash())
     pipe.expire(keys.rollout(rollout_id), ROLLOUT_TTL_S)
@@ -113,6 +113,8 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
     ctl_cfg = cfg.controller
     settings: dict[str, Any] = dict(cfg.agent) if cfg.agent else {}
     gateway = cfg.gateway.url.rstrip("/")
+    # an evaluation's rollouts are sampled at its own temperature (never trained)
+    temperature = read_run(client, group.run_id).temperature
     controller = make_controller(ctl_cfg.backend, ctl_cfg.agent, settings,
                                  kcfg=ctl_cfg.kubernetes, client=client, gateway_url=gateway,
                                  run_id=group.run_id, group_id=group_id, index=index)
@@ -142,7 +144,8 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
             log.info("sibling %s/%d: adopting the running agent of rollout %s", group_id,
                      index, rollout_id)
         else:
-            rollout_id, token = _start_attempt(client, group.run_id, group_id, index, attempt)
+            rollout_id, token = _start_attempt(client, group.run_id, group_id, index, attempt,
+                                               temperature)
         llm = LLMEndpoint(base_url=f"{gateway}/rollout/{rollout_id}/v1", api_key=token,
                           model=cfg.inference.served_model_name, rollout_id=rollout_id,
                           max_wait_s=float(ctl_cfg.retry_max_wait_s))

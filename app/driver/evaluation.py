@@ -1,0 +1,183 @@
+"""Evaluation during training, as verl users know it: ``data.val_files`` held out,
+``trainer.val_before_train``, ``trainer.test_freq`` and the sampling of
+``actor_rollout_ref.rollout.val_kwargs``.
+
+An evaluation is a run of its own in Redis (``<run>-val<step>``, mode ``eval``): its groups
+go through the same chords, rollout workers, controller and gateway as training groups, but
+they live in that run's active and ready sets, so the training run's selection, carry-over
+counts and trainer never see them, and nothing of them is trained. The gateway samples their
+calls at the evaluation temperature (greedy unless ``do_sample``).
+
+Scheduling: the evaluation before training is waited for (it measures the initial policy
+alone). A periodic one is sent at its step and runs beside training without stalling it:
+the driver only looks at it between steps, and reports it at the first step boundary after
+its last group finished. Weight loads can happen while it runs, so each report names the
+policy versions that served its calls (``val/policy_version_min`` and ``_max``). The last
+one is waited for before the run ends.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+from omegaconf import OmegaConf
+
+from app.driver.collector import Collector
+from app.state import keys, retention
+from app.state.completion import sibling_results
+from app.state.records import CapturedCall
+
+log = logging.getLogger(__name__)
+
+EVAL_MODE = "eval"
+SUCCESS_REWARD = 1.0  # a rollout with at least this reward counts as a success
+
+
+def eval_temperature(cfg: Any) -> float:
+    """The temperature evaluation calls are sampled at (0: greedy)."""
+    val = cfg.actor_rollout_ref.rollout.val_kwargs
+    return float(val.temperature) if val.do_sample else 0.0
+
+
+def eval_config(cfg: Any, n_samples: int) -> dict:
+    """The training config turned into an evaluation's: the held-out prompts in file order,
+    each dispatched once, failures counted as reward 0. (The group size, ``val_kwargs.n``, is
+    the collector's: ``rollout.n`` stays the training one, which its rules hold to.)"""
+    plain = copy.deepcopy(OmegaConf.to_container(cfg, resolve=True))
+    assert isinstance(plain, dict)
+    plain["data"].update(train_files=plain["data"]["val_files"], shuffle=False,
+                         train_batch_size=n_samples)
+    plain["agentlightning"]["async_rollout"]["enabled"] = False
+    plain["controller"]["on_failure"] = "zero_reward"
+    return plain
+
+
+@dataclass
+class PendingEval:
+    eval_id: str
+    step: int            # optimizer steps done when it was sent
+    version: int         # the policy version when it was sent
+    started: float
+    n_groups: int
+
+
+class Evaluator:
+    def __init__(self, client: redis.Redis, run_id: str, cfg: Any) -> None:
+        self.r = client
+        self.run_id = run_id
+        self.cfg = cfg
+        self.files = cfg.data.val_files
+        self.freq = int(cfg.trainer.test_freq)
+        self.pending: PendingEval | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.files)
+
+    def before_training(self) -> bool:
+        return self.enabled and bool(self.cfg.trainer.val_before_train)
+
+    def due(self, steps_done: int) -> bool:
+        """An evaluation is due after ``steps_done`` updates (every ``test_freq``)."""
+        return self.enabled and self.freq > 0 and steps_done > 0 and steps_done % self.freq == 0
+
+    def start(self, steps_done: int, version: int) -> PendingEval:
+        from app.driver.dataset import load_samples
+
+        eval_id = f"{self.run_id}-val{steps_done}"
+        n = len(load_samples(self.files))
+        plain = eval_config(self.cfg, n)
+        if self.r.exists(keys.run(eval_id)):  # a resumed driver: that evaluation is lost
+            self._release(eval_id)
+            self.r.delete(keys.run(eval_id))
+        Collector.create_run(self.r, eval_id, plain, EVAL_MODE, eval_temperature(self.cfg))
+        n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+        collector = Collector(self.r, eval_id, OmegaConf.create(plain), n=n_val)
+        sent = collector.top_up(version, dispatch_step=steps_done)
+        self.pending = PendingEval(eval_id, steps_done, version, time.monotonic(), sent)
+        log.info("evaluation %s: %d held-out prompts x %d sent (policy version %d)", eval_id,
+                 sent, n_val, version)
+        return self.pending
+
+    def finished(self, pending: PendingEval) -> bool:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.zcard(keys.run_ready(pending.eval_id))
+        pipe.hget(keys.run(pending.eval_id), "n_dropped")
+        ready, dropped = pipe.execute()
+        return int(ready) + int(dropped or 0) >= pending.n_groups
+
+    def poll(self) -> dict[str, float] | None:
+        """The pending evaluation's metrics once its last group finished, else None."""
+        if self.pending is None or not self.finished(self.pending):
+            return None
+        return self._report()
+
+    def wait(self, timeout_s: float, poll_s: float = 0.5) -> dict[str, float] | None:
+        """Block until the pending evaluation finished (or ``timeout_s``); its metrics."""
+        if self.pending is None:
+            return None
+        deadline = time.monotonic() + timeout_s
+        while not self.finished(self.pending):
+            if time.monotonic() > deadline:
+                log.warning("evaluation %s did not finish within %.0f s; not reported",
+                            self.pending.eval_id, timeout_s)
+                self._release(self.pending.eval_id)
+                self.pending = None
+                return None
+            self.r.blpop([keys.run_wakeup(self.pending.eval_id)], timeout=poll_s)
+        return self._report()
+
+    def _report(self) -> dict[str, float]:
+        pending = self.pending
+        assert pending is not None
+        rewards: list[float] = []
+        versions: list[int] = []
+        failed = 0
+        group_ids = self.r.zrange(keys.run_ready(pending.eval_id), 0, -1)
+        for gid in group_ids:
+            for result in sibling_results(self.r, gid).values():
+                if result.status == "ok" and result.reward is not None:
+                    rewards.append(float(result.reward))
+                else:
+                    rewards.append(0.0)
+                    failed += 1
+                if result.rollout_id:
+                    for raw in self.r.lrange(keys.rollout_calls(result.rollout_id), 0, -1):
+                        call = CapturedCall.from_json(raw)
+                        versions.append(call.policy_version)
+                        if call.policy_version_end is not None:
+                            versions.append(call.policy_version_end)
+        self._release(pending.eval_id, group_ids)
+        self.pending = None
+        metrics = {
+            "val/reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+            "val/success_rate": (sum(r >= SUCCESS_REWARD for r in rewards) / len(rewards)
+                                 if rewards else 0.0),
+            "val/n_prompts": float(len(group_ids)),
+            "val/n_rollouts": float(len(rewards)),
+            "val/n_failed_rollouts": float(failed),
+            "val/policy_version_min": float(min(versions, default=pending.version)),
+            "val/policy_version_max": float(max(versions, default=pending.version)),
+            "val/sent_at_step": float(pending.step),
+            "val/seconds": time.monotonic() - pending.started,
+        }
+        log.info("evaluation %s: success %.3f, reward %.3f over %d rollouts (policy versions "
+                 "%d-%d, %.0f s)", pending.eval_id, metrics["val/success_rate"],
+                 metrics["val/reward_mean"], len(rewards), metrics["val/policy_version_min"],
+                 metrics["val/policy_version_max"], metrics["val/seconds"])
+        return metrics
+
+    def _release(self, eval_id: str, group_ids: list[str] | None = None) -> None:
+        """An evaluation's captured calls are never trained: drop them once read."""
+        if group_ids is None:
+            group_ids = self.r.zrange(keys.run_active(eval_id), 0, -1) + \
+                self.r.zrange(keys.run_ready(eval_id), 0, -1)
+        if group_ids:
+            retention.release_trained(self.r, list(group_ids), 60)
+        self.r.hset(keys.run(eval_id), "status", "finished")

@@ -1,0 +1,78 @@
+"""Evaluation during training through the real stack (Redis, Celery, gateway, vLLM, trainer):
+held-out prompts are evaluated before training, every ``test_freq`` steps and after the last,
+greedily unless ``val_kwargs.do_sample``, never trained, each report naming the policy
+versions that served it."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from app.config import load_config
+from app.driver.loop import train
+from app.state import keys
+from app.state.records import CapturedCall
+
+pytestmark = pytest.mark.slow
+
+
+def _cfg(tmp_path, *overrides: str):
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"text": t, "target": t[::-1]}) + "\n"
+                           for t in ("abc", "dab", "cca")))
+    return load_config("config/demo.yaml", [
+        *json.loads(os.environ["CARRYOVER_OVERRIDES"]),
+        f"data.val_files={val}", "trainer.test_freq=2", "trainer.total_steps=3",
+        "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+        "agentlightning.async_rollout.async_train_batch_size=3",
+        "agent.tool_median_s=0", f"logging.dir={tmp_path / 'runs'}",
+        "logging.wandb_mode=disabled", "logging.console=false",
+        f"trainer.weights_dir={tmp_path / 'weights'}",
+        f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}", *overrides])
+
+
+def test_evaluations_run_beside_training_and_are_never_trained(
+        redis_client, gateway_service, celery_workers, tmp_path):
+    evals: list[tuple[int, dict]] = []
+    steps: list[dict] = []
+    result = train(_cfg(tmp_path), on_step=lambda s, m: steps.append(m),
+                   on_eval=lambda s, m: evals.append((s, m)))
+    assert result["steps"] == 3
+    sent = [m["val/sent_at_step"] for _, m in evals]
+    # before training, after 2 updates (test_freq), after the last one
+    assert sent == [0.0, 2.0, 3.0], evals
+    first = evals[0][1]
+    assert first["val/policy_version_min"] == first["val/policy_version_max"]
+    for _, m in evals:
+        assert m["val/n_prompts"] == 3 and m["val/n_rollouts"] == 3  # val_kwargs.n = 1
+        assert 0.0 <= m["val/success_rate"] <= 1.0
+        assert m["val/policy_version_min"] <= m["val/policy_version_max"]
+    # the final evaluation ran on the final weights
+    assert evals[-1][1]["val/policy_version_min"] == int(redis_client.get(keys.policy_version()))
+    # every step trained exactly its training groups, none of the evaluation's
+    assert all(m["batch/groups"] == 2 and m["batch/rollouts"] == 4 for m in steps)
+    # evaluation runs are finished and their captured calls released
+    for s in (0, 2, 3):
+        eval_id = f"{result['run_id']}-val{s}"
+        assert redis_client.hget(keys.run(eval_id), "mode") == "eval"
+        assert redis_client.hget(keys.run(eval_id), "status") == "finished"
+        assert redis_client.zcard(keys.run_ready(eval_id)) == 3
+        for gid in redis_client.zrange(keys.run_ready(eval_id), 0, -1):
+            assert not redis_client.exists(keys.group_rollouts(gid))
+
+
+def test_an_evaluation_rollout_is_sampled_at_its_own_temperature(redis_client, gateway_service,
+                                                                 cfg):
+    import openai
+
+    from workers.rollout.episode import _start_attempt
+
+    for own, expected in ((0.0, 0.0), (None, float(cfg.actor_rollout_ref.rollout.temperature))):
+        rid, token = _start_attempt(redis_client, "eval-temp", "eval-temp-g0", 0, 1, own)
+        client = openai.OpenAI(base_url=f"{gateway_service}/rollout/{rid}/v1", api_key=token)
+        client.chat.completions.create(model=cfg.inference.served_model_name,
+                                       messages=[{"role": "user", "content": "reverse abc"}])
+        call = CapturedCall.from_json(redis_client.lindex(keys.rollout_calls(rid), 0))
+        assert call.temperature == expected
