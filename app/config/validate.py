@@ -214,6 +214,7 @@ RULES: dict[str, Check] = {
     "redis.dir": string,
     "redis.password": optional(string),
     "redis.reconnect_s": at_least(5),
+    "redis.appendfsync": one_of("everysec", "always"),
     "inference.urls": url_list,
     "inference.host": string,
     "inference.port": port,

@@ -23,6 +23,7 @@ from app.config.loader import REPO_ROOT
 from app.driver.collector import Collector
 from app.driver.evaluation import Evaluator
 from app.driver.metrics import CARRY, MetricsSink, console_line, val_line
+from app.driver.recovery import OutageWatch, repair
 from app.driver.trainer_call import call_trainer
 from app.state import keys
 from app.state.connection import connect, resolve_redis_url
@@ -75,6 +76,9 @@ def train(cfg: Any, resume: str | None = None, *,
         raise TrainingFailed("the Celery app was built for another Redis than the run's config "
                              "(set $CARRYOVER_CONFIG / $REDIS_URL before importing app.celery_app)")
     client = connect(url)
+    # Each Redis outage the driver rides out is followed by a check of what it lost (see
+    # app/driver/recovery.py): the last second of acknowledged writes may be gone.
+    watch = OutageWatch(url)
     if resume:
         run_id = resume
         cfg = run_config(client, run_id)  # the run keeps the config it started with
@@ -120,8 +124,18 @@ def train(cfg: Any, resume: str | None = None, *,
     is_async = bool(cfg.agentlightning.async_rollout.enabled)
     refill_during_update = cfg.agentlightning.async_rollout.refill == "during_update"
     carried = collector.carried_in()
+    last_entry: dict[str, Any] | None = None  # the metrics entry of the last step done
+    chosen: list[str] | None = None           # the current step's selection, once made
+
+    def after_outage() -> None:
+        outage = watch.take()
+        if outage is not None:
+            repair(client, collector, run_id, outage, step, chosen, last_entry)
+
     try:
         while step < total:
+            after_outage()
+            chosen = None
             t_step = time.monotonic()
             version = int(client.get(keys.policy_version()) or 0)
             prev_carry = carried
@@ -133,9 +147,14 @@ def train(cfg: Any, resume: str | None = None, *,
                 selection = None
                 waited = 0.0
             else:
-                waited = collector.wait_ready(on_wait=lambda v=version: collector.top_up(v))
+                def on_wait(v: int = version) -> None:
+                    after_outage()
+                    collector.top_up(v)
+
+                waited = collector.wait_ready(on_wait=on_wait)
                 selection = collector.select(step, prev_carry, waited)
                 sel_groups = selection.group_ids
+            chosen = list(sel_groups)
             if selection is not None:
                 carried = selection.new_carry_over_rollouts
             # during_update: the freed slots work while the trainer does, on the old weights,
@@ -147,7 +166,8 @@ def train(cfg: Any, resume: str | None = None, *,
             try:
                 trainer_metrics = call_trainer(
                     client, cfg, "workers.trainer.tasks.train_step", run_id, str(step),
-                    [run_id, step], while_running=refill if refill_early else None)
+                    [run_id, step], while_running=refill if refill_early else None,
+                    outage=watch, after_outage=after_outage)
             except Exception as exc:
                 raise TrainingFailed(f"update {step} failed in the trainer worker: "
                                      f"{exc.__class__.__name__}: {exc}") from exc
@@ -183,7 +203,9 @@ def train(cfg: Any, resume: str | None = None, *,
             last_counters = counters
             step += 1
             collector.set_step(step)
-            client.rpush(keys.run_metrics(run_id), json.dumps({"step": step - 1, **metrics}))
+            last_entry = {"step": step - 1, **metrics}
+            chosen = None
+            client.rpush(keys.run_metrics(run_id), json.dumps(last_entry))
             sink.log(step - 1, metrics)
             if on_step:
                 on_step(step - 1, metrics)
@@ -207,6 +229,7 @@ def train(cfg: Any, resume: str | None = None, *,
             report_eval(step - 1, evaluator.wait(eval_timeout))
         client.hset(keys.run(run_id), "status", "finished")
     finally:
+        watch.close()
         sink.close()
     return {"run_id": run_id, "steps": step, "run_dir": str(run_dir),
             "jsonl": str(sink.jsonl_path), "wandb_dir": sink.wandb_dir}

@@ -34,8 +34,13 @@ class TrainerTimeout(RuntimeError):
     pass
 
 
+class RedisOutageEnded(RuntimeError):
+    """Redis was unreachable while the task ran and is back: the task message (and what the
+    driver wrote just before it) may be among the writes a crash lost."""
+
+
 def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: float,
-           poll_s: float) -> dict:
+           poll_s: float, outage: Any = None) -> dict:
     start = time.monotonic()
     seen = False
     while True:
@@ -43,6 +48,8 @@ def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: floa
             return result.get(timeout=poll_s, propagate=True, disable_sync_subtasks=False)
         except CeleryTimeout:
             pass
+        if outage is not None and outage.pending():
+            raise RedisOutageEnded("Redis was unreachable while the task ran")
         alive = bool(client.exists(heartbeat_key))
         if alive:
             seen = True
@@ -59,25 +66,41 @@ def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: floa
 
 def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: str,
                  args: list[Any], poll_s: float = 0.5,
-                 while_running: Callable[[], Any] | None = None) -> dict:
+                 while_running: Callable[[], Any] | None = None, outage: Any = None,
+                 after_outage: Callable[[], Any] | None = None) -> dict:
     """Run trainer task ``task`` and return its result, re-sending it when the worker dies.
 
     ``while_running`` is called once, right after the first send: work the driver does while
-    the trainer does its own."""
+    the trainer does its own. ``outage`` (an ``app.driver.recovery.OutageWatch``): when a
+    Redis outage ends while the task runs, ``after_outage`` is called (the driver redoes its
+    own lost writes) and the task is sent again, not counted as an attempt: a crash may have
+    lost its message, and a copy that ran already answers from its stored result."""
     from app.celery_app import celery_app
 
     retries = int(cfg.trainer.step_retries)
     key = keys.trainer_heartbeat(run_id, label)
-    for attempt in range(retries + 1):
+    attempt = 0
+    first = True
+    while True:
         result = celery_app.send_task(task, args=args)
-        if while_running is not None and attempt == 0:
+        if while_running is not None and first:
             while_running()
+        first = False
         try:
-            return _await(client, result, key, float(cfg.trainer.step_timeout_s), poll_s)
+            return _await(client, result, key, float(cfg.trainer.step_timeout_s), poll_s,
+                          outage)
+        except RedisOutageEnded:
+            if after_outage is not None:
+                after_outage()
+            elif outage is not None:
+                outage.take()
+            log.warning("Redis was unreachable during %s %s: sending it again (a copy that "
+                        "already ran answers from its stored result)", task, label)
+            continue
         except TrainerLost as exc:
             if attempt == retries:
                 raise TrainerLost(f"{exc}; gave up after {retries + 1} attempts "
                                   f"(trainer.step_retries {retries})") from None
             log.warning("%s (%s %s): sending it again (attempt %d of %d)", exc, task, label,
                         attempt + 2, retries + 1)
-    raise AssertionError("unreachable")
+            attempt += 1

@@ -55,10 +55,11 @@ def redis_command(cfg: Any) -> Command:
         "--bind", cfg.redis.host,
         "--port", str(cfg.redis.port),
         "--dir", str(data_dir),
-        # AOF: every write is logged and fsynced each second, so a Redis restart keeps
-        # the run's groups, leases and captures.
+        # AOF: every write is logged, so a Redis restart keeps the run's groups, leases and
+        # captures; fsynced each second (a machine crash can lose the last second, which the
+        # roles redo or detect: docs/operations.md) or, with always, before each reply.
         "--appendonly", "yes",
-        "--appendfsync", "everysec",
+        "--appendfsync", str(cfg.redis.appendfsync),
         "--save", "",
         "--protected-mode", "yes",
     ]

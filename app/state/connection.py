@@ -74,6 +74,11 @@ class Outage:
         self.first_error = ""
         self.outages = 0
         self.listeners: list[Callable[[float, float], None]] = []
+        # The server's run_id, to tell a restart from a connection that was merely closed
+        # when a command's only retry was the immediate one (nobody waited through it).
+        self.server_run_id: str | None = None
+        self._checking = False
+        self._check_server_soon(baseline=True)
 
     def down(self, at: float, error: BaseException, budget_s: float) -> None:
         with self._lock:
@@ -93,10 +98,45 @@ class Outage:
             listeners = list(self.listeners)
         ended = time.time()
         log.warning("Redis at %s back after %.1f s", self.shown, ended - began)
+        self._check_server_soon(baseline=True)  # the restarted server's run_id
         threading.Thread(target=self._record, args=(began, ended), daemon=True,
                          name="redis-outage-record").start()
         for listener in listeners:
             listener(began, ended)
+
+    def reconnected(self) -> None:
+        """A command lost its connection and the immediate retry worked: an idle connection
+        closed, or a restart nobody was waiting through. Checked in the background."""
+        self._check_server_soon()
+
+    def _check_server_soon(self, baseline: bool = False) -> None:
+        with self._lock:
+            if self._checking:
+                return
+            self._checking = True
+        threading.Thread(target=self._check_server, args=(baseline,), daemon=True,
+                         name="redis-restart-check").start()
+
+    def _check_server(self, baseline: bool) -> None:
+        try:
+            client = redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=5)
+            run_id = str(client.info("server").get("run_id", ""))
+            client.close()
+        except Exception:  # noqa: BLE001 - best effort; a real outage is seen by commands
+            return
+        finally:
+            with self._lock:
+                self._checking = False
+        with self._lock:
+            before, self.server_run_id = self.server_run_id, run_id
+            listeners = list(self.listeners)
+        if baseline or before is None or before == run_id:
+            return
+        now = time.time()
+        log.warning("Redis at %s was restarted (its run_id changed) while no command waited "
+                    "for it", self.shown)
+        for listener in listeners:
+            listener(now, now)
 
     def gave_up(self, budget_s: float) -> None:
         log.error("Redis at %s still unreachable after %.0f s (redis.reconnect_s): giving up",
@@ -201,6 +241,8 @@ class ReconnectRetry(Retry):
             else:
                 if failures > 1:
                     self.outage.up()
+                elif failures == 1:
+                    self.outage.reconnected()
                 return result
 
 
@@ -214,8 +256,23 @@ def reconnect_options(url: str, reconnect_s: float | None = None) -> dict[str, A
     """redis-py connection options that ride out a Redis restart; for every pool the project
     builds (``connect`` and the Celery result backend's)."""
     budget = reconnect_budget() if reconnect_s is None else float(reconnect_s)
-    return {"retry": ReconnectRetry(budget, outage_for(url)),
-            "retry_on_error": list(RETRIED_ERRORS)}
+    outage = outage_for(url)
+    return {"retry": ReconnectRetry(budget, outage),
+            "retry_on_error": list(RETRIED_ERRORS),
+            "redis_connect_func": _connect_hook(outage)}
+
+
+def _connect_hook(outage: Outage) -> Callable[[Any], None]:
+    """redis-py's handshake, then a note when a connection connects again: the pool quietly
+    replaces a connection the server closed when it is next taken, so a restart that no
+    command waited through shows only there."""
+    def on_connect(conn: Any) -> None:
+        conn.on_connect_check_health(check_health=True)
+        if getattr(conn, "_carryover_connected", False):
+            outage.reconnected()
+        conn._carryover_connected = True
+
+    return on_connect
 
 
 def connect(url: str, max_connections: int = 512, single_connection: bool = False,

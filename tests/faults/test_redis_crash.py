@@ -73,7 +73,9 @@ def wait_for(what: str, cond: Callable[[], bool], train: subprocess.Popen, timeo
              every_s: float = 0.05) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
-        assert train.poll() is None, f"the run ended while waiting for {what}"
+        if train.poll() is not None:
+            raise AssertionError(f"the run ended while waiting for {what}:\n"
+                                 + train.communicate()[0][-4000:])
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(every_s)
 

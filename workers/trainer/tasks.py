@@ -14,13 +14,32 @@ from typing import Any
 from celery.signals import worker_ready
 
 from app.celery_app import celery_app, task_redis
+from app.state.connection import outage_for
+from app.state.policy import PublishedVersion
+
+# The last policy version this worker published, put back if a Redis crash loses its bump
+# (app/state/policy.py); watched from the worker's first update on.
+_published = PublishedVersion()
+_watching: list[bool] = []
+
+
+def _watch_outages() -> None:
+    if not _watching:
+        _watching.append(True)
+        outage_for(celery_app.conf.broker_url).listeners.append(
+            lambda began, ended: _published.check_soon(task_redis()))
 
 
 @celery_app.task(name="workers.trainer.tasks.train_step", acks_late=False)
 def train_step(run_id: str, step: int) -> dict:
     from workers.trainer.service import train_step as run_step
 
-    return run_step(task_redis(), run_id, step)
+    _watch_outages()
+    metrics = run_step(task_redis(), run_id, step)
+    if metrics.get("policy/version"):
+        _published.published(int(metrics["policy/version"]))
+        _published.check(task_redis())  # a bump lost while this step ran
+    return metrics
 
 
 @celery_app.task(name="workers.trainer.tasks.init_run", acks_late=False)

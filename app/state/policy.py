@@ -1,0 +1,72 @@
+"""The policy version after a Redis outage.
+
+The trainer bumps ``keys.policy_version`` right after loading new weights into the inference
+servers; the gateway labels every call it captures with it. A crash that loses the bump (the
+last second of writes under ``appendfsync everysec``) would bring back the old number while
+the servers hold the new weights: calls would be labelled with a version that did not serve
+them, and the next update would reuse the number for other weights. The trainer worker
+remembers the last version it published and, when Redis answers again after an outage, puts
+it back if Redis holds less (never lowering it: another trainer may have gone further).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import redis
+
+from app.state import keys
+
+log = logging.getLogger(__name__)
+
+# KEYS: policy_version; ARGV: version. Raises the version to ARGV, never lowers it.
+_RAISE = """
+local now = tonumber(redis.call('GET', KEYS[1]) or '0')
+if now < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return now
+end
+return -1
+"""
+
+
+def restore_version(client: redis.Redis, version: int) -> int | None:
+    """Raise the policy version to ``version`` if Redis holds less; returns the version it
+    held before (None if it was not lower)."""
+    before = int(client.eval(_RAISE, 1, keys.policy_version(), int(version)))
+    return None if before < 0 else before
+
+
+class PublishedVersion:
+    """The last version this process published, put back after each Redis outage."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._lock = threading.Lock()
+
+    def published(self, version: int) -> None:
+        with self._lock:
+            self.version = max(self.version, int(version))
+
+    def check(self, client: redis.Redis) -> int | None:
+        with self._lock:
+            version = self.version
+        if version <= 0:
+            return None
+        before = restore_version(client, version)
+        if before is not None:
+            log.warning("policy version %d restored after a Redis outage (Redis held %d: "
+                        "the bump was among the writes the crash lost)", version, before)
+        return before
+
+    def check_soon(self, client: redis.Redis) -> None:
+        """From an outage listener: in a thread of its own, since the listener runs inside
+        the command that found Redis back (and may hold its only connection)."""
+        def run() -> None:
+            try:
+                self.check(client)
+            except Exception as exc:  # noqa: BLE001 - the next outage or step checks again
+                log.warning("could not check the policy version after an outage: %s", exc)
+
+        threading.Thread(target=run, name="policy-version-check", daemon=True).start()

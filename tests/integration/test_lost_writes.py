@@ -1,0 +1,143 @@
+"""The last second of writes a crash can lose (``appendfsync everysec``): each write of the
+step's critical path is made, then lost the way an AOF loses it (the server SIGKILLed and
+its AOF cut back to before the write, a suffix, as a machine crash leaves it), and what the
+system does after the restart is checked against a real redis-server."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import pytest
+
+from app.driver.collector import Collector
+from app.driver.recovery import reassert_selection, repair
+from app.state import keys
+from app.state.completion import finish_group
+from app.state.connection import connect
+from app.state.records import GroupRecord, SiblingResult
+from tests.integration.test_collector import make_cfg
+from tests.unit.test_redis_reconnect import Server
+
+N = 2
+
+
+@pytest.fixture
+def server(tmp_path):
+    srv = Server(tmp_path / "redis")
+    srv.dir.mkdir()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+class Crash:
+    """Marks the point after which writes are lost; ``lose`` crashes and restarts."""
+
+    def __init__(self, server: Server, client) -> None:
+        self.server = server
+        self.client = client
+        self.aof = server.dir / "appendonly.aof"
+
+    def mark(self) -> None:
+        self.client.ping()
+        time.sleep(1.2)  # everysec: what came before is on disk
+        self.size = self.aof.stat().st_size
+
+    def lose(self) -> None:
+        """Crash now; every write since ``mark`` is lost."""
+        self.server.kill()
+        with open(self.aof, "r+b") as f:
+            f.truncate(self.size)
+        self.server.start()
+
+
+def make_run(tmp_path, client, groups: int) -> tuple[Collector, list[str]]:
+    cfg = make_cfg(tmp_path, [{"sleep": 0} for _ in range(8)], "data.train_batch_size=2",
+                   "agentlightning.async_rollout.async_train_batch_size=4")
+    run_id = "lost-writes"
+    from omegaconf import OmegaConf
+
+    Collector.create_run(client, run_id, OmegaConf.to_container(cfg, resolve=True), "async")
+    collector = Collector(client, run_id, cfg)
+    gids = []
+    for seq in range(groups):
+        gid = f"{run_id}-g{seq}"
+        rec = GroupRecord(group_id=gid, run_id=run_id, sample_index=seq, sample={"sleep": 0},
+                          n=N, seq=seq, dispatch_step=0, dispatch_version=0,
+                          dispatched_at=time.time())
+        client.hset(keys.group(gid), mapping=rec.to_hash())
+        client.zadd(keys.run_active(run_id), {gid: seq})
+        for i in range(N):
+            res = SiblingResult(index=i, rollout_id=f"{gid}-r{i}", status="ok", reward=1.0,
+                                attempts=1, seconds=0.1, finished_at=time.time())
+            client.hset(keys.group_results(gid), str(i), res.to_json())
+        client.hincrby(keys.run(run_id), "finished_active", N)
+        gids.append(gid)
+    return collector, gids
+
+
+def test_a_lost_completion_mark_is_completed_again_from_the_sibling_results(
+        server, tmp_path, caplog):
+    client = connect(server.url)
+    collector, gids = make_run(tmp_path, client, 2)
+    crash = Crash(server, client)
+    crash.mark()
+    assert finish_group(client, gids[0]) == "complete"
+    crash.lose()
+    assert client.zcard(keys.run_ready(collector.run_id)) == 0  # the mark was lost
+    assert not client.exists(keys.group_done(gids[0]))
+    caplog.set_level(logging.WARNING)
+    redone = repair(client, collector, collector.run_id, (time.time() - 2, time.time()), 0,
+                    None, None)
+    assert redone["completed_again"] == 2  # both groups hold all their results
+    assert client.zrange(keys.run_ready(collector.run_id), 0, -1) == gids
+    assert any("completed_again 2" in r.getMessage() for r in caplog.records)
+    # done once: a late callback (the message redelivered) changes nothing
+    assert finish_group(client, gids[0]) == "duplicate"
+
+
+def test_a_lost_selection_is_made_again_with_the_same_groups(server, tmp_path):
+    client = connect(server.url)
+    collector, gids = make_run(tmp_path, client, 3)
+    for gid in gids:
+        finish_group(client, gid)
+    crash = Crash(server, client)
+    crash.mark()
+    selection = collector.select(0, 0, 0.0)
+    chosen = selection.group_ids
+    finished_after = int(client.hget(keys.run(collector.run_id), "finished_active"))
+    crash.lose()
+    run_id = collector.run_id
+    assert not client.exists(keys.run_step_groups(run_id, 0))  # the selection was lost
+    assert client.zcard(keys.run_ready(run_id)) == 3
+    redone = repair(client, collector, run_id, (time.time() - 2, time.time()), 0, chosen, None)
+    assert redone["selection"] == 1
+    assert client.lrange(keys.run_step_groups(run_id, 0), 0, -1) == chosen
+    assert client.zrange(keys.run_ready(run_id), 0, -1) == [gids[2]]
+    assert int(client.hget(keys.run(run_id), "finished_active")) == finished_after
+    for gid in chosen:
+        assert client.hget(keys.group(gid), "status") == "selected"
+    # written once: a second look finds it and changes nothing
+    assert not reassert_selection(client, run_id, 0, chosen, N)
+    assert int(client.hget(keys.run(run_id), "finished_active")) == finished_after
+
+
+def test_a_lost_step_counter_and_metrics_entry_are_written_again(server, tmp_path):
+    client = connect(server.url)
+    collector, _ = make_run(tmp_path, client, 1)
+    run_id = collector.run_id
+    crash = Crash(server, client)
+    crash.mark()
+    entry = {"step": 0, "timing/step_seconds": 1.0, "training/async/n_completed_rollouts": 4}
+    collector.set_step(1)
+    client.rpush(keys.run_metrics(run_id), json.dumps(entry))
+    crash.lose()
+    assert client.llen(keys.run_metrics(run_id)) == 0
+    redone = repair(client, collector, run_id, (time.time() - 2, time.time()), 1, None, entry)
+    assert redone["step_counter"] == 1 and redone["metrics_entry"] == 1
+    assert int(client.hget(keys.run(run_id), "step")) == 1
+    assert [json.loads(e) for e in client.lrange(keys.run_metrics(run_id), 0, -1)] == [entry]
+    redone = repair(client, collector, run_id, (time.time() - 2, time.time()), 1, None, entry)
+    assert redone["metrics_entry"] == 0 and client.llen(keys.run_metrics(run_id)) == 1
