@@ -18,6 +18,7 @@ up: setup
 
 lint:
 	@.venv/bin/ruff check .
+	@.venv/bin/mypy
 
 bench: setup
 	@.venv/bin/python -m bench.gateway

@@ -117,15 +117,16 @@ def _forward(rollout_id: str, endpoint: str) -> Response:
             except UpstreamUnreachable:
                 data = b""
             raise _upstream_error(resp.status, data)
-        meta = dict(endpoint=endpoint, version=version,
-                    temperature=float(up_body["temperature"]), upstream=upstream,
-                    started_at=started)
+        meta: dict[str, Any] = dict(endpoint=endpoint, version=version,
+                                    temperature=float(up_body["temperature"]),
+                                    upstream=upstream, started_at=started)
         if stream:
             lease.handed_over = True
             return Response(_stream(state, resp, rollout_id, lease, cancel, meta, wants_lp,
                                     wants_ids),
                             mimetype="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        assert data is not None  # read above: not streamed
         data = loads(data)
         # a call frozen across a weight update ends on a later version than it started
         calls = capture.calls_from_response(data, **meta,
@@ -136,13 +137,18 @@ def _forward(rollout_id: str, endpoint: str) -> Response:
                     mimetype="application/json")
 
 
+def _sse(event: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
 def _lines(resp: UpstreamResponse) -> Iterator[str]:
     for line in resp.lines():
         yield line.rstrip(b"\r\n").decode("utf-8")
 
 
 def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease: Lease,
-            cancel: Any, meta: dict, wants_lp: bool, wants_ids: bool) -> Iterator[str | bytes]:
+            cancel: Any, meta: dict[str, Any], wants_lp: bool, wants_ids: bool
+            ) -> Iterator[bytes]:
     acc = capture.StreamAccumulator(meta["endpoint"])
     current = meta["version"]
     try:
@@ -155,7 +161,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 acc.switch(now)
                 current = now
             if cancel.is_set():
-                yield f"data: {json.dumps(_cancelled_error(state).body())}\n\n"
+                yield _sse(_cancelled_error(state).body())
                 return
             if not line or not line.startswith("data:"):
                 continue
@@ -165,9 +171,9 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                                                     version_end=current,
                                                     switches=acc.switches)
                 if not lease.record([c.to_json() for c in calls]):
-                    yield f"data: {json.dumps(_cancelled_error(state).body())}\n\n"
+                    yield _sse(_cancelled_error(state).body())
                     return
-                yield "data: [DONE]\n\n"
+                yield b"data: [DONE]\n\n"
                 continue
             chunk = loads(payload)
             acc.add(chunk)

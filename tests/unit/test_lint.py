@@ -13,6 +13,13 @@ def test_ruff_clean():
     assert out.returncode == 0, out.stdout[-3000:]
 
 
+def test_mypy_clean():
+    """The type check of ``make lint`` ([tool.mypy] in pyproject.toml says what it covers)."""
+    mypy = Path(sys.executable).parent / "mypy"
+    out = subprocess.run([str(mypy)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout[-3000:]
+
+
 # The repository describes the software, not the story of its making: the history of
 # attempts belongs in commit messages.
 HISTORY = [r"\b(this|that|earlier|previous|next|in) session\b", r"\bsession \d+\b",

@@ -14,12 +14,16 @@ context it was sampled with), which halves the tokens a two-turn agent costs the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import redis
 
 from app.state import keys
 from app.state.completion import sibling_results
 from app.state.records import CapturedCall
+
+if TYPE_CHECKING:  # torch is imported where a batch is built, not with this module
+    from torch import Tensor
 
 
 @dataclass
@@ -90,14 +94,14 @@ def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failu
 
 @dataclass
 class Batch:
-    input_ids: object        # [B, L] long
-    attention_mask: object   # [B, L]
-    response_index: object   # [B, R] positions whose logits predict response token j
-    response_ids: object     # [B, R] long
-    response_mask: object    # [B, R] float
-    rollout_log_probs: object  # [B, R] float
-    rewards: object          # [B] float
-    temperatures: object     # [B, 1] float
+    input_ids: Tensor         # [B, L] long
+    attention_mask: Tensor    # [B, L]
+    response_index: Tensor    # [B, R] positions whose logits predict response token j
+    response_ids: Tensor      # [B, R] long
+    response_mask: Tensor     # [B, R] float
+    rollout_log_probs: Tensor  # [B, R] float
+    rewards: Tensor           # [B] float
+    temperatures: Tensor      # [B, 1] float
     group_ids: list[str]
     calls: list[int] = field(default_factory=list)  # samples (model calls) in each row
     rollout_ids: list[str] = field(default_factory=list)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from workers.trainer.algorithms import compute_advantages, lr_at, rollout_correction
-from workers.trainer.engine_config import engine_spec
+from workers.trainer.engine_config import EngineSpec, engine_spec
 from workers.trainer.ranks import LocalRanks, RayRanks, SpawnedRanks
 from workers.trainer.verl_batch import VerlBatch, to_verl_batch
 
@@ -47,9 +47,9 @@ def launcher(cfg: Any, device: str) -> str:
     return "ray" if device == "cuda" and gpus > 1 else "local"
 
 
-def _rank_group(cfg: Any, spec: dict[str, Any]) -> LocalRanks | SpawnedRanks | RayRanks:
+def _rank_group(cfg: Any, spec: EngineSpec) -> LocalRanks | SpawnedRanks | RayRanks:
     tr = cfg.trainer
-    if launcher(cfg, spec["device"]) == "ray":
+    if launcher(cfg, spec.device) == "ray":
         return RayRanks(spec, int(tr.nnodes), int(tr.n_gpus_per_node), tr.ray_address)
     n = int(tr.ranks)
     return LocalRanks(spec) if n == 1 else SpawnedRanks(spec, n)
@@ -72,7 +72,7 @@ class EngineTrainer:
         hf = AutoConfig.from_pretrained(model_path)
         self.pad_id = int(hf.pad_token_id if hf.pad_token_id is not None else 0)
         self.spec = engine_spec(cfg, model_path, self.pad_id)
-        self.device = self.spec["device"]
+        self.device = self.spec.device
         t = time.monotonic()
         # verl prints its progress to stdout; a command whose stdout is data (a benchmark's
         # JSON) gets it on stderr instead
@@ -80,7 +80,7 @@ class EngineTrainer:
             self.ranks = _rank_group(cfg, self.spec)
         log.info("verl FSDP2 engine on %s: %d rank(s) (%s), compute %s, built in %.1f s",
                  self.device, self.ranks.size, type(self.ranks).__name__,
-                 self.spec["compute_dtype"], time.monotonic() - t)
+                 self.spec.compute_dtype, time.monotonic() - t)
         self.skipped_steps = 0
 
     @property
@@ -94,7 +94,7 @@ class EngineTrainer:
         return lr_at(self.cfg, step)
 
     def _row_multiple(self) -> int:
-        return self.size * (self.spec["micro_batch_size"] or 1)
+        return self.size * (self.spec.micro_batch_size or 1)
 
     def log_probs(self, vb: VerlBatch, ref: bool = False) -> torch.Tensor:
         """[B, R] log-probs of ``vb``'s response tokens under the engine's current weights

@@ -1,6 +1,6 @@
 """From carryover's configuration to verl's engine dataclasses.
 
-``engine_spec`` reads the validated config once into plain data (it crosses process
+``engine_spec`` reads the validated config once into an ``EngineSpec`` (it crosses process
 boundaries to every rank); ``worker_config`` and ``actor_config`` build verl's own
 ``TrainingWorkerConfig`` and ``ActorConfig`` from it on each rank.
 
@@ -11,6 +11,7 @@ set. Nothing ever rounds the master weights to the compute dtype.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +25,39 @@ def pick_device(setting: str) -> str:
     return setting
 
 
-def engine_spec(cfg: Any, model_path: str, pad_id: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every rank needs to build its engine: plain, picklable, typed."""
+
+    device: str
+    model_path: str
+    pad_id: int
+    seed: int
+    cpu_threads: int
+    compute_dtype: str
+    lr: float
+    weight_decay: float
+    grad_clip: float
+    total_steps: int
+    micro_batch_size: int | None
+    use_dynamic_bsz: bool
+    max_token_len_per_gpu: int
+    gradient_checkpointing: bool
+    use_remove_padding: bool
+    attn_implementation: str
+    use_torch_compile: bool
+    param_offload: bool
+    optimizer_offload: bool
+    clip_ratio: float
+    loss_agg_mode: str
+    loss_mode: str
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: float
+    kl_loss_type: str
+
+
+def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
     actor = cfg.actor_rollout_ref.actor
     fsdp = actor.fsdp_config
     device = pick_device(cfg.trainer.device)
@@ -32,37 +65,37 @@ def engine_spec(cfg: Any, model_path: str, pad_id: int) -> dict[str, Any]:
     if compute == "auto":
         compute = "bfloat16" if device == "cuda" else "float32"
     micro = actor.ppo_micro_batch_size_per_gpu
-    return {
-        "device": device,
-        "model_path": model_path,
-        "pad_id": int(pad_id),
-        "seed": int(cfg.data.seed),
-        "cpu_threads": int(cfg.trainer.cpu_threads),
-        "compute_dtype": compute,
-        "lr": float(actor.lr),
-        "weight_decay": float(actor.weight_decay),
-        "grad_clip": float(actor.grad_clip),
-        "total_steps": int(cfg.trainer.total_steps),
-        "micro_batch_size": int(micro) if micro else None,
-        "use_dynamic_bsz": bool(actor.use_dynamic_bsz),
-        "max_token_len_per_gpu": int(actor.ppo_max_token_len_per_gpu),
-        "gradient_checkpointing": bool(actor.enable_gradient_checkpointing),
-        "use_remove_padding": bool(fsdp.use_remove_padding),
-        "attn_implementation": str(fsdp.attn_implementation),
-        "use_torch_compile": bool(fsdp.use_torch_compile),
-        "param_offload": bool(fsdp.param_offload),
-        "optimizer_offload": bool(fsdp.optimizer_offload),
-        "clip_ratio": float(actor.clip_ratio),
-        "loss_agg_mode": str(actor.loss_agg_mode),
-        "loss_mode": str(actor.policy_loss.loss_mode),
-        "entropy_coeff": float(actor.entropy_coeff),
-        "use_kl_loss": bool(actor.use_kl_loss),
-        "kl_loss_coef": float(actor.kl_loss_coef),
-        "kl_loss_type": str(actor.kl_loss_type),
-    }
+    return EngineSpec(
+        device=device,
+        model_path=model_path,
+        pad_id=int(pad_id),
+        seed=int(cfg.data.seed),
+        cpu_threads=int(cfg.trainer.cpu_threads),
+        compute_dtype=str(compute),
+        lr=float(actor.lr),
+        weight_decay=float(actor.weight_decay),
+        grad_clip=float(actor.grad_clip),
+        total_steps=int(cfg.trainer.total_steps),
+        micro_batch_size=int(micro) if micro else None,
+        use_dynamic_bsz=bool(actor.use_dynamic_bsz),
+        max_token_len_per_gpu=int(actor.ppo_max_token_len_per_gpu),
+        gradient_checkpointing=bool(actor.enable_gradient_checkpointing),
+        use_remove_padding=bool(fsdp.use_remove_padding),
+        attn_implementation=str(fsdp.attn_implementation),
+        use_torch_compile=bool(fsdp.use_torch_compile),
+        param_offload=bool(fsdp.param_offload),
+        optimizer_offload=bool(fsdp.optimizer_offload),
+        clip_ratio=float(actor.clip_ratio),
+        loss_agg_mode=str(actor.loss_agg_mode),
+        loss_mode=str(actor.policy_loss.loss_mode),
+        entropy_coeff=float(actor.entropy_coeff),
+        use_kl_loss=bool(actor.use_kl_loss),
+        kl_loss_coef=float(actor.kl_loss_coef),
+        kl_loss_type=str(actor.kl_loss_type),
+    )
 
 
-def worker_config(spec: dict[str, Any], forward_only: bool) -> Any:
+def worker_config(spec: EngineSpec, forward_only: bool) -> Any:
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         FSDPEngineConfig,
@@ -71,41 +104,41 @@ def worker_config(spec: dict[str, Any], forward_only: bool) -> Any:
         TrainingWorkerConfig,
     )
 
-    compute = PRECISION[spec["compute_dtype"]]
+    compute = PRECISION[spec.compute_dtype]
     model = HFModelConfig(
-        path=spec["model_path"], use_remove_padding=spec["use_remove_padding"],
-        enable_gradient_checkpointing=spec["gradient_checkpointing"] and not forward_only,
-        override_config={"attn_implementation": spec["attn_implementation"]})
+        path=spec.model_path, use_remove_padding=spec.use_remove_padding,
+        enable_gradient_checkpointing=spec.gradient_checkpointing and not forward_only,
+        override_config={"attn_implementation": spec.attn_implementation})
     engine = FSDPEngineConfig(
-        strategy="fsdp2", model_dtype="fp32", dtype=spec["compute_dtype"],
+        strategy="fsdp2", model_dtype="fp32", dtype=spec.compute_dtype,
         mixed_precision={"param_dtype": compute, "reduce_dtype": "fp32",
                          "buffer_dtype": "fp32"},
-        use_torch_compile=spec["use_torch_compile"], param_offload=spec["param_offload"],
-        optimizer_offload=spec["optimizer_offload"] and not forward_only,
-        use_dynamic_bsz=spec["use_dynamic_bsz"],
-        max_token_len_per_gpu=spec["max_token_len_per_gpu"],
-        infer_max_token_len_per_gpu=spec["max_token_len_per_gpu"],
-        micro_batch_size_per_gpu=spec["micro_batch_size"] or 1,
-        infer_micro_batch_size_per_gpu=spec["micro_batch_size"] or 1,
-        forward_only=forward_only, seed=spec["seed"])
+        use_torch_compile=spec.use_torch_compile, param_offload=spec.param_offload,
+        optimizer_offload=spec.optimizer_offload and not forward_only,
+        use_dynamic_bsz=spec.use_dynamic_bsz,
+        max_token_len_per_gpu=spec.max_token_len_per_gpu,
+        infer_max_token_len_per_gpu=spec.max_token_len_per_gpu,
+        micro_batch_size_per_gpu=spec.micro_batch_size or 1,
+        infer_micro_batch_size_per_gpu=spec.micro_batch_size or 1,
+        forward_only=forward_only, seed=spec.seed)
     optim = None if forward_only else FSDPOptimizerConfig(
-        lr=spec["lr"], weight_decay=spec["weight_decay"], clip_grad=spec["grad_clip"],
-        total_training_steps=max(spec["total_steps"], 1), lr_scheduler_type="constant")
+        lr=spec.lr, weight_decay=spec.weight_decay, clip_grad=spec.grad_clip,
+        total_training_steps=max(spec.total_steps, 1), lr_scheduler_type="constant")
     return TrainingWorkerConfig(model_type="language_model", model_config=model,
                                 engine_config=engine, optimizer_config=optim,
                                 checkpoint_config=CheckpointConfig())
 
 
-def actor_config(spec: dict[str, Any]) -> Any:
+def actor_config(spec: EngineSpec) -> Any:
     """verl's ``ActorConfig`` as its ``ppo_loss`` reads it. The batch-size fields are verl's
     validation inputs only: mini- and micro-batches are cut by the controller."""
     from verl.workers.config import ActorConfig, PolicyLossConfig
 
-    clip = spec["clip_ratio"]
+    clip = spec.clip_ratio
     return ActorConfig(
         strategy="fsdp", clip_ratio=clip, clip_ratio_low=clip, clip_ratio_high=clip,
-        loss_agg_mode=spec["loss_agg_mode"], rollout_n=1, ppo_mini_batch_size=1,
+        loss_agg_mode=spec.loss_agg_mode, rollout_n=1, ppo_mini_batch_size=1,
         ppo_micro_batch_size_per_gpu=1, use_torch_compile=False,
-        policy_loss=PolicyLossConfig(loss_mode=spec["loss_mode"]),
-        entropy_coeff=spec["entropy_coeff"], use_kl_loss=spec["use_kl_loss"],
-        kl_loss_coef=spec["kl_loss_coef"], kl_loss_type=spec["kl_loss_type"])
+        policy_loss=PolicyLossConfig(loss_mode=spec.loss_mode),
+        entropy_coeff=spec.entropy_coeff, use_kl_loss=spec.use_kl_loss,
+        kl_loss_coef=spec.kl_loss_coef, kl_loss_type=spec.kl_loss_type)

@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from workers.trainer.engine_config import EngineSpec
+
 log = logging.getLogger(__name__)
 
 
@@ -80,26 +82,26 @@ def _plain(value: Any) -> Any:
 class RankEngine:
     """One rank's actor (and reference) engine. ``spec`` is plain data (picklable)."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: EngineSpec) -> None:
         from verl.workers.engine_workers import TrainingWorker
         from verl.workers.utils.losses import ppo_loss
 
         from workers.trainer import engine_config
 
         self.spec = spec
-        if spec["device"] == "cpu" and spec["cpu_threads"]:
-            torch.set_num_threads(int(spec["cpu_threads"]))
-        torch.manual_seed(int(spec["seed"]))
+        if spec.device == "cpu" and spec.cpu_threads:
+            torch.set_num_threads(int(spec.cpu_threads))
+        torch.manual_seed(int(spec.seed))
         self.actor_cfg = engine_config.actor_config(spec)
         self.actor = TrainingWorker(config=engine_config.worker_config(spec, forward_only=False))
         self.actor.reset()
         self.actor.set_loss_fn(partial(ppo_loss, config=self.actor_cfg))
         self.ref = None
-        if spec["use_kl_loss"]:
+        if spec.use_kl_loss:
             # verl's forward-only engine parks the reference in pinned host memory, which a
             # CPU-only torch cannot pin: there the reference is a full engine that is only ever
             # run forward (its optimizer state is never created).
-            forward_only = spec["device"] != "cpu"
+            forward_only = spec.device != "cpu"
             self.ref = TrainingWorker(config=engine_config.worker_config(
                 spec, forward_only=forward_only))
             self.ref.reset()
@@ -110,9 +112,9 @@ class RankEngine:
 
         spec = self.spec
         tu.assign_non_tensor(
-            td, use_dynamic_bsz=bool(spec["use_dynamic_bsz"]),
-            max_token_len_per_gpu=int(spec["max_token_len_per_gpu"]),
-            micro_batch_size_per_gpu=int(micro or rows), pad_token_id=int(spec["pad_id"]),
+            td, use_dynamic_bsz=bool(spec.use_dynamic_bsz),
+            max_token_len_per_gpu=int(spec.max_token_len_per_gpu),
+            micro_batch_size_per_gpu=int(micro or rows), pad_token_id=int(spec.pad_id),
             global_token_num=None, **extra)
 
     def log_probs(self, vb: Any, ref: bool = False) -> torch.Tensor:
@@ -121,9 +123,10 @@ class RankEngine:
         from verl.workers.utils.padding import no_padding_2_padding
 
         td = vb.tensordict()
-        self._meta(td, len(vb), self.spec["micro_batch_size"], calculate_entropy=False,
+        self._meta(td, len(vb), self.spec.micro_batch_size, calculate_entropy=False,
                    compute_loss=False)
         worker = self.ref if ref else self.actor
+        assert worker is not None, "a reference log-prob needs actor.use_kl_loss"
         out = worker.infer_batch(td)
         lp = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
         return lp * (vb.response_attention > 0)
@@ -136,8 +139,8 @@ class RankEngine:
         for group in self.actor.engine.optimizer.param_groups:
             group["lr"] = lr
         td = vb.tensordict(**fields)
-        self._meta(td, len(vb), self.spec["micro_batch_size"],
-                   calculate_entropy=float(self.spec["entropy_coeff"]) > 0,
+        self._meta(td, len(vb), self.spec.micro_batch_size,
+                   calculate_entropy=float(self.spec.entropy_coeff) > 0,
                    compute_loss=True, global_batch_size=int(global_batch_size))
         out = self.actor.train_batch(td)
         if out is None:
@@ -180,8 +183,8 @@ class LocalRanks:
 
     size = 1
 
-    def __init__(self, spec: dict[str, Any]) -> None:
-        init_process_group(0, 1, free_port(), spec["device"])
+    def __init__(self, spec: EngineSpec) -> None:
+        init_process_group(0, 1, free_port(), spec.device)
         self.engine = RankEngine(spec)
 
     def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
@@ -192,9 +195,9 @@ class LocalRanks:
         return None
 
 
-def _rank_main(rank: int, world: int, port: int, spec: dict[str, Any], conn: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, spec: EngineSpec, conn: Any) -> None:
     try:
-        init_process_group(rank, world, port, spec["device"])
+        init_process_group(rank, world, port, spec.device)
         engine = RankEngine(spec)
         conn.send(("ok", None))
     except BaseException:
@@ -218,7 +221,7 @@ class RankError(RuntimeError):
 class SpawnedRanks:
     """N ranks in child processes of this one (torch.distributed, gloo on CPU)."""
 
-    def __init__(self, spec: dict[str, Any], size: int) -> None:
+    def __init__(self, spec: EngineSpec, size: int) -> None:
         import torch.multiprocessing as mp
 
         ctx = mp.get_context("spawn")
@@ -270,7 +273,7 @@ class RayRanks:
     (on CPU, one rank per CPU slot: for tests). Attaches to the Ray cluster at
     ``trainer.ray_address``, or starts a local one when it is null."""
 
-    def __init__(self, spec: dict[str, Any], nnodes: int, per_node: int,
+    def __init__(self, spec: EngineSpec, nnodes: int, per_node: int,
                  address: str | None) -> None:
         import ray
         from verl.single_controller.ray import (
@@ -282,12 +285,12 @@ class RayRanks:
         if not ray.is_initialized():
             local = {} if address else {"num_cpus": max(os.cpu_count() or 1, nnodes * per_node)}
             ray.init(address=address, include_dashboard=False, **local)
-        use_gpu = spec["device"] != "cpu"
+        use_gpu = spec.device != "cpu"
         pool = RayResourcePool([per_node] * nnodes, use_gpu=use_gpu,
                                name_prefix="carryover_trainer", max_colocate_count=1)
         actor = RayClassWithInitArgs(cls=ray.remote(_ray_rank_class()), spec=spec)
         self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=actor,
-                                    device_name=spec["device"])
+                                    device_name=spec.device)
         self.size = nnodes * per_node
 
     def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
@@ -305,10 +308,10 @@ def _ray_rank_class() -> type:
     from verl.single_controller.base import Worker
 
     class RankActor(Worker):
-        def __init__(self, spec: dict[str, Any]) -> None:
+        def __init__(self, spec: EngineSpec) -> None:
             super().__init__()
             init_process_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None,
-                               spec["device"])
+                               spec.device)
             self.engine = RankEngine(spec)
 
         def run(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from app.config.loader import REPO_ROOT
 from app.config.settings import DrainMode, InferenceSettings, drain_mode
@@ -52,8 +52,7 @@ class TrainerSettings:
             trained_data_ttl_s=float(tr.trained_data_ttl_s),
             save_freq=int(tr.save_freq),
             total_steps=int(tr.total_steps),
-            pause_during_update=cast(Literal["auto"], "auto") if pause == "auto"
-            else bool(pause),
+            pause_during_update="auto" if pause == "auto" else bool(pause),
             zero_reward_failures=cfg.controller.on_failure == "zero_reward",
             lease_ttl_s=float(gw.lease_ttl_s),
             drain_timeout_s=float(gw.drain_timeout_s),

@@ -29,7 +29,7 @@ MODULE = __name__
 
 def _device_module() -> types.ModuleType:
     """``torch.cpu`` plus the ``torch.cuda``-style calls verl makes on its device module."""
-    mod = types.ModuleType("carryover_cpu_device")
+    mod: Any = types.ModuleType("carryover_cpu_device")  # attributes set below
     for name in dir(torch.cpu):
         if not name.startswith("_"):
             setattr(mod, name, getattr(torch.cpu, name))
