@@ -132,9 +132,11 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
         asleep = weights.NOTHING_HELD
         if collocated:
             require_pause(pause, "the update")
+            t = time.monotonic()
             if settings.sleeps(resident.trainer.device):
                 asleep = undo.enter_context(sleep_engines(settings, step))
             update(resident, samples, step, metrics, timings)
+            timings["update"] = time.monotonic() - t  # the engines' sleep included
         require_pause(pause, "loading the new weights")
         published = publish(client, settings, resident, timings, asleep, held)
         verify(client, settings, resident, published, resident.probe_prev, metrics, timings)
