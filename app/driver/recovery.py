@@ -105,6 +105,8 @@ def repair(client: redis.Redis, collector: Any, run_id: str, outage: tuple[float
             client.rpush(keys.run_metrics(run_id), json.dumps(last_metrics))
             redone["metrics_entry"] = 1
     done = ", ".join(f"{what} {count}" for what, count in redone.items() if count) or "nothing"
-    log.warning("Redis was unreachable for %.1f s during step %d; checked what it may have "
-                "lost: redone %s", ended - began, step, done)
+    what = (f"unreachable for {ended - began:.1f} s" if ended > began
+            else "restarted (no command of the driver waited through it)")
+    log.warning("Redis was %s during step %d; checked what it may have lost: redone %s",
+                what, step, done)
     return redone

@@ -89,6 +89,7 @@ class Supervisor:
         self.log_dir = log_dir or (REPO_ROOT / "var" / "logs")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.env = {**os.environ, **(env or {})}
+        os.environ.setdefault("CARRYOVER_ROLE", "supervisor")  # this process, in its records
         self.procs: dict[str, subprocess.Popen] = {}
         self.started_at: dict[str, float] = {}
         self.quick_failures: dict[str, int] = {}

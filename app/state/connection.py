@@ -95,6 +95,8 @@ class Outage:
                 return
             began, self.down_since = self.down_since, None
             self.outages += 1
+            # the server's new run_id is a baseline, not a second restart to report
+            self.server_run_id = None
             listeners = list(self.listeners)
         ended = time.time()
         log.warning("Redis at %s back after %.1f s", self.shown, ended - began)
@@ -130,7 +132,8 @@ class Outage:
         with self._lock:
             before, self.server_run_id = self.server_run_id, run_id
             listeners = list(self.listeners)
-        if baseline or before is None or before == run_id:
+            reported = self.down_since is not None  # an outage in progress reports itself
+        if baseline or before is None or before == run_id or reported:
             return
         now = time.time()
         log.warning("Redis at %s was restarted (its run_id changed) while no command waited "

@@ -147,6 +147,7 @@ def test_redis_killed_at_three_points_of_a_step(tmp_path):
         assert int(client.get(keys.policy_version())) >= steps
         up_log = (tmp_path / "up.log").read_text()
         assert up_log.count("redis exited with code -9") == 3, up_log[-3000:]
+        assert up_log.count("exited with code") == 3, up_log[-3000:]  # no other role died
         outages = [OutageRecord.from_json(r) for r in client.lrange(keys.redis_outages(), 0, -1)]
         assert {"driver", "gateway", "rollout", "groups", "trainer"} <= {o.role for o in outages}
         status = subprocess.run([str(BIN / "carryover"), "status"], cwd=REPO, env=env,
@@ -178,3 +179,5 @@ def test_redis_killed_under_the_demo_load(tmp_path):
         assert train.returncode == 0, out[-4000:]
         check_run(client, run_id_of(client), steps, int(cfg.data.train_batch_size),
                   int(cfg.actor_rollout_ref.rollout.n))
+        up_log = (tmp_path / "up.log").read_text()
+        assert up_log.count("exited with code") == 1, up_log[-3000:]  # only Redis died

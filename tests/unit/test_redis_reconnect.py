@@ -150,8 +150,12 @@ def test_the_service_config_sets_the_budget(cfg):
 
 
 def test_an_outage_is_logged_once_with_its_length_and_recorded(server, caplog):
+    from app.state.connection import outage_for
+
     client = connect(server.url)
     client.ping()
+    heard: list[tuple[float, float]] = []
+    outage_for(server.url).listeners.append(lambda began, ended: heard.append((began, ended)))
     caplog.set_level(logging.WARNING, logger="app.state.connection")
     server.kill()
     calls = [in_thread(lambda i=i: client.set(f"k{i}", "1")) for i in range(8)]
@@ -172,6 +176,29 @@ def test_an_outage_is_logged_once_with_its_length_and_recorded(server, caplog):
         time.sleep(0.1)
     rec = OutageRecord.from_json(client.lindex(keys.redis_outages(), 0))
     assert 2.0 <= rec.seconds < 15 and rec.error
+    # the pool's other connections reconnect afterwards: still one outage for the listeners
+    for i in range(8):
+        client.get(f"k{i}")
+    time.sleep(1.0)  # the restart checks run in threads
+    assert len(heard) == 1, heard
+
+
+def test_a_restart_no_command_waited_through_is_heard(server):
+    from app.state.connection import outage_for
+
+    client = connect(server.url)
+    client.ping()
+    time.sleep(0.5)  # the server's run_id is known
+    heard: list[tuple[float, float]] = []
+    outage_for(server.url).listeners.append(lambda began, ended: heard.append((began, ended)))
+    restart_after(server, 0.5)
+    assert client.ping()  # the pool reconnects quietly
+    deadline = time.monotonic() + 10
+    while not heard:
+        assert time.monotonic() < deadline, "the restart went unnoticed"
+        time.sleep(0.1)
+    time.sleep(0.5)
+    assert len(heard) == 1
 
 
 def test_a_connection_closed_while_idle_is_not_an_outage(server, caplog):
