@@ -9,13 +9,18 @@ server.
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any
 
 from celery.signals import worker_ready
 
 from app.celery_app import celery_app, task_redis
+from app.state import keys
 from app.state.connection import outage_for
 from app.state.policy import PublishedVersion
+
+log = logging.getLogger(__name__)
 
 # The last policy version this worker published, put back if a Redis crash loses its bump
 # (app/state/policy.py); watched from the worker's first update on.
@@ -30,12 +35,30 @@ def _watch_outages() -> None:
             lambda began, ended: _published.check_soon(task_redis()))
 
 
+# The steps this worker process trained, with their metrics (the last few). A step's stored
+# result (keys.run_step_result) is what makes a re-sent step answer instead of training
+# again; a Redis crash can lose it with the last second of writes, while this process's
+# model already holds the update. Trained again, its groups would get a second update.
+_trained: dict[tuple[str, int], dict] = {}
+TRAINED_KEPT = 8
+
+
 @celery_app.task(name="workers.trainer.tasks.train_step", acks_late=False)
 def train_step(run_id: str, step: int) -> dict:
     from workers.trainer.service import train_step as run_step
 
     _watch_outages()
-    metrics = run_step(task_redis(), run_id, step)
+    client = task_redis()
+    done = _trained.get((run_id, int(step)))
+    if done is not None:
+        if client.set(keys.run_step_result(run_id, int(step)), json.dumps(done), nx=True):
+            log.warning("step %s of run %s: its stored result was lost (a Redis crash); "
+                        "answered from this worker's memory, not trained again", step, run_id)
+        return done
+    metrics = run_step(client, run_id, step)
+    _trained[(run_id, int(step))] = metrics
+    while len(_trained) > TRAINED_KEPT:
+        del _trained[next(iter(_trained))]
     if metrics.get("policy/version"):
         _published.published(int(metrics["policy/version"]))
         _published.check(task_redis())  # a bump lost while this step ran
