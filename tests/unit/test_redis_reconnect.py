@@ -227,3 +227,27 @@ def test_a_budget_too_short_to_ride_a_restart_is_refused(value):
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"redis.reconnect_s={'null' if value is None else value}"])
     assert "redis.reconnect_s" in str(info.value) and "must be a number >= 5" in str(info.value)
+
+
+def test_celery_connections_get_the_same_budget(cfg):
+    from app.celery_app import celery_app, retries_covering
+    from app.state.connection import ReconnectRetry
+
+    budget = float(cfg.redis.reconnect_s)
+    conf = celery_app.conf
+    # the result backend's pool: the clients' own retry, with the budget
+    retry = celery_app.backend.client.connection_pool.connection_kwargs["retry"]
+    assert isinstance(retry, ReconnectRetry) and retry.budget_s == budget
+    # publishing: its intervals span the budget
+    policy = conf.task_publish_retry_policy
+    waits = [min(policy["interval_start"] + policy["interval_step"] * i, policy["interval_max"])
+             for i in range(policy["max_retries"])]
+    assert sum(waits) >= budget
+    backend = conf.result_backend_transport_options["retry_policy"]
+    waits = [min(backend["interval_start"] + backend["interval_step"] * i,
+                 backend["interval_max"]) for i in range(backend["max_retries"])]
+    assert sum(waits) >= budget
+    # a worker's consumer: kombu's 2 s + 2 s ... 30 s intervals span the budget
+    waits = [min(2.0 + 2.0 * i, 30.0) for i in range(conf.broker_connection_max_retries)]
+    assert sum(waits) >= budget
+    assert retries_covering(10, 2, 2, 30) == 3  # 2 + 4 + 6
