@@ -19,7 +19,7 @@ from typing import Any
 
 from app.config import load_config
 from app.config.loader import REPO_ROOT, env_overrides
-from app.driver.metrics import CARRY, console_line
+from app.driver.metrics import CARRY, console_line, val_line
 
 DEMO_CONFIG = REPO_ROOT / "config" / "demo.yaml"
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ def _train_one(cfg: Any, label: str) -> dict:
     bar = tqdm(total=total, desc=f"{label} training", unit="step", dynamic_ncols=True,
                file=sys.stderr)
     rows: list[dict] = []
+    evals: list[dict] = []
 
     def on_step(step: int, metrics: dict) -> None:
         rows.append({"step": step, **metrics})
@@ -50,15 +51,21 @@ def _train_one(cfg: Any, label: str) -> dict:
         bar.set_postfix(reward=f"{metrics.get('reward/mean') or 0:.2f}")
         bar.update(1)
 
+    def on_eval(step: int, metrics: dict) -> None:
+        evals.append({"step": step, **metrics})
+        bar.write(val_line(step, metrics))
+
     started = time.monotonic()
     try:
-        result = train(cfg, on_step=on_step)
+        result = train(cfg, on_step=on_step, on_eval=on_eval)
     finally:
         bar.close()
     result["wall_seconds"] = time.monotonic() - started
     result["rows"] = rows
+    result["evals"] = evals
     result["label"] = label
-    result["plot"] = str(plot_run(rows, run_dir_for(cfg, result["run_id"]) / "demo.png", label))
+    result["plot"] = str(plot_run(rows, run_dir_for(cfg, result["run_id"]) / "demo.png", label,
+                                  evals))
     return result
 
 
@@ -81,10 +88,23 @@ def summarize(result: dict) -> dict[str, float]:
                                            for r in rows),
         "mean_drain_seconds": statistics.fmean(r.get(CARRY + "proxy_drain_seconds") or 0
                                                for r in rows) if rows else 0.0,
+        **_eval_summary(result.get("evals") or []),
     }
 
 
-def plot_run(rows: list[dict], path: Path, label: str) -> Path:
+def _eval_summary(evals: list[dict]) -> dict[str, float]:
+    """Held-out success before training and at the end, when the run evaluates."""
+    if not evals:
+        return {}
+    first, last = evals[0], evals[-1]
+    return {"val_success_first": first["val/success_rate"],
+            "val_success_last": last["val/success_rate"],
+            "val_success_gain": last["val/success_rate"] - first["val/success_rate"],
+            "val_reward_last": last["val/reward_mean"]}
+
+
+def plot_run(rows: list[dict], path: Path, label: str, evals: list[dict] | None = None
+             ) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -97,6 +117,12 @@ def plot_run(rows: list[dict], path: Path, label: str) -> Path:
     ax.plot(steps, [r.get("reward/mean") or 0 for r in rows], label="mean reward")
     ax.set_title("reward by step")
     ax.set_ylim(0, 1)
+    if evals:
+        # an evaluation reported after step s measured the weights of update sent_at_step
+        ax.plot([e["val/sent_at_step"] for e in evals], [e["val/success_rate"] for e in evals],
+                "o-", label="held-out success")
+        ax.set_title("reward by step, held-out success by update")
+        ax.legend()
     ax = axes[0][1]
     # Distinct line styles: the three series are often equal (e.g. 64 each) and would hide
     # each other.

@@ -1,0 +1,88 @@
+"""A real pretrained instruct model through the whole stack: SmolLM2-135M-Instruct (49,152
+tokens, tied embeddings, ChatML template, EOS <|im_end|>) served by vLLM CPU in bf16, the
+arithmetic chat agent through the gateway, verl's FSDP2 engine, the bf16 export, the reload
+and the probe, and an evaluation before and during training."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import requests
+
+from app.config import load_config
+from app.driver.loop import train
+from tests.conftest import REPO, gateway_process, model_server
+
+pytestmark = pytest.mark.slow
+MODEL = REPO / "var" / "models" / "smollm2-135m-instruct"
+NAME = "smollm2-135m-instruct"
+SERVING = ("inference.dtype=bfloat16", "inference.max_model_len=1024",
+           "inference.kv_cache_memory_bytes=268435456")
+
+
+@pytest.fixture(scope="module")
+def smol(tmp_root, redis_service, celery_workers):
+    assert (MODEL / "carryover-build.json").exists(), "scripts/setup.sh builds the model"
+    with model_server(MODEL, NAME, tmp_root / "logs", *SERVING) as url, gateway_process(
+            tmp_root, "gateway-smollm2", [url], f"inference.served_model_name={NAME}",
+            "actor_rollout_ref.rollout.max_tokens=12") as (gateway, _):
+        yield url, gateway
+
+
+def test_a_chat_turn_ends_at_the_end_of_turn_token(smol):
+    url, _ = smol
+    answer = requests.post(f"{url}/v1/chat/completions", json={
+        "model": NAME, "messages": [{"role": "user", "content": "Say hello."}],
+        "max_tokens": 64, "temperature": 0, "return_token_ids": True}, timeout=120).json()
+    choice = answer["choices"][0]
+    # the converted tokenizer named <|im_start|> (id 1) as EOS: a turn would run on into
+    # the next one instead of stopping at <|im_end|> (id 2)
+    assert choice["finish_reason"] == "stop", choice
+    assert 1 not in choice["token_ids"]
+
+
+def test_three_steps_of_the_real_model_through_every_part(smol, tmp_path):
+    url, gateway = smol
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(json.dumps({"a": a, "b": b}) + "\n" for a, b in ((2, 3), (4, 4))))
+    cfg = load_config("config/arith.yaml", [
+        *json.loads(os.environ["CARRYOVER_OVERRIDES"]), *SERVING,
+        f"inference.urls=[{url}]", f"gateway.url={gateway}",
+        "trainer.total_steps=3", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
+        "agentlightning.async_rollout.async_train_batch_size=3",
+        # a large step, so that each update moves the probe by more than the bf16 tolerance
+        # and the probe must see the new weights, not the previous ones
+        "actor_rollout_ref.actor.lr=5e-4",
+        f"data.val_files={val}", "trainer.test_freq=2", "agent.tool_median_s=0.05",
+        f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
+        "logging.console=false", f"trainer.weights_dir={tmp_path / 'weights'}",
+        f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}"])
+    steps: list[dict] = []
+    evals: list[dict] = []
+    result = train(cfg, on_step=lambda s, m: steps.append(m),
+                   on_eval=lambda s, m: evals.append(m))
+    assert result["steps"] == 3
+    tolerance = float(cfg.trainer.probe_tolerance)
+    for m in steps:
+        assert m["batch/groups"] == 2 and m["batch/rollouts"] == 8
+        assert m["weight_sync/probe_gap"] < tolerance
+        assert m["batch/trained_tokens"] > 0
+        if m["actor/grad_norm"] == 0:  # every group's rewards were equal: nothing to learn
+            assert abs(m["weight_sync/probe_gap_to_previous"]
+                       - m["weight_sync/probe_gap"]) < 1e-3
+    # An update moved the probe by more than the tolerance: the check that the engine is
+    # closer to the new weights than to the previous ones ran and passed (the tied head
+    # included).
+    assert any(m["weight_sync/probe_gap_to_previous"] > tolerance for m in steps), steps
+    for m in steps:
+        # A second turn re-sends the conversation: it shares the first call's row when the
+        # chat template renders the first answer back as the tokens sampled (BPE can sample
+        # a word in pieces that re-tokenize as one: then the call takes a row of its own).
+        later, packed = m["batch/later_turn_calls"], m["batch/packed_calls"]
+        assert packed <= later
+        if later >= 4:
+            assert packed >= later / 2, (later, packed)
+    assert [e["val/sent_at_step"] for e in evals] == [0.0, 2.0, 3.0]
+    assert all(e["val/n_rollouts"] == 2 for e in evals)
