@@ -126,14 +126,19 @@ def test_redis_killed_at_three_points_of_a_step(tmp_path):
             wait_for("an update", lambda: client.exists(keys.paused()), train, 120, 0.005)
             kill_redis(up)
             # 3. between the weight save/load and the version bump: the new version's
-            # weights are on disk, the version not bumped yet
+            # weights are on disk, the version not bumped yet. The window is tens of
+            # milliseconds; a look that comes after the bump tries the next step.
             wait_for("step 4", lambda: steps_done() >= 5, train, 240)
             weights_dir = Path(cfg.trainer.weights_dir)
-            version = int(client.get(keys.policy_version()) or 0)
-            new = weights_dir / f"v{version + 1:06d}"
-            wait_for("the next weights", new.exists, train, 120, 0.002)
-            bumped_before_kill = int(client.get(keys.policy_version()) or 0) > version
-            kill_redis(up)
+            for _ in range(steps - 5):
+                version = int(client.get(keys.policy_version()) or 0)
+                new = weights_dir / f"v{version + 1:06d}"
+                wait_for("the next weights", new.exists, train, 120, 0.002)
+                if int(client.get(keys.policy_version()) or 0) == version:
+                    kill_redis(up)
+                    break
+            else:
+                pytest.fail("no look at the weights came before the version bump")
             out, _ = train.communicate(timeout=300)
         finally:
             if train.poll() is None:
@@ -142,7 +147,6 @@ def test_redis_killed_at_three_points_of_a_step(tmp_path):
         assert up.poll() is None  # the stack is still up
         run_id = run_id_of(client)
         check_run(client, run_id, steps, batch, n)
-        assert not bumped_before_kill, "the third kill came after the bump (try again)"
         # the version went up once per step and the gateway never went back
         assert int(client.get(keys.policy_version())) >= steps
         up_log = (tmp_path / "up.log").read_text()
