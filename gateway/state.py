@@ -6,18 +6,22 @@ Built once by the factory and kept in ``app.extensions``; every blueprint reads 
 
 from __future__ import annotations
 
+import logging
+import threading
+
 from flask import Flask, current_app
 
 from gateway.settings import GatewaySettings
 
 EXTENSION = "carryover"
+log = logging.getLogger(__name__)
 
 
 class GatewayState:
     """Redis clients, the pause protocol's gateway half, this process's leases, upstreams."""
 
     def __init__(self, settings: GatewaySettings) -> None:
-        from app.state.connection import connect
+        from app.state.connection import connect, outage_for
         from app.state.pause import Admission, Pause
         from gateway.leases import LocalLeases
         from gateway.upstream import Upstreams
@@ -33,6 +37,23 @@ class GatewayState:
         self.leases = LocalLeases(self.admission, refresh_every_s=settings.lease_ttl_s / 3)
         self.upstreams = Upstreams(list(settings.upstreams), client=self.redis,
                                    health_every_s=settings.upstream_health_s)
+        # After a Redis outage: mark the rollouts whose captures the crash lost
+        outage_for(settings.redis_url).listeners.append(self._after_outage)
+
+    def _after_outage(self, began: float, ended: float) -> None:
+        # in a thread of its own: the listener runs inside the command that found Redis back
+        threading.Thread(target=self._check_captures, args=(began, ended), daemon=True,
+                         name="lost-captures").start()
+
+    def _check_captures(self, began: float, ended: float) -> None:
+        try:
+            lost = self.admission.check_lost_captures(began, ended)
+        except Exception as exc:  # noqa: BLE001 - a later outage checks again
+            log.warning("could not check the captures after a Redis outage: %s", exc)
+            return
+        if lost:
+            log.warning("a Redis crash lost captured calls of %d rollout(s), marked so the "
+                        "trainer leaves them out: %s", len(lost), ", ".join(lost[:10]))
 
     def install(self, app: Flask) -> None:
         app.extensions[EXTENSION] = self

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from enum import IntEnum
 
@@ -57,13 +58,15 @@ return {1, tonumber(v or '0'), rec[3] or ''}
 """
 
 # KEYS: leases, rollout_inflight, cancelled, rollout_calls   ARGV: lease_id, calls...
-# -> 1 recorded (or nothing to record), 0 the lease was cancelled by a drain timeout: nothing
-# is recorded. The calls are written before the lease goes, in one step: once a drain sees
-# no leases, every admitted call is in Redis. With no calls it is the plain release.
+# -> the rollout's number of calls after recording them (1 with nothing to record), 0 the
+# lease was cancelled by a drain timeout: nothing is recorded. The calls are written before
+# the lease goes, in one step: once a drain sees no leases, every admitted call is in Redis.
+# With no calls it is the plain release.
 RECORD_RELEASE = """
 local cancelled = redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1
+local length = 1
 if not cancelled and #ARGV > 1 then
-  redis.call('RPUSH', KEYS[4], unpack(ARGV, 2))
+  length = redis.call('RPUSH', KEYS[4], unpack(ARGV, 2))
 end
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
   local n = redis.call('DECR', KEYS[2])
@@ -71,8 +74,23 @@ if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
 end
 redis.call('SREM', KEYS[3], ARGV[1])
 if cancelled then return 0 end
+return length
+"""
+
+# KEYS: rollout, rollout_calls   ARGV: the number of calls this gateway process recorded
+# -> 1 when the rollout still exists, holds fewer calls and was not marked yet: marked now.
+MARK_LOST_CAPTURES = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+if redis.call('LLEN', KEYS[2]) >= tonumber(ARGV[1]) then return 0 end
+if redis.call('HGET', KEYS[1], 'calls_lost') == '1' then return 0 end
+redis.call('HSET', KEYS[1], 'calls_lost', 1)
 return 1
 """
+
+# How long a gateway process remembers what it recorded, to find what a crash lost: the last
+# second of writes under appendfsync everysec (2 s when Redis postponed a write), with room.
+RECENT_CAPTURES_S = 10.0
+LOST_BEFORE_OUTAGE_S = 3.0
 
 # KEYS: leases   ARGV: ttl_ms, lease ids...  (XX: never resurrect a released lease)
 REFRESH = _NOW_MS + """
@@ -173,6 +191,10 @@ class Admission:
         self._record_release = client.register_script(RECORD_RELEASE)
         self._refresh = client.register_script(REFRESH)
         self._estimate = client.register_script(PAUSE_ESTIMATE)
+        self._mark_lost = client.register_script(MARK_LOST_CAPTURES)
+        # (wall time, rollout id, its calls after recording) of this process's recent
+        # captures: after a Redis outage, those the crash lost are found here
+        self._recent: deque[tuple[float, str, int]] = deque()
 
     def admit(self, rollout_id: str, token_sha256: str = "") -> tuple[AdmitStatus, str, int]:
         """-> (status, lease_id, policy_version); the statuses that judge the token only
@@ -196,10 +218,31 @@ class Admission:
         """Append the captured calls (JSON) to the rollout and release the lease, atomically;
         False (nothing recorded) when a drain timeout cancelled the lease."""
         rollout_id = lease_id.split("|", 1)[0]
-        return bool(self._record_release(
+        length = int(self._record_release(
             keys=[keys.leases(), keys.rollout_inflight(rollout_id), keys.cancelled(),
                   keys.rollout_calls(rollout_id)],
             args=[lease_id, *calls]))
+        if length and calls:
+            now = time.time()
+            self._recent.append((now, rollout_id, length))
+            while self._recent and self._recent[0][0] < now - RECENT_CAPTURES_S:
+                self._recent.popleft()
+        return length > 0
+
+    def check_lost_captures(self, began: float, ended: float) -> list[str]:
+        """After a Redis outage (``began``/``ended``: wall times; equal for a restart no
+        command waited through): the rollouts this process recorded calls for in the seconds
+        before it that Redis no longer holds in full, each marked ``calls_lost`` (its
+        agent saw a call that will not be trained, so the trainer leaves its sample out).
+        Returns those marked now."""
+        since = began - LOST_BEFORE_OUTAGE_S if ended > began else 0.0
+        expected: dict[str, int] = {}
+        for at, rollout_id, length in list(self._recent):
+            if at >= since:
+                expected[rollout_id] = max(expected.get(rollout_id, 0), length)
+        return [rid for rid, length in expected.items()
+                if self._mark_lost(keys=[keys.rollout(rid), keys.rollout_calls(rid)],
+                                   args=[length])]
 
     def release(self, lease_id: str) -> None:
         """Give the lease back without recording anything (a refused or failed call)."""

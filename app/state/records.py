@@ -64,6 +64,9 @@ class RolloutRecord(_HashRecord):
     # The temperature the gateway samples this rollout's calls at; None = the rollout
     # temperature the trainer models. Set for evaluation rollouts, which are never trained.
     temperature: float | None = None
+    # 1: a Redis crash lost calls the gateway had captured for it (its agent saw them);
+    # written by the gateway after the outage, read by the trainer, which leaves it out.
+    calls_lost: int = 0
 
 
 @dataclass

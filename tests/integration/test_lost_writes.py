@@ -141,3 +141,50 @@ def test_a_lost_step_counter_and_metrics_entry_are_written_again(server, tmp_pat
     assert [json.loads(e) for e in client.lrange(keys.run_metrics(run_id), 0, -1)] == [entry]
     redone = repair(client, collector, run_id, (time.time() - 2, time.time()), 1, None, entry)
     assert redone["metrics_entry"] == 0 and client.llen(keys.run_metrics(run_id)) == 1
+
+
+def captured(version: int = 0) -> str:
+    from app.state.records import CapturedCall
+
+    return CapturedCall(prompt_ids=[1, 2], response_ids=[3, 4], logprobs=[-0.5, -0.7],
+                        finish_reason="stop", policy_version=version, temperature=1.0,
+                        upstream="u", started_at=time.time(), ended_at=time.time(),
+                        endpoint="chat.completions").to_json()
+
+
+def test_a_lost_captured_call_keeps_its_sibling_out_of_training(server, tmp_path):
+    """The agent saw a call whose capture the crash lost and went on; its reward covers that
+    call, so its sibling's sample must not be trained from what is left."""
+    from app.state.pause import Admission
+    from app.state.records import RolloutRecord
+    from workers.trainer.batch import collect_samples
+
+    client = connect(server.url)
+    admission = Admission(connect(server.url, single_connection=True))
+    gid = "g-calls"
+    client.hset(keys.group(gid), mapping=GroupRecord(
+        group_id=gid, run_id="r", sample_index=0, sample={}, n=2, seq=0, dispatch_step=0,
+        dispatch_version=0).to_hash())
+    rids = ["r-a", "r-b"]
+    for i, rid in enumerate(rids):
+        client.hset(keys.rollout(rid), mapping=RolloutRecord(
+            rollout_id=rid, run_id="r", group_id=gid, index=i, attempt=1,
+            token_sha256="x").to_hash())
+        assert admission.record_and_release(f"{rid}|l1", [captured()])
+    crash = Crash(server, client)
+    crash.mark()
+    assert admission.record_and_release("r-a|l2", [captured()])  # ... lost in the crash
+    began = time.time()
+    crash.lose()
+    assert client.llen(keys.rollout_calls("r-a")) == 1
+    assert admission.check_lost_captures(began, time.time()) == ["r-a"]
+    # the agent ends after the restart and its result is stored
+    for i, rid in enumerate(rids):
+        client.hset(keys.group_results(gid), str(i), SiblingResult(
+            index=i, rollout_id=rid, status="ok", reward=1.0, attempts=1,
+            seconds=0.1).to_json())
+    samples, stats = collect_samples(client, [gid], zero_reward_failures=False)
+    assert {s.rollout_id for s in samples} == {"r-b"}
+    assert stats.excluded_samples >= 1
+    # a rollout whose captures are all there is left alone
+    assert admission.check_lost_captures(began, time.time()) == []

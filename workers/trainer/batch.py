@@ -20,7 +20,7 @@ import redis
 
 from app.state import keys
 from app.state.completion import sibling_results
-from app.state.records import CapturedCall
+from app.state.records import CapturedCall, RolloutRecord
 
 if TYPE_CHECKING:  # torch is imported where a batch is built, not with this module
     from torch import Tensor
@@ -69,6 +69,13 @@ def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failu
             stats.rollouts += 1
             stats.rewards.append(reward)
             if not result.rollout_id:
+                continue
+            if client.hget(keys.rollout(result.rollout_id),
+                           RolloutRecord.field("calls_lost")) == "1":
+                # a Redis crash lost calls its agent saw: what is left would train on a
+                # trajectory its reward does not describe
+                stats.excluded_samples += max(client.llen(keys.rollout_calls(
+                    result.rollout_id)), 1)
                 continue
             for raw in client.lrange(keys.rollout_calls(result.rollout_id), 0, -1):
                 call = CapturedCall.from_json(raw)
