@@ -157,6 +157,7 @@ def test_redis_killed_at_three_points_of_a_step(tmp_path):
         status = subprocess.run([str(BIN / "carryover"), "status"], cwd=REPO, env=env,
                                 capture_output=True, text=True, timeout=60)
         assert "redis outage" in status.stdout, status.stdout
+        assert status.returncode == 0, status.stdout + status.stderr  # every part up, Flower too
 
 
 def test_redis_killed_under_the_demo_load(tmp_path):
@@ -185,3 +186,37 @@ def test_redis_killed_under_the_demo_load(tmp_path):
                   int(cfg.actor_rollout_ref.rollout.n))
         up_log = (tmp_path / "up.log").read_text()
         assert up_log.count("exited with code") == 1, up_log[-3000:]  # only Redis died
+
+
+def test_messages_delivered_before_the_crash_are_redelivered(tmp_path):
+    """Redis and the rollout worker SIGKILLed together while its rollouts run: the messages
+    it held, unacknowledged (acks_late), are still in Redis after the restart, and the
+    restarted worker's reaper puts them back, so every group completes."""
+    steps, batch, n = 4, 4, 2
+    with stack_up(tmp_path, "services.rollout_concurrency=16", f"data.train_batch_size={batch}",
+                  f"actor_rollout_ref.rollout.n={n}",
+                  "agentlightning.async_rollout.async_train_batch_size=8",
+                  f"trainer.total_steps={steps}") as (env, cfg, up):
+        client = connect(resolve_redis_url(cfg))
+        train = subprocess.Popen([str(BIN / "carryover"), "train"], cwd=REPO, env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            def steps_done() -> int:
+                run_id = run_id_of(client)
+                return client.llen(keys.run_metrics(run_id)) if run_id else 0
+
+            wait_for("step 0", lambda: steps_done() >= 1, train, 240)
+            wait_for("rollouts running", lambda: client.zcard(keys.leases()) >= 2, train, 60,
+                     0.005)
+            worker = next(p for p in psutil.Process(up.pid).children()
+                          if "-Q" in p.cmdline() and "rollout" in p.cmdline())
+            os.killpg(worker.pid, signal.SIGKILL)
+            kill_redis(up)
+            out, _ = train.communicate(timeout=400)
+        finally:
+            if train.poll() is None:
+                train.kill()
+        assert train.returncode == 0, out[-4000:]
+        check_run(client, run_id_of(client), steps, batch, n)
+        up_log = (tmp_path / "up.log").read_text()
+        assert "redis exited with code -9" in up_log and "rollout exited with code" in up_log
