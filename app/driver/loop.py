@@ -75,7 +75,7 @@ def train(cfg: Any, resume: str | None = None, *,
     if celery_app.conf.broker_url != url:
         raise TrainingFailed("the Celery app was built for another Redis than the run's config "
                              "(set $CARRYOVER_CONFIG / $REDIS_URL before importing app.celery_app)")
-    client = connect(url)
+    client = connect(url, reconnect_s=float(cfg.redis.reconnect_s))
     # Each Redis outage the driver rides out is followed by a check of what it lost (see
     # app/driver/recovery.py): the last second of acknowledged writes may be gone.
     watch = OutageWatch(url)
