@@ -126,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--micro", type=int, default=8, help="ppo_micro_batch_size_per_gpu")
+    ap.add_argument("--threads", type=int, default=0, help="trainer.cpu_threads (0: all)")
     args = ap.parse_args(argv)
     if not (MODEL / "carryover-build.json").exists():
         raise SystemExit(f"{MODEL} is missing: run scripts/setup.sh")
@@ -143,10 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(str(REPO / "config" / "arith.yaml"), [
         "trainer.device=cpu", f"inference.port={port}",
         f"inference.urls=[http://127.0.0.1:{port}]",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro}"])
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro}",
+        # every core, as the matmul rate it is compared with (the example gives the update
+        # one core, the engine the other)
+        f"trainer.cpu_threads={args.threads}"])
     out: dict = {"model": NAME, "parameters": 134_515_008,
                  "inference_dtype": str(cfg.inference.dtype)}
     out["matmul_fp32_gflops"] = matmul_gflops()
+    out["cpu_threads"] = args.threads or os.cpu_count()
 
     trainer = EngineTrainer(cfg, str(MODEL))
     samples = batch(args.rows, args.prompt, args.response)
