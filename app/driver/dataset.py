@@ -14,16 +14,17 @@ class DatasetError(ValueError):
     pass
 
 
-def load_samples(path: str) -> list[dict]:
+def load_samples(path: str, key: str = "data.train_files") -> list[dict]:
+    """The samples of ``path``; errors name the config ``key`` that gave it."""
     p = Path(path)
     if not p.is_absolute():
         p = REPO_ROOT / p
     if p.suffix == ".parquet":
-        return _load_parquet(p)
+        return _load_parquet(p, key)
     try:
         lines = p.read_text().splitlines()
     except OSError as exc:
-        raise DatasetError(f"data.train_files: cannot read {p} ({exc.strerror})") from None
+        raise DatasetError(f"{key}: cannot read {p} ({exc.strerror})") from None
     samples = []
     for no, line in enumerate(lines, 1):
         if not line.strip():
@@ -31,24 +32,24 @@ def load_samples(path: str) -> list[dict]:
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as exc:
-            raise DatasetError(f"data.train_files: {p}:{no}: not JSON ({exc.msg})") from None
+            raise DatasetError(f"{key}: {p}:{no}: not JSON ({exc.msg})") from None
         if not isinstance(obj, dict):
-            raise DatasetError(f"data.train_files: {p}:{no}: each line must be a JSON object")
+            raise DatasetError(f"{key}: {p}:{no}: each line must be a JSON object")
         samples.append(obj)
     if not samples:
-        raise DatasetError(f"data.train_files: {p} holds no samples")
+        raise DatasetError(f"{key}: {p} holds no samples")
     return samples
 
 
-def _load_parquet(p: Path) -> list[dict]:
+def _load_parquet(p: Path, key: str) -> list[dict]:
     import pyarrow.parquet as pq
 
     try:
         rows = pq.read_table(p).to_pylist()
     except (OSError, ValueError) as exc:
-        raise DatasetError(f"data.train_files: cannot read {p} ({exc})") from None
+        raise DatasetError(f"{key}: cannot read {p} ({exc})") from None
     if not rows:
-        raise DatasetError(f"data.train_files: {p} holds no samples")
+        raise DatasetError(f"{key}: {p} holds no samples")
     return rows
 
 

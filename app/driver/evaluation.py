@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import secrets
 import statistics
 import time
 from dataclasses import dataclass
@@ -29,9 +30,9 @@ import redis
 from omegaconf import OmegaConf
 
 from app.driver.collector import Collector
-from app.state import keys, retention
+from app.state import carry, keys, retention
 from app.state.completion import sibling_results
-from app.state.records import CapturedCall
+from app.state.records import CapturedCall, GroupRecord, RunRecord
 
 log = logging.getLogger(__name__)
 
@@ -65,16 +66,26 @@ class PendingEval:
     version: int         # the policy version when it was sent
     started: float
     n_groups: int
+    collector: Collector
 
 
 class Evaluator:
     def __init__(self, client: redis.Redis, run_id: str, cfg: Any) -> None:
+        from app.driver.dataset import load_samples
+
         self.r = client
         self.run_id = run_id
         self.cfg = cfg
         self.files = cfg.data.val_files
         self.freq = int(cfg.trainer.test_freq)
+        # longest an evaluation may take: every attempt of its slowest rollout, and a minute
+        self.timeout_s = float(cfg.controller.rollout_timeout_s) * \
+            int(cfg.controller.max_attempts) + 60.0
+        self.keep_s = float(cfg.trainer.trained_data_ttl_s)
         self.pending: PendingEval | None = None
+        # read at start, so that a bad file fails the run before training, under its own key
+        self.n_samples = len(load_samples(self.files, key="data.val_files")) if self.files \
+            else 0
 
     @property
     def enabled(self) -> bool:
@@ -88,19 +99,15 @@ class Evaluator:
         return self.enabled and self.freq > 0 and steps_done > 0 and steps_done % self.freq == 0
 
     def start(self, steps_done: int, version: int) -> PendingEval:
-        from app.driver.dataset import load_samples
-
-        eval_id = f"{self.run_id}-val{steps_done}"
-        n = len(load_samples(self.files))
-        plain = eval_config(self.cfg, n)
-        if self.r.exists(keys.run(eval_id)):  # a resumed driver: that evaluation is lost
-            self._release(eval_id)
-            self.r.delete(keys.run(eval_id))
+        # a fresh id per evaluation: a resumed driver never meets the groups of one it lost
+        eval_id = f"{self.run_id}-val{steps_done}-{secrets.token_hex(2)}"
+        plain = eval_config(self.cfg, self.n_samples)
         Collector.create_run(self.r, eval_id, plain, EVAL_MODE, eval_temperature(self.cfg))
         n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         collector = Collector(self.r, eval_id, OmegaConf.create(plain), n=n_val)
         sent = collector.top_up(version, dispatch_step=steps_done)
-        self.pending = PendingEval(eval_id, steps_done, version, time.monotonic(), sent)
+        self.pending = PendingEval(eval_id, steps_done, version, time.monotonic(), sent,
+                                   collector)
         log.info("evaluation %s: %d held-out prompts x %d sent (policy version %d)", eval_id,
                  sent, n_val, version)
         return self.pending
@@ -108,30 +115,51 @@ class Evaluator:
     def finished(self, pending: PendingEval) -> bool:
         pipe = self.r.pipeline(transaction=False)
         pipe.zcard(keys.run_ready(pending.eval_id))
-        pipe.hget(keys.run(pending.eval_id), "n_dropped")
+        pipe.hget(keys.run(pending.eval_id), RunRecord.field("n_dropped"))
         ready, dropped = pipe.execute()
         return int(ready) + int(dropped or 0) >= pending.n_groups
 
     def poll(self) -> dict[str, float] | None:
-        """The pending evaluation's metrics once its last group finished, else None."""
-        if self.pending is None or not self.finished(self.pending):
+        """The pending evaluation's metrics once its last group finished, else None. One that
+        outlived ``timeout_s`` is cancelled and not reported."""
+        pending = self.pending
+        if pending is None:
             return None
-        return self._report()
+        pending.collector.reconcile()  # a group whose chord callback never ran (30 reads)
+        if self.finished(pending):
+            return self._report()
+        if time.monotonic() - pending.started > self.timeout_s:
+            log.warning("evaluation %s did not finish within %.0f s; cancelled, not reported",
+                        pending.eval_id, self.timeout_s)
+            self.cancel()
+        return None
 
-    def wait(self, timeout_s: float, poll_s: float = 0.5) -> dict[str, float] | None:
-        """Block until the pending evaluation finished (or ``timeout_s``); its metrics."""
-        if self.pending is None:
-            return None
-        deadline = time.monotonic() + timeout_s
-        while not self.finished(self.pending):
-            if time.monotonic() > deadline:
-                log.warning("evaluation %s did not finish within %.0f s; not reported",
-                            self.pending.eval_id, timeout_s)
-                self._release(self.pending.eval_id)
-                self.pending = None
-                return None
+    def wait(self, poll_s: float = 0.5) -> dict[str, float] | None:
+        """Block until the pending evaluation finished (or was cancelled); its metrics."""
+        reconcile_at = time.monotonic() + 15.0
+        while self.pending is not None:
+            if self.finished(self.pending):
+                return self._report()
+            if time.monotonic() > reconcile_at:
+                reconcile_at = time.monotonic() + 15.0
+                if (metrics := self.poll()) is not None:
+                    return metrics
+                continue
             self.r.blpop([keys.run_wakeup(self.pending.eval_id)], timeout=poll_s)
-        return self._report()
+        return None
+
+    def cancel(self) -> None:
+        """Stop the pending evaluation: its queued rollouts are revoked, running agents see
+        their group cancelled, and what it captured is released."""
+        pending = self.pending
+        if pending is None:
+            return
+        self.pending = None
+        for gid in self.r.zrange(keys.run_active(pending.eval_id), 0, -1):
+            index = self.r.hget(keys.group(gid), GroupRecord.field("sample_index"))
+            if carry.cancel_group(self.r, pending.eval_id, gid, int(index or 0)):
+                pending.collector.revoke(gid)
+        self._release(pending.eval_id)
 
     def _report(self) -> dict[str, float]:
         pending = self.pending
@@ -174,10 +202,17 @@ class Evaluator:
         return metrics
 
     def _release(self, eval_id: str, group_ids: list[str] | None = None) -> None:
-        """An evaluation's captured calls are never trained: drop them once read."""
+        """An evaluation's captured calls are never trained: drop them once read, and let the
+        rest of it expire as a trained group's record does."""
         if group_ids is None:
             group_ids = self.r.zrange(keys.run_active(eval_id), 0, -1) + \
                 self.r.zrange(keys.run_ready(eval_id), 0, -1)
         if group_ids:
-            retention.release_trained(self.r, list(group_ids), 60)
-        self.r.hset(keys.run(eval_id), "status", "finished")
+            retention.release_trained(self.r, list(group_ids), self.keep_s)
+        self.r.hset(keys.run(eval_id), RunRecord.field("status"), "finished")
+        ttl = max(int(self.keep_s), 1)
+        pipe = self.r.pipeline(transaction=False)
+        for key in (keys.run(eval_id), keys.run_active(eval_id), keys.run_ready(eval_id),
+                    keys.run_wakeup(eval_id), keys.run_requeue(eval_id)):
+            pipe.expire(key, ttl)
+        pipe.execute()

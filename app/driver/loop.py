@@ -87,6 +87,7 @@ def train(cfg: Any, resume: str | None = None, *,
         Collector.create_run(client, run_id, OmegaConf.to_container(cfg, resolve=True),
                              "async" if cfg.agentlightning.async_rollout.enabled else "sync")
     collector = Collector(client, run_id, cfg)
+    evaluator = Evaluator(client, run_id, cfg)  # reads data.val_files: fails before training
     run_dir = run_dir_for(cfg, run_id)
     sink = MetricsSink(run_dir, run_id, cfg, console=bool(cfg.logging.console))
     total = int(cfg.trainer.total_steps)
@@ -101,9 +102,6 @@ def train(cfg: Any, resume: str | None = None, *,
     except Exception as exc:
         raise TrainingFailed(f"the trainer worker could not load run {run_id}'s policy into "
                              f"the inference server: {exc.__class__.__name__}: {exc}") from exc
-    evaluator = Evaluator(client, run_id, cfg)
-    eval_timeout = float(cfg.controller.rollout_timeout_s) * int(cfg.controller.max_attempts) \
-        + 60.0
 
     def report_eval(steps_done: int, val: dict[str, float] | None) -> None:
         if val is None:
@@ -118,7 +116,7 @@ def train(cfg: Any, resume: str | None = None, *,
     if step == 0 and evaluator.before_training():
         # the initial policy alone: waited for before any training rollout is sent
         evaluator.start(0, int(client.get(keys.policy_version()) or 0))
-        report_eval(0, evaluator.wait(eval_timeout))
+        report_eval(0, evaluator.wait())
     last_counters = collector.counters()
     n = collector.n
     is_async = bool(cfg.agentlightning.async_rollout.enabled)
@@ -224,11 +222,12 @@ def train(cfg: Any, resume: str | None = None, *,
                 break
         if step >= total and evaluator.freq > 0 and evaluator.enabled:
             # the final policy is always measured (verl's last validation)
-            report_eval(step - 1, evaluator.wait(eval_timeout))
+            report_eval(step - 1, evaluator.wait())
             evaluator.start(step, int(client.get(keys.policy_version()) or 0))
-            report_eval(step - 1, evaluator.wait(eval_timeout))
+            report_eval(step, evaluator.wait())
         client.hset(keys.run(run_id), "status", "finished")
     finally:
+        evaluator.cancel()  # one still running when the run stops or fails
         watch.close()
         sink.close()
     return {"run_id": run_id, "steps": step, "run_dir": str(run_dir),

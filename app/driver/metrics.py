@@ -48,6 +48,9 @@ class MetricsSink:
                     project=cfg.logging.wandb_project, name=run_id, id=run_id, resume="allow",
                     dir=str(run_dir), mode=mode, config=_plain(cfg),
                     settings=wandb.Settings(silent=True, console="off"))
+                # an evaluation is plotted at the update it measured, not the step that
+                # reported it
+                self.wandb_run.define_metric("val/*", step_metric="val/sent_at_step")
             except Exception as exc:  # noqa: BLE001 - metrics must not stop training
                 log.warning("W&B disabled for this run: %s", exc)
 

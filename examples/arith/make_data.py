@@ -1,5 +1,5 @@
 """Write the task's prompts: every single-digit sum a + b, split from a seed into a training
-and a held-out evaluation set. Same seed, same bytes.
+and a held-out evaluation set (by unordered pair). Same seed, same bytes.
 
 Usage: python -m examples.arith.make_data [--seed 0] [--val 30]
 """
@@ -20,9 +20,23 @@ def samples() -> list[dict]:
 
 
 def split(seed: int, n_val: int) -> tuple[list[dict], list[dict]]:
+    """Held out by unordered pair: a + b and b + a fall on the same side, so no held-out sum
+    has its commuted twin among the training prompts. About ``n_val`` held out."""
+    pairs = sorted({(min(a, b), max(a, b)) for a in range(10) for b in range(10)})
+    random.Random(seed).shuffle(pairs)
+    held: set[tuple[int, int]] = set()
+    count = 0
+    for a, b in pairs:
+        size = 1 if a == b else 2
+        if count + size > n_val:
+            continue
+        held.add((a, b))
+        count += size
     rows = samples()
     random.Random(seed).shuffle(rows)
-    return rows[n_val:], rows[:n_val]
+    val = [r for r in rows if (min(r["a"], r["b"]), max(r["a"], r["b"])) in held]
+    train = [r for r in rows if (min(r["a"], r["b"]), max(r["a"], r["b"])) not in held]
+    return train, val
 
 
 def write(path: Path, rows: list[dict]) -> None:

@@ -85,9 +85,13 @@ def _forward(rollout_id: str, endpoint: str) -> Response:
     # Authentication comes first (as in the OpenAI API) and rides in the admission script;
     # from then on the lease is released on every way out but two: recorded with the
     # call's capture, or handed to the stream that will end it.
-    lease_id, version, temperature = admit(state, rollout_id, rollout_token_sha256())
+    lease_id, version, own = admit(state, rollout_id, rollout_token_sha256())
+    # An evaluation rollout (its own temperature) is never trained: its sampling is always
+    # set to what the evaluation asks, whatever the agent sends, in either mode.
+    temperature = s.default_temperature if own is None else own
+    mode = s.sampling if own is None else "enforce"
     with state.leases.held(lease_id) as lease:
-        body = sampling.apply(validate_body(json_body(), endpoint), s.sampling, temperature)
+        body = sampling.apply(validate_body(json_body(), endpoint), mode, temperature)
         upstream = state.upstreams.pick(rollout_id)
         if upstream is None:
             raise retryable("no inference server is reachable", s.retry_after_s,

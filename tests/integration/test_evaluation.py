@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -47,17 +48,22 @@ def test_evaluations_run_beside_training_and_are_never_trained(
     assert first["val/policy_version_min"] == first["val/policy_version_max"]
     for _, m in evals:
         assert m["val/n_prompts"] == 3 and m["val/n_rollouts"] == 3  # val_kwargs.n = 1
-        assert 0.0 <= m["val/success_rate"] <= 1.0
+        # a success is a rollout with reward 1, and rewards are in [0, 1]
+        assert m["val/reward_mean"] >= m["val/success_rate"]
         assert m["val/policy_version_min"] <= m["val/policy_version_max"]
     # the final evaluation ran on the final weights
     assert evals[-1][1]["val/policy_version_min"] == int(redis_client.get(keys.policy_version()))
     # every step trained exactly its training groups, none of the evaluation's
     assert all(m["batch/groups"] == 2 and m["batch/rollouts"] == 4 for m in steps)
-    # evaluation runs are finished and their captured calls released
-    for s in (0, 2, 3):
-        eval_id = f"{result['run_id']}-val{s}"
+    # evaluation runs are finished, their captured calls released, the rest expiring
+    eval_ids = sorted(k.removeprefix(keys.run("")) for k in
+                      redis_client.scan_iter(keys.run(f"{result['run_id']}-val*"))
+                      if ":" not in k.removeprefix(keys.run("")))
+    assert [e.split("-val")[1].split("-")[0] for e in eval_ids] == ["0", "2", "3"]
+    for eval_id in eval_ids:
         assert redis_client.hget(keys.run(eval_id), "mode") == "eval"
         assert redis_client.hget(keys.run(eval_id), "status") == "finished"
+        assert redis_client.ttl(keys.run(eval_id)) > 0
         assert redis_client.zcard(keys.run_ready(eval_id)) == 3
         for gid in redis_client.zrange(keys.run_ready(eval_id), 0, -1):
             assert not redis_client.exists(keys.group_rollouts(gid))
@@ -76,3 +82,44 @@ def test_an_evaluation_rollout_is_sampled_at_its_own_temperature(redis_client, g
                                        messages=[{"role": "user", "content": "reverse abc"}])
         call = CapturedCall.from_json(redis_client.lindex(keys.rollout_calls(rid), 0))
         assert call.temperature == expected
+
+
+def test_a_run_that_stops_early_cancels_its_running_evaluation(
+        redis_client, gateway_service, celery_workers, tmp_path):
+    from app.state.connection import resolve_redis_url
+
+    env = json.loads(os.environ["CARRYOVER_OVERRIDES"])
+    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_file.write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(4)))
+    # held-out agents wait on a gate the test opens only after the run stopped
+    val_file.write_text("".join(json.dumps({"text": f"v{i}", "gate": "evaluation"}) + "\n"
+                                for i in range(2)))
+    cfg = load_config(None, [
+        *env, f"data.train_files={train_file}", f"data.val_files={val_file}",
+        "trainer.test_freq=1", "trainer.val_before_train=false", "trainer.total_steps=3",
+        "controller.agent=tests.agents:scripted",
+        f"agent.redis_url={resolve_redis_url(load_config(None, env))}",
+        "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+        "agentlightning.async_rollout.async_train_batch_size=3",
+        f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
+        "logging.console=false", f"trainer.weights_dir={tmp_path / 'weights'}",
+        f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}"])
+    evals: list[dict] = []
+    try:
+        result = train(cfg, should_stop=lambda step, m: step == 1,
+                       on_eval=lambda s, m: evals.append(m))
+    finally:
+        redis_client.set("test:gate:evaluation", 1)
+    assert result["steps"] == 2 and evals == []
+    # sent after the first update; the one due after the second was skipped (still running)
+    eval_ids = [k.removeprefix(keys.run("")) for k in
+                redis_client.scan_iter(keys.run(f"{result['run_id']}-val*"))
+                if ":" not in k.removeprefix(keys.run(""))]
+    assert len(eval_ids) == 1 and "-val1-" in eval_ids[0]
+    eval_id = eval_ids[0]
+    assert redis_client.hget(keys.run(eval_id), "status") == "finished"
+    assert redis_client.zcard(keys.run_active(eval_id)) == 0
+    for seq in range(2):
+        assert redis_client.hget(keys.group(f"{eval_id}-g{seq}"), "status") == "cancelled"
+    time.sleep(0.5)  # the gated agents see the gate before it goes
+    redis_client.delete("test:gate:evaluation")

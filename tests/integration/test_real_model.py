@@ -40,7 +40,7 @@ def test_a_chat_turn_ends_at_the_end_of_turn_token(smol):
     # the converted tokenizer named <|im_start|> (id 1) as EOS: a turn would run on into
     # the next one instead of stopping at <|im_end|> (id 2)
     assert choice["finish_reason"] == "stop", choice
-    assert 1 not in choice["token_ids"]
+    assert choice["token_ids"][-1] == 2 and 1 not in choice["token_ids"]
 
 
 def test_three_steps_of_the_real_model_through_every_part(smol, tmp_path):

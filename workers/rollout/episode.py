@@ -21,8 +21,8 @@ from typing import Any
 import redis
 
 from app.state import cached_reads, carry, keys
-from app.state.records import RolloutRecord, SiblingResult
-from app.state.runs import read_group, read_run, run_config
+from app.state.records import RolloutRecord, RunRecord, SiblingResult
+from app.state.runs import read_group, run_config
 from workers.rollout.controller import (
     AgentError,
     LLMEndpoint,
@@ -114,7 +114,8 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
     settings: dict[str, Any] = dict(cfg.agent) if cfg.agent else {}
     gateway = cfg.gateway.url.rstrip("/")
     # an evaluation's rollouts are sampled at its own temperature (never trained)
-    temperature = read_run(client, group.run_id).temperature
+    raw = client.hget(keys.run(group.run_id), RunRecord.field("temperature"))
+    temperature = json.loads(raw) if raw else None
     controller = make_controller(ctl_cfg.backend, ctl_cfg.agent, settings,
                                  kcfg=ctl_cfg.kubernetes, client=client, gateway_url=gateway,
                                  run_id=group.run_id, group_id=group_id, index=index)
