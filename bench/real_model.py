@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import contextlib
 import json
 import os
 import random
 import resource
-import subprocess
 import sys
 import tempfile
 import time
@@ -42,34 +40,6 @@ def matmul_gflops(seconds: float = 3.0, n: int = 2048) -> float:
         a @ b
         done += 1
     return 2 * n ** 3 * done / (time.perf_counter() - start) / 1e9
-
-
-@contextlib.contextmanager
-def server(cfg, log: Path):
-    import requests
-
-    from app.services.commands import inference_command
-
-    cmd = inference_command(cfg)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{cfg.inference.port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the inference server exited: {log.read_text()[-1500:]}")
-            with contextlib.suppress(requests.ConnectionError):
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise SystemExit("the inference server did not start in 300 s")
-            time.sleep(1)
-        yield url, proc
-    finally:
-        os.killpg(proc.pid, 15)
-        proc.wait(30)
 
 
 def tree_rss_bytes(pid: int) -> int:
@@ -131,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (MODEL / "carryover-build.json").exists():
         raise SystemExit(f"{MODEL} is missing: run scripts/setup.sh")
 
-    from bench.stack import free_port
+    from bench.stack import free_port, inference_server
 
     tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
     port = free_port()
@@ -148,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         # every core, as the matmul rate it is compared with (the example gives the update
         # one core, the engine the other)
         f"trainer.cpu_threads={args.threads}"])
-    out: dict = {"model": NAME, "parameters": 134_515_008,
+    built = json.loads((MODEL / "carryover-build.json").read_text())
+    out: dict = {"model": NAME, "parameters": int(built["parameters"]),
                  "inference_dtype": str(cfg.inference.dtype)}
     out["matmul_fp32_gflops"] = matmul_gflops()
     out["cpu_threads"] = args.threads or os.cpu_count()
@@ -172,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     out["matmul_fp32_gflops_after"] = matmul_gflops()
 
     ids = weights.probe_ids(MODEL)
-    with server(cfg, tmp / "vllm.log") as (url, proc):
+    with inference_server(cfg, tmp / "vllm.log") as (url, proc):
         out["generation"] = generation(url, args.calls, args.concurrency, args.response)
         cycles = []
         previous = trainer.probe_log_probs(ids)

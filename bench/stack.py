@@ -62,3 +62,45 @@ def percentile(values: list[float], q: float) -> float:
     xs = sorted(values)
     k = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
     return xs[k]
+
+
+@contextmanager
+def inference_server(cfg, log: Path, timeout: float = 300) -> Iterator[tuple[str, object]]:
+    """The inference server ``cfg`` describes (the project's own command line), on
+    ``cfg.inference.port``; yields (its URL, its Popen) once it answers /health, and stops
+    it (SIGKILL after 30 s) on the way out."""
+    import signal
+    import subprocess
+    import time
+
+    import requests
+
+    from app.services.commands import inference_command
+
+    cmd = inference_command(cfg)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env}, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{cfg.inference.port}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the inference server exited: {log.read_text()[-2000:]}")
+            try:
+                if requests.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except requests.ConnectionError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the inference server did not answer /health in "
+                                   f"{timeout:.0f} s (log: {log})")
+            time.sleep(1)
+        yield url, proc
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)

@@ -239,39 +239,12 @@ def model_server(model: Path, name: str, log_dir: Path, *overrides: str,
                  timeout: float = 300) -> Iterator[str]:
     """A vLLM server of its own (a free port) for ``model``, started with the project's
     inference command; yields its URL."""
-    import subprocess
-
-    import requests
-
     from app.config import load_config
-    from app.services.commands import inference_command
+    from bench.stack import inference_server
 
     port = free_port()
     cfg = load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
                              f"actor_rollout_ref.model.path={model}", f"inference.port={port}",
                              f"inference.served_model_name={name}", *overrides])
-    cmd = inference_command(cfg)
-    log = log_dir / f"vllm-{name}.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, f"{name}: no /health in {timeout} s"
-            time.sleep(1)
+    with inference_server(cfg, log_dir / f"vllm-{name}.log", timeout) as (url, _):
         yield url
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
