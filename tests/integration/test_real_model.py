@@ -65,14 +65,17 @@ def test_three_steps_of_the_real_model_through_every_part(smol, tmp_path):
                    on_eval=lambda s, m: evals.append(m))
     assert result["steps"] == 3
     tolerance = float(cfg.trainer.probe_tolerance)
+    momentum = False  # AdamW keeps moving the weights after a step with a gradient
     for m in steps:
         assert m["batch/groups"] == 2 and m["batch/rollouts"] == 8
         assert m["weight_sync/probe_gap"] < tolerance
         assert m["batch/trained_tokens"] > 0
         if m["actor/grad_norm"] == 0:  # every group's rewards were equal: nothing to learn
-            assert abs(m["weight_sync/probe_gap_to_previous"]
-                       - m["weight_sync/probe_gap"]) < 1e-3
+            if not momentum:
+                assert abs(m["weight_sync/probe_gap_to_previous"]
+                           - m["weight_sync/probe_gap"]) < 1e-3
         else:
+            momentum = True
             # the update moved the probe by more than the tolerance: the check that the
             # engine is closer to the new weights than to the previous ones ran and passed
             # (the tied head included)
