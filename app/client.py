@@ -2,7 +2,8 @@
 
 The gateway answers 503 (paused, upstream down) or 429 (too many concurrent calls) with a
 ``Retry-After`` header while it updates the model; this client waits as told and retries,
-for up to ``max_wait_s``. Other errors raise :class:`GatewayHTTPError` at once.
+for up to ``max_wait_s``. Other errors raise :class:`GatewayHTTPError` at once; a call
+whose prompt outgrew the model's context raises :class:`ContextLengthExceeded` (a subclass).
 
 With the official ``openai`` client instead, ``OpenAI(base_url=..., api_key=...,
 max_retries=openai_max_retries(max_wait_s))`` rides through pauses: it retries 503/429 and
@@ -59,6 +60,18 @@ class GatewayHTTPError(Exception):
         self.status = status
         self.body = body
 
+    @property
+    def code(self) -> str | None:
+        """The OpenAI error code of the body, if it has one."""
+        err = self.body.get("error") if isinstance(self.body, dict) else None
+        return err.get("code") if isinstance(err, dict) else None
+
+
+class ContextLengthExceeded(GatewayHTTPError):
+    """The prompt plus ``max_tokens`` exceeds the model's context (400,
+    ``context_length_exceeded``): the call was not run. Retrying it as it is fails again;
+    end the episode (or shorten the conversation)."""
+
 
 def _wait(state: RetryCallState) -> float:
     exc = state.outcome.exception() if state.outcome else None
@@ -92,7 +105,10 @@ class GatewayClient:
                 body_out: Any = resp.json()
             except ValueError:
                 body_out = resp.text
-            raise GatewayHTTPError(resp.status_code, body_out)
+            err = GatewayHTTPError(resp.status_code, body_out)
+            if err.code == "context_length_exceeded":
+                raise ContextLengthExceeded(resp.status_code, body_out)
+            raise err
         return resp.json()
 
     def post(self, path: str, body: dict) -> dict:

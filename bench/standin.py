@@ -2,7 +2,8 @@
 
 Answers ``/v1/chat/completions`` and ``/v1/completions`` with token ids and log-probs (so the
 gateway's capture path runs) without a model. A request may carry ``standin_delay_s`` to be
-slow on purpose, ``POST /standin/health {"ok": false}`` makes ``/health`` answer 503,
+slow on purpose (``standin_overflow: true``: refused as vLLM refuses a prompt too long),
+``POST /standin/health {"ok": false}`` makes ``/health`` answer 503,
 ``GET /standin/last`` returns the last request body it received, and vLLM's sleep routes
 behave as ``POST /standin/sleep`` says (per worker process: tests run it with one). Serve
 with gunicorn: ``gunicorn -k gevent 'bench.standin:create_app()'``.
@@ -23,6 +24,11 @@ def create_app() -> Flask:
     def answer(endpoint: str):
         body = request.get_json(force=True)
         last["body"] = body
+        if body.get("standin_overflow"):  # vLLM's own refusal of a prompt too long
+            return jsonify({"error": {
+                "message": "This model's maximum context length is 512 tokens. However, you "
+                           "requested 900 tokens (890 in the messages, 10 in the completion).",
+                "type": "BadRequestError", "param": None, "code": 400}}), 400
         delay = float(body.get("standin_delay_s", 0))
         if delay:
             time.sleep(delay)

@@ -14,6 +14,11 @@ from app.state.connection import resolve_redis_url
 ADMIN_TOKEN_FILE = REPO_ROOT / "var" / "admin-token"
 
 
+def repo_path(p: str) -> Path:
+    path = Path(p)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
 def admin_token(cfg: Any) -> str:
     """Config value > $CARRYOVER_ADMIN_TOKEN > a token generated once into var/admin-token
     (mode 0600), shared by the gateway and the trainer on this machine."""
@@ -48,6 +53,9 @@ class GatewaySettings:
     default_max_tokens: int
     default_temperature: float
     sampling: str = "enforce"
+    context_check: bool = False   # gateway.context_check: count prompts (gateway/context.py)
+    tokenizer_path: str = ""      # the served model's tokenizer and chat template
+    max_model_len: int = 0
 
     @classmethod
     def from_config(cls, cfg: Any) -> GatewaySettings:
@@ -68,4 +76,7 @@ class GatewaySettings:
             default_max_tokens=int(cfg.actor_rollout_ref.rollout.max_tokens),
             default_temperature=float(cfg.actor_rollout_ref.rollout.temperature),
             sampling=str(g.sampling),
+            context_check=bool(g.get("context_check", True)),
+            tokenizer_path=str(repo_path(str(cfg.actor_rollout_ref.model.path))),
+            max_model_len=int(cfg.inference.max_model_len),
         )

@@ -37,6 +37,11 @@ class GatewayState:
         self.leases = LocalLeases(self.admission, refresh_every_s=settings.lease_ttl_s / 3)
         self.upstreams = Upstreams(list(settings.upstreams), client=self.redis,
                                    health_every_s=settings.upstream_health_s)
+        self.context = None  # the context-length check (gateway.context_check)
+        if settings.context_check:
+            from gateway.context import ContextCheck
+
+            self.context = ContextCheck(settings.tokenizer_path, settings.max_model_len)
         # After a Redis outage: mark the rollouts whose captures the crash lost
         outage_for(settings.redis_url).listeners.append(self._after_outage)
 

@@ -4,7 +4,10 @@ trainer has a captured sample) and then behaves as its sample says.
 Sample keys: ``gate`` (block until the test sets the Redis key ``test:gate:<gate>``),
 ``sleep`` (seconds), ``fail`` ("always" or "first": raise on every / the first attempt),
 ``reward`` (what to return; "nan" and "text" return bad values), ``sibling_sleep`` (a list
-of per-sibling sleeps, by sibling index).
+of per-sibling sleeps, by sibling index), ``fail_before_call`` (sibling indices that raise
+before making any call), ``sibling_reward`` (a list of per-sibling rewards), ``max_tokens``
+(of the call; default 2), ``overflow`` (then a call whose prompt exceeds the context,
+left to raise).
 """
 
 from __future__ import annotations
@@ -27,10 +30,15 @@ def scripted(sample: dict, llm: Any, *, redis_url: str, **_: Any) -> Any:
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     index = _sibling_index(llm.rollout_id)
     group = llm.rollout_id.rsplit(".", 2)[0]
+    if index in sample.get("fail_before_call", []):
+        raise RuntimeError(f"scripted failure of sibling {index} before its first call")
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=20,
                            timeout=60, http_client=_HTTP)
-    client.chat.completions.create(model=llm.model, max_tokens=2,
+    client.chat.completions.create(model=llm.model, max_tokens=int(sample.get("max_tokens", 2)),
                                    messages=[{"role": "user", "content": sample["text"]}])
+    if sample.get("overflow"):  # a second call whose prompt outgrows the model: not caught
+        client.chat.completions.create(model=llm.model, max_tokens=2, messages=[
+            {"role": "user", "content": sample["text"] * 1000}])
     fail = sample.get("fail")
     if fail == "always":
         raise RuntimeError(f"scripted failure of {sample['text']}")
@@ -46,6 +54,8 @@ def scripted(sample: dict, llm: Any, *, redis_url: str, **_: Any) -> Any:
     if per:
         time.sleep(float(per[index]))
     reward = sample.get("reward", 0.5 + 0.1 * index)
+    if "sibling_reward" in sample:
+        reward = sample["sibling_reward"][index]
     if reward == "nan":
         return float("nan")
     return reward

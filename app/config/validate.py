@@ -31,6 +31,8 @@ PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # A Kubernetes label value: at most 63 characters, alphanumerics with - _ . inside.
 K8S_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+# verl's DAPO metric names; a rollout has one reward, so the seq_* names are the score
+FILTER_METRICS = ("score", "acc", "seq_reward", "seq_final_reward")
 
 
 def _get(cfg: dict[str, Any], key: str) -> Any:
@@ -63,6 +65,10 @@ def positive_int(v: Any) -> str | None:
 
 def non_negative_int(v: Any) -> str | None:
     return None if _is_int(v) and v >= 0 else "must be an integer >= 0"
+
+
+def finite_num(v: Any) -> str | None:
+    return None if _is_num(v) else "must be a number"
 
 
 def positive_num(v: Any) -> str | None:
@@ -164,6 +170,7 @@ RULES: dict[str, Check] = {
     "data.shuffle": boolean,
     "data.seed": non_negative_int,
     "data.val_files": optional(string),
+    "data.max_prompt_failures": optional(positive_int),
     "actor_rollout_ref.model.path": string,
     "actor_rollout_ref.rollout.n": positive_int,
     "actor_rollout_ref.rollout.temperature": positive_num,
@@ -201,9 +208,17 @@ RULES: dict[str, Check] = {
     # null only when train_batch_size is itself invalid (it is derived from it otherwise)
     "agentlightning.async_rollout.async_train_batch_size": optional(positive_int),
     "agentlightning.async_rollout.max_carry_over_age_steps": optional(positive_int),
+    "agentlightning.async_rollout.max_carry_over_age_strategy": one_of("cancel", "wait"),
     "agentlightning.async_rollout.refill": one_of("during_update", "after_update"),
     "algorithm.adv_estimator": one_of(*ADV_ESTIMATORS),
     "algorithm.norm_adv_by_std_in_grpo": boolean,
+    "algorithm.filter_groups.enable": boolean,
+    "algorithm.filter_groups.metric": one_of(*FILTER_METRICS),
+    "algorithm.filter_groups.max_num_gen_batches": non_negative_int,
+    "algorithm.overlong.mask": boolean,
+    "algorithm.overlong.buffer_len": non_negative_int,
+    "algorithm.overlong.penalty_factor": non_negative_num,
+    "algorithm.overlong.max_response_length": optional(positive_int),
     "algorithm.rollout_correction.rollout_is": one_of(*ROLLOUT_IS_MODES),
     "algorithm.rollout_correction.rollout_is_threshold": optional(positive_num),
     "algorithm.rollout_correction.rollout_rs": one_of(*ROLLOUT_RS_MODES),
@@ -251,6 +266,9 @@ RULES: dict[str, Check] = {
     "controller.rollout_timeout_s": positive_num,
     "controller.max_attempts": positive_int,
     "controller.on_failure": one_of(*ON_FAILURE),
+    "controller.on_context_overflow": one_of("fail", "end"),
+    "controller.overflow_reward": finite_num,
+    "gateway.context_check": boolean,
     "controller.kubernetes.namespace": string,
     "controller.kubernetes.image": string,
     "controller.kubernetes.image_pull_policy": one_of(*PULL_POLICIES),
@@ -326,6 +344,15 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
         problems.append(
             f"actor_rollout_ref.rollout.n: value {n} must be >= 2 for the group-relative "
             f"estimator algorithm.adv_estimator={est}"
+        )
+    ol = cfg["algorithm"]["overlong"]
+    if ok("algorithm.overlong.buffer_len", "algorithm.overlong.max_response_length") \
+            and ol["buffer_len"] > 0 and (ol["max_response_length"] is None
+                                          or ol["max_response_length"] <= ol["buffer_len"]):
+        problems.append(
+            f"algorithm.overlong.max_response_length: value {_fmt(ol['max_response_length'])} "
+            f"must be an integer greater than algorithm.overlong.buffer_len "
+            f"({ol['buffer_len']}) when the soft over-long penalty is on"
         )
     rc = cfg["algorithm"]["rollout_correction"]
     if rc["rollout_is"] is not None and rc["rollout_is_threshold"] is None:

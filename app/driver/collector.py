@@ -40,6 +40,11 @@ RUN_ROLLOUT = "workers.rollout.tasks.run_rollout"
 FINISH_GROUP = "workers.rollout.tasks.finish_group"
 
 
+class Starved(RuntimeError):
+    """No step can be filled: dynamic sampling filtered the configured bound of groups, or
+    every prompt is quarantined."""
+
+
 @dataclass
 class Selection:
     step: int
@@ -69,6 +74,13 @@ class Collector:
         self.active_target = int(async_cfg.async_train_batch_size) if self.async_mode \
             else self.train_batch
         self.max_age = async_cfg.max_carry_over_age_steps
+        # cancel: a group past the cap is cancelled, its prompt re-queued; wait: the next
+        # step trains it, waiting for it to complete (verl's max_off_policy_strategy wait)
+        self.age_strategy = str(async_cfg.get("max_carry_over_age_strategy") or "cancel")
+        self.age_wait_seconds = 0.0  # the last wait's share spent on overdue groups
+        filtering = cfg.algorithm.get("filter_groups") or {}
+        self.filter_enabled = bool(filtering.get("enable", False))
+        self.max_gen_batches = int(filtering.get("max_num_gen_batches") or 0)
         self.samples = load_samples(cfg.data.train_files)
         self._order_epoch = -1
         self._order: list[int] = []
@@ -88,11 +100,12 @@ class Collector:
     def run(self) -> RunRecord:
         return read_run(self.r, self.run_id)
 
+    COUNTERS = ("dropped", "cancelled", "dispatched", "filtered", "quarantined")
+
     def counters(self) -> dict[str, int]:
-        raw = self.r.hmget(keys.run(self.run_id), RunRecord.field("n_dropped"),
-                           RunRecord.field("n_cancelled"), RunRecord.field("n_dispatched"))
-        return {name: int(v or 0) for name, v in
-                zip(("dropped", "cancelled", "dispatched"), raw, strict=True)}
+        raw = self.r.hmget(keys.run(self.run_id),
+                           *[RunRecord.field("n_" + name) for name in self.COUNTERS])
+        return {name: int(v or 0) for name, v in zip(self.COUNTERS, raw, strict=True)}
 
     # --- dispatch ------------------------------------------------------------------
 
@@ -100,15 +113,21 @@ class Collector:
         requeued = self.r.lpop(keys.run_requeue(self.run_id))
         if requeued is not None:
             return int(requeued)
-        if self._order_epoch != run.epoch:
-            self._order = epoch_order(len(self.samples), int(self.cfg.data.seed), run.epoch,
-                                      bool(self.cfg.data.shuffle))
-            self._order_epoch = run.epoch
-        index = self._order[run.cursor]
-        run.cursor += 1
-        if run.cursor >= len(self._order):
-            run.cursor, run.epoch = 0, run.epoch + 1
-        return index
+        quarantined = self.r.hkeys(keys.run_quarantined(self.run_id))
+        if len(quarantined) >= len(self.samples):
+            raise Starved(f"every one of the {len(self.samples)} prompts is quarantined "
+                          "(data.max_prompt_failures): the agent fails on all of them")
+        while True:  # a later epoch skips the prompts quarantined (data.max_prompt_failures)
+            if self._order_epoch != run.epoch:
+                self._order = epoch_order(len(self.samples), int(self.cfg.data.seed),
+                                          run.epoch, bool(self.cfg.data.shuffle))
+                self._order_epoch = run.epoch
+            index = self._order[run.cursor]
+            run.cursor += 1
+            if run.cursor >= len(self._order):
+                run.cursor, run.epoch = 0, run.epoch + 1
+            if str(index) not in quarantined:
+                return index
 
     def top_up(self, policy_version: int, dispatch_step: int | None = None) -> int:
         """Dispatch new groups until ``active_target`` are active; returns how many.
@@ -163,8 +182,9 @@ class Collector:
 
     def cancel_stale(self, step: int) -> int:
         """Cancel active groups dispatched more than ``max_carry_over_age_steps`` ago and
-        re-queue their prompts. Oldest first, stopping at the first young group."""
-        if self.max_age is None:
+        re-queue their prompts. Oldest first, stopping at the first young group. (With the
+        ``wait`` strategy nothing is cancelled: see ``overdue``.)"""
+        if self.max_age is None or self.age_strategy == "wait":
             return 0
         cancelled = 0
         while True:
@@ -182,6 +202,20 @@ class Collector:
             log.info("group %s cancelled: age %d > max_carry_over_age_steps %s; prompt re-queued",
                      rec.group_id, step - rec.dispatch_step, self.max_age)
 
+    def overdue(self, step: int) -> list[str]:
+        """``wait`` strategy: the active groups older than the cap at ``step``, oldest first
+        and at most a batch of them. They have the lowest dispatch sequence numbers, so once
+        complete the oldest-first selection takes them; the step waits for that."""
+        if self.max_age is None or self.age_strategy != "wait":
+            return []
+        out = []
+        for gid in self.r.zrange(keys.run_active(self.run_id), 0, self.train_batch - 1):
+            dispatched = self.r.hget(keys.group(gid), GroupRecord.field("dispatch_step"))
+            if dispatched is None or step - int(dispatched) <= int(self.max_age):
+                break
+            out.append(gid)
+        return out
+
     def revoke(self, group_id: str) -> None:
         """Siblings still queued are dropped by their workers; running ones see the group's
         ``cancelled`` status and stop their agents (process groups are killed)."""
@@ -195,20 +229,57 @@ class Collector:
     # --- selection -----------------------------------------------------------------
 
     def wait_ready(self, poll_s: float = 1.0, should_stop=lambda: False,
-                   on_wait=lambda: None, reconcile_every_s: float = 15.0) -> float:
+                   on_wait=lambda: None, reconcile_every_s: float = 15.0,
+                   report_every_s: float = 30.0, step: int | None = None) -> float:
         """Block (on the callback's doorbell, no polling of rollouts) until enough groups
-        are complete; returns the seconds waited. A long wait triggers a reconcile."""
+        are complete, and (``wait`` age strategy, given ``step``) every overdue group too;
+        returns the seconds waited (``age_wait_seconds``: the part spent on overdue groups
+        alone). A long wait triggers a reconcile, and, while groups are being filtered, a
+        log line with the figures; past ``filter_groups.max_num_gen_batches`` batches'
+        worth of filtered groups it raises ``Starved``."""
         started = time.monotonic()
         next_reconcile = started + reconcile_every_s
-        while self.r.zcard(keys.run_ready(self.run_id)) < self.train_batch:
+        next_report = started + report_every_s
+        filtered_before = self.counters()["filtered"]
+        held_at: float | None = None  # when enough groups were ready but overdue ones not
+        while True:
+            ready = self.r.zcard(keys.run_ready(self.run_id))
+            if ready >= self.train_batch:
+                if step is None or not self._overdue_unfinished(step):
+                    break
+                held_at = held_at or time.monotonic()
             if should_stop():
                 break
             self.r.blpop([keys.run_wakeup(self.run_id)], timeout=poll_s)
             on_wait()
-            if time.monotonic() > next_reconcile:
+            now = time.monotonic()
+            if now > next_reconcile:
                 self.reconcile()
                 next_reconcile = time.monotonic() + reconcile_every_s
-        return time.monotonic() - started
+            if self.filter_enabled and (now > next_report or self.max_gen_batches):
+                filtered = self.counters()["filtered"] - filtered_before
+                self._check_starved(filtered, ready, now - started, now > next_report)
+                if now > next_report:
+                    next_report = now + report_every_s
+        end = time.monotonic()
+        self.age_wait_seconds = end - held_at if held_at is not None else 0.0
+        return end - started
+
+    def _overdue_unfinished(self, step: int) -> bool:
+        ready_key = keys.run_ready(self.run_id)
+        return any(self.r.zscore(ready_key, gid) is None for gid in self.overdue(step))
+
+    def _check_starved(self, filtered: int, ready: int, waited: float, report: bool) -> None:
+        limit = self.max_gen_batches * self.train_batch
+        figures = (f"{ready} of {self.train_batch} informative groups ready after "
+                   f"{waited:.0f} s; {filtered} complete groups filtered meanwhile (all "
+                   f"rewards equal), {self.active_count()} active")
+        if limit and filtered >= limit:
+            raise Starved(f"dynamic sampling starved the step: {figures}; stopped at "
+                          f"algorithm.filter_groups.max_num_gen_batches="
+                          f"{self.max_gen_batches} ({limit} groups)")
+        if report and filtered:
+            log.warning("waiting for informative groups: %s", figures)
 
     def reconcile(self) -> int:
         """Complete groups whose siblings all finished but whose chord callback never ran
@@ -219,7 +290,7 @@ class Collector:
             if self.r.exists(keys.group_done(gid)):
                 continue
             if self.r.hlen(keys.group_results(gid)) >= self.n:
-                if finish_group(self.r, gid) in ("complete", "dropped"):
+                if finish_group(self.r, gid) in ("complete", "dropped", "filtered"):
                     fixed += 1
                     log.warning("group %s completed by the driver: its chord callback did "
                                 "not run", gid)

@@ -32,12 +32,11 @@ from omegaconf import OmegaConf
 from app.driver.collector import Collector
 from app.state import carry, keys, retention
 from app.state.completion import sibling_results
-from app.state.records import CapturedCall, GroupRecord, RunRecord
+from app.state.records import SUCCESS_REWARD, CapturedCall, GroupRecord, RunRecord
 
 log = logging.getLogger(__name__)
 
 EVAL_MODE = "eval"
-SUCCESS_REWARD = 1.0  # a rollout with at least this reward counts as a success
 
 
 def eval_temperature(cfg: Any) -> float:
@@ -56,6 +55,7 @@ def eval_config(cfg: Any, n_samples: int) -> dict:
                          train_batch_size=n_samples)
     plain["agentlightning"]["async_rollout"]["enabled"] = False
     plain["controller"]["on_failure"] = "zero_reward"
+    plain["algorithm"]["filter_groups"]["enable"] = False  # every prompt is measured
     return plain
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from app.config.loader import REPO_ROOT
-from app.driver.collector import Collector
+from app.driver.collector import Collector, Starved
 from app.driver.evaluation import Evaluator
 from app.driver.metrics import CARRY, MetricsSink, console_line, val_line
 from app.driver.recovery import OutageWatch, repair
@@ -149,7 +149,7 @@ def train(cfg: Any, resume: str | None = None, *,
                     after_outage()
                     collector.top_up(v)
 
-                waited = collector.wait_ready(on_wait=on_wait)
+                waited = collector.wait_ready(on_wait=on_wait, step=step)
                 selection = collector.select(step, prev_carry, waited)
                 sel_groups = selection.group_ids
             chosen = list(sel_groups)
@@ -170,6 +170,13 @@ def train(cfg: Any, resume: str | None = None, *,
                 raise TrainingFailed(f"update {step} failed in the trainer worker: "
                                      f"{exc.__class__.__name__}: {exc}") from exc
             t_end = time.monotonic()
+            if trainer_metrics.get("trainer/rolled_back_updates"):
+                log.warning("update %d ran in a trainer worker that took the run up from the "
+                            "checkpoint of step %s: %d update(s) since it were lost (their "
+                            "weights and optimizer state; trainer.save_freq %s)", step,
+                            trainer_metrics.get("trainer/restored_from_step"),
+                            trainer_metrics["trainer/rolled_back_updates"],
+                            cfg.trainer.save_freq)
             counters = collector.counters()
             metrics: dict[str, Any] = dict(trainer_metrics)
             if selection is not None:
@@ -186,14 +193,23 @@ def train(cfg: Any, resume: str | None = None, *,
                         statistics.fmean(selection.consumed_ages),
                     "training/async/consumed_age_max_steps": max(selection.consumed_ages),
                 })
+            delta = {k: counters[k] - last_counters[k] for k in counters}
+            if selection is not None:
+                # of the complete groups this step's wait saw, the share dynamic sampling
+                # filtered (all rewards equal)
+                seen = delta["filtered"] + len(sel_groups)
+                metrics["training/async/filtered_group_share"] = delta["filtered"] / seen
             metrics.update({
-                "training/async/n_dropped_groups": counters["dropped"] - last_counters["dropped"],
+                "training/async/n_dropped_groups": delta["dropped"],
+                # a quarantined prompt's last drop is not re-queued
                 "training/async/n_requeued_groups":
-                    (counters["dropped"] + counters["cancelled"])
-                    - (last_counters["dropped"] + last_counters["cancelled"]),
-                "training/async/n_cancelled_groups":
-                    counters["cancelled"] - last_counters["cancelled"],
+                    delta["dropped"] - delta["quarantined"] + delta["cancelled"],
+                "training/async/n_cancelled_groups": delta["cancelled"],
+                "training/async/n_filtered_groups": delta["filtered"],
+                "training/async/n_quarantined_prompts": delta["quarantined"],
                 "timing/wait_for_data_seconds": waited,
+                "timing/wait_for_overdue_seconds":
+                    collector.age_wait_seconds if selection is not None else 0.0,
                 "timing/update_seconds": t_end - t_train,
                 "timing/step_seconds": t_end - t_step,
                 "redis/used_memory_bytes": int(client.info("memory")["used_memory"]),
@@ -226,6 +242,8 @@ def train(cfg: Any, resume: str | None = None, *,
             evaluator.start(step, int(client.get(keys.policy_version()) or 0))
             report_eval(step, evaluator.wait())
         client.hset(keys.run(run_id), "status", "finished")
+    except Starved as exc:
+        raise TrainingFailed(f"step {step}: {exc}") from exc
     finally:
         evaluator.cancel()  # one still running when the run stops or fails
         watch.close()

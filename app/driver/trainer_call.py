@@ -40,7 +40,8 @@ class RedisOutageEnded(RuntimeError):
 
 
 def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: float,
-           poll_s: float, outage: Any = None) -> dict:
+           poll_s: float, outage: Any = None, each_poll: Callable[[], Any] | None = None
+           ) -> dict:
     start = time.monotonic()
     seen = False
     while True:
@@ -48,6 +49,8 @@ def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: floa
             return result.get(timeout=poll_s, propagate=True, disable_sync_subtasks=False)
         except CeleryTimeout:
             pass
+        if each_poll is not None:
+            each_poll()
         if outage is not None and outage.pending():
             raise RedisOutageEnded("Redis was unreachable while the task ran")
         alive = bool(client.exists(heartbeat_key))
@@ -70,11 +73,12 @@ def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: s
                  after_outage: Callable[[], Any] | None = None) -> dict:
     """Run trainer task ``task`` and return its result, re-sending it when the worker dies.
 
-    ``while_running`` is called once, right after the first send: work the driver does while
-    the trainer does its own. ``outage`` (an ``app.driver.recovery.OutageWatch``): when a
-    Redis outage ends while the task runs, ``after_outage`` is called (the driver redoes its
-    own lost writes) and the task is sent again, not counted as an attempt: a crash may have
-    lost its message, and a copy that ran already answers from its stored result."""
+    ``while_running`` is called right after the first send and then at every poll: work the
+    driver does while the trainer does its own (refilling slots that groups free meanwhile).
+    ``outage`` (an ``app.driver.recovery.OutageWatch``): when a Redis outage ends while the
+    task runs, ``after_outage`` is called (the driver redoes its own lost writes) and the
+    task is sent again, not counted as an attempt: a crash may have lost its message, and a
+    copy that ran already answers from its stored result."""
     from app.celery_app import celery_app
 
     retries = int(cfg.trainer.step_retries)
@@ -88,7 +92,7 @@ def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: s
         first = False
         try:
             return _await(client, result, key, float(cfg.trainer.step_timeout_s), poll_s,
-                          outage)
+                          outage, while_running)
         except RedisOutageEnded:
             if after_outage is not None:
                 after_outage()

@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 
 import redis
 
 from app.state import keys, retention
-from app.state.records import SiblingResult
+from app.state.records import SUCCESS_REWARD, SiblingResult
 from app.state.runs import read_group, run_config
 
 log = logging.getLogger(__name__)
@@ -47,37 +48,82 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
     cfg = run_config(client, group.run_id)
     failed = [r for r in results.values() if r.status != "ok"]
     outcome = "dropped" if failed and cfg.controller.on_failure == "requeue" else "complete"
+    filtering = cfg.algorithm.get("filter_groups", {})
+    if outcome == "complete" and filtering.get("enable") \
+            and equal_rewards(results.values(), str(filtering.get("metric") or "score")):
+        outcome = "filtered"
     run = group.run_id
+    limit = cfg.data.get("max_prompt_failures")
     answer = client.register_script(_COMPLETE)(
         keys=[keys.group(group_id), keys.group_done(group_id), keys.run_active(run),
               keys.run_ready(run), keys.run_requeue(run), keys.run(run), keys.run_wakeup(run),
-              keys.group_results(group_id)],
-        args=[group_id, outcome, str(time.time()), group.seq, group.sample_index])
+              keys.group_results(group_id), keys.run_prompt_failures(run)],
+        args=[group_id, outcome, str(time.time()), group.seq, group.sample_index,
+              int(limit or 0)])
     if answer == "duplicate":
         log.info("group %s: completion already recorded (duplicate callback)", group_id)
     elif answer == "dropped":
         retention.expire_untrained(client, group_id)
         log.warning("group %s dropped and its prompt re-queued: %d sibling(s) failed (%s)",
                     group_id, len(failed), failed[0].error)
+    elif answer == "quarantined":
+        retention.expire_untrained(client, group_id)
+        client.hset(keys.run_quarantined(run), str(group.sample_index), failed[0].error or "")
+        log.error("prompt %d quarantined: its groups were dropped %d times "
+                  "(data.max_prompt_failures); it is not re-queued again. Last group %s, "
+                  "%d sibling(s) failed, last error: %s", group.sample_index, int(limit or 0),
+                  group_id, len(failed), failed[0].error)
+        answer = "dropped"
+    elif answer == "filtered":
+        retention.expire_untrained(client, group_id)
+        log.info("group %s filtered (algorithm.filter_groups): all %d rewards equal", group_id,
+                 len(results))
     return str(answer)
 
 
+def equal_rewards(results: Iterable[SiblingResult], metric: str) -> bool:
+    """Whether a complete group's rollouts all scored the same under ``metric`` (its GRPO
+    advantages are then all zero). A failed rollout scores 0 (``on_failure: zero_reward``)."""
+    def value(r: SiblingResult) -> float:
+        reward = float(r.reward) if r.status == "ok" and r.reward is not None else 0.0
+        return float(reward >= SUCCESS_REWARD) if metric == "acc" else reward
+
+    return len({value(r) for r in results}) <= 1
+
+
 # Status check, exactly-once mark and the outcome's writes in one step (see the invariants).
-# KEYS: group, group_done, run_active, run_ready, run_requeue, run, run_wakeup, group_results
-# ARGV: group id, outcome (complete | dropped), completed_at, seq, sample index
+# A dropped group's prompt is re-queued unless its groups have now been dropped ARGV[6]
+# times (0: no limit): then the answer is 'quarantined'. A filtered group leaves the active
+# set like a dropped one (its slot is free), and its prompt is not re-queued.
+# KEYS: group, group_done, run_active, run_ready, run_requeue, run, run_wakeup, group_results,
+#       run_prompt_failures
+# ARGV: group id, outcome (complete | dropped | filtered), completed_at, seq, sample index,
+#       max prompt failures
 _COMPLETE = """
 if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return 'cancelled' end
 if not redis.call('SET', KEYS[2], '1', 'NX') then return 'duplicate' end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'completed_at', ARGV[3])
-if ARGV[2] == 'dropped' then
+local answer = ARGV[2]
+if ARGV[2] == 'complete' then
+  redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
+else
   if redis.call('ZREM', KEYS[3], ARGV[1]) == 1 then  -- app.state.carry's count
     redis.call('HINCRBY', KEYS[6], 'finished_active', 0 - redis.call('HLEN', KEYS[8]))
   end
-  redis.call('RPUSH', KEYS[5], ARGV[5])
-  redis.call('HINCRBY', KEYS[6], 'n_dropped', 1)
-else
-  redis.call('ZADD', KEYS[4], ARGV[4], ARGV[1])
+  if ARGV[2] == 'filtered' then
+    redis.call('HINCRBY', KEYS[6], 'n_filtered', 1)
+  else
+    redis.call('HINCRBY', KEYS[6], 'n_dropped', 1)
+    local failures = redis.call('HINCRBY', KEYS[9], ARGV[5], 1)
+    local limit = tonumber(ARGV[6])
+    if limit > 0 and failures >= limit then
+      redis.call('HINCRBY', KEYS[6], 'n_quarantined', 1)
+      answer = 'quarantined'
+    else
+      redis.call('RPUSH', KEYS[5], ARGV[5])
+    end
+  end
 end
 redis.call('RPUSH', KEYS[7], ARGV[1])
-return ARGV[2]
+return answer
 """

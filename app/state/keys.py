@@ -94,6 +94,19 @@ def run_requeue(run_id: str) -> str:
     return PREFIX + "run:" + run_id + ":requeue"
 
 
+def run_prompt_failures(run_id: str) -> str:
+    """HASH dataset index -> how many of the prompt's groups were dropped (a sibling failed
+    under ``controller.on_failure: requeue``); HINCRBY'd by the completion script, which
+    stops re-queuing a prompt at ``data.max_prompt_failures``."""
+    return PREFIX + "run:" + run_id + ":prompt_failures"
+
+
+def run_quarantined(run_id: str) -> str:
+    """HASH dataset index -> the last error of a prompt no longer re-queued (its groups
+    were dropped ``data.max_prompt_failures`` times). Written by the groups worker."""
+    return PREFIX + "run:" + run_id + ":quarantined"
+
+
 def run_step_groups(run_id: str, step: int) -> str:
     """LIST of group ids selected for optimizer step ``step``; written once by the driver
     in the same transaction that removes them from run_ready; read by the trainer."""
@@ -149,9 +162,10 @@ def trainer_heartbeat(run_id: str, task: str) -> str:
 
 def policy_published() -> str:
     """HASH of the weights the inference servers should hold: ``version``, ``path`` (the
-    weight directory) and ``probe`` (JSON list of the trainer's probe log-probs). Written by
-    the trainer after every verified publish; read by its upstream keeper to reload a
-    restarted server."""
+    weight directory), ``model`` (the served model name they are weights of), ``probe``
+    (JSON list of the trainer's probe log-probs) and ``probe_ids``. Written by the trainer
+    after every verified publish; read by its upstream keeper to reload a restarted server
+    (only one serving the same model)."""
     return PREFIX + "policy:published"
 
 

@@ -48,6 +48,8 @@ class _HashRecord:
         return cls(**kwargs)
 
 
+SUCCESS_REWARD = 1.0  # a rollout with at least this reward counts as a success (acc)
+
 @dataclass
 class RolloutRecord(_HashRecord):
     """One agent execution (one sibling attempt). Writer: rollout task (created before the
@@ -67,6 +69,9 @@ class RolloutRecord(_HashRecord):
     # 1: a Redis crash lost calls the gateway had captured for it (its agent saw them);
     # written by the gateway after the outage, read by the trainer, which leaves it out.
     calls_lost: int = 0
+    # calls the gateway refused for the context length (prompt + max_tokens > max_model_len);
+    # HINCRBY'd by the gateway, read by the rollout worker (controller.on_context_overflow)
+    context_overflow: int = 0
 
 
 @dataclass
@@ -166,7 +171,7 @@ class GroupRecord(_HashRecord):
     dispatch_step: int = 0       # optimizer steps done when dispatched
     dispatch_version: int = 0    # policy version when dispatched
     dispatched_at: float = 0.0
-    status: str = "active"       # active | complete | selected | dropped | cancelled
+    status: str = "active"       # active | complete | selected | dropped | cancelled | filtered
     completed_at: float = 0.0
     callback_early: int = 0      # 1: the chord callback fired before every sibling stored its
                                  # result; the last sibling completes the group
@@ -194,10 +199,14 @@ class RunRecord(_HashRecord):
     status: str = "running"      # running | finished | failed
     created_at: float = 0.0
     # Counters, each HINCRBY'd where the event happens: dispatch (driver), a group dropped
-    # at completion (completion script), cancelled for its age (carry's cancel script).
+    # at completion (completion script), cancelled for its age (carry's cancel script),
+    # filtered at completion for equal rewards (algorithm.filter_groups), a prompt no longer
+    # re-queued (data.max_prompt_failures; completion script).
     n_dispatched: int = 0
     n_dropped: int = 0
     n_cancelled: int = 0
+    n_filtered: int = 0
+    n_quarantined: int = 0
     # finished rollouts of active groups, kept exactly by the carry and completion scripts
     # (``app.state.carry``); the unfinished ones the last selection carried over.
     finished_active: int = 0

@@ -68,7 +68,13 @@ def run(sample: dict, llm: Any, *, tool_median_s: float = 0.3, tool_sigma: float
     messages = [{"role": "user", "content": ask(text, 0)}]
     scores = []
     for turn in range(2):
-        out = client.chat.completions.create(model=llm.model, messages=messages)
+        try:
+            out = client.chat.completions.create(model=llm.model, messages=messages)
+        except openai.BadRequestError as exc:
+            if exc.code != "context_length_exceeded":
+                raise
+            # the conversation outgrew the model: end here, scored on the turns it had
+            break
         choice = out.choices[0]
         answer = choice.message.content or ""
         clean_stop = choice.finish_reason == "stop"
@@ -77,4 +83,4 @@ def run(sample: dict, llm: Any, *, tool_median_s: float = 0.3, tool_sigma: float
             time.sleep(min(tool_latency(rng, tool_median_s, tool_sigma), max_tool_s))
             messages += [{"role": "assistant", "content": answer},
                          {"role": "user", "content": ask(text, 1)}]
-    return sum(scores) / len(scores)
+    return sum(scores) / 2

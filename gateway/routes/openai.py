@@ -18,11 +18,14 @@ from typing import Any
 import orjson
 from flask import Blueprint, Response, jsonify
 
+from app.state import keys
 from app.state.cached_reads import policy_version
+from app.state.records import RolloutRecord
 from gateway import capture, sampling
 from gateway.admission import admit
 from gateway.auth import authenticate, rollout_token_sha256
 from gateway.body import json_body, loads
+from gateway.context import CODE, is_vllm_overflow, overflow_error
 from gateway.errors import GatewayError, bad_request, retryable
 from gateway.leases import Lease, UpstreamCancelled
 from gateway.state import GatewayState, get_state
@@ -99,6 +102,12 @@ def _forward(rollout_id: str, endpoint: str) -> Response:
         wants_lp, wants_ids = capture.agent_wants(body, endpoint)
         up_body = capture.prepare_upstream_body(body, endpoint, s.model, s.default_max_tokens,
                                                 temperature)
+        if state.context is not None:
+            over = state.context.check(up_body, endpoint)
+            if over is not None:
+                raise _overflowed(state, rollout_id, overflow_error(
+                    *over, state.context.max_model_len,
+                    "messages" if endpoint == "chat.completions" else "prompt"))
         stream = bool(body.get("stream"))
         cancel = state.leases.add(lease_id)
         started = time.time()
@@ -120,7 +129,11 @@ def _forward(rollout_id: str, endpoint: str) -> Response:
                 data = resp.read() if data is None else data
             except UpstreamUnreachable:
                 data = b""
-            raise _upstream_error(resp.status, data)
+            err = _upstream_error(resp.status, data)
+            if is_vllm_overflow(resp.status, err.message):
+                err.code = CODE
+                raise _overflowed(state, rollout_id, err)
+            raise err
         meta: dict[str, Any] = dict(endpoint=endpoint, version=version,
                                     temperature=float(up_body["temperature"]),
                                     upstream=upstream, started_at=started)
@@ -139,6 +152,14 @@ def _forward(rollout_id: str, endpoint: str) -> Response:
             raise _cancelled_error()
     return Response(orjson.dumps(capture.strip_for_agent(data, endpoint, wants_lp, wants_ids)),
                     mimetype="application/json")
+
+
+def _overflowed(state: GatewayState, rollout_id: str, err: GatewayError) -> GatewayError:
+    """Count the overflow on the rollout's record (the rollout worker reads it when the
+    agent ends: ``controller.on_context_overflow``); nothing is captured."""
+    state.redis.hincrby(keys.rollout(rollout_id), RolloutRecord.field("context_overflow"), 1)
+    log.info("rollout %s: %s", rollout_id, err.message)
+    return err
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -169,5 +169,6 @@ def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # n
     # Step 2 was retried by a new worker: it restored the checkpoint written after step 1
     # (``step_000002``) and published those weights (probe-verified) before training.
     assert rows[2]["trainer/restored_from_step"] == 2
+    assert rows[2]["trainer/rolled_back_updates"] == 0  # save_freq 1: nothing lost
     versions = [r["policy/version"] for r in rows]
     assert versions == sorted(versions) and len(set(versions)) == 4

@@ -3,6 +3,8 @@ several rows gets the advantage it would get as one row, for GRPO and RLOO."""
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 import torch
 
@@ -48,3 +50,25 @@ def test_split_rollout_gets_the_packed_advantage(estimator):
     assert split == pytest.approx(packed)
     if estimator == "rloo":  # leave-one-out over the other 3 rollouts
         assert packed["g0.0"] == pytest.approx(1.0 - (0.0 + 0.5 + 0.25) / 3)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo"])
+def test_a_rollout_without_a_row_stays_in_its_group_baseline(estimator):
+    # rewards 1.0, 0.0, 0.5 trained; a fourth rollout of the group failed before its first
+    # call (no row) and scored 0: the statistics are over all four
+    samples = [s for s in group(split_first=False) if s.rollout_id != "g0.3"]
+    vb = to_verl_batch(samples, 0, rowless=[("g0", 0.0)])
+    adv = compute_advantages(estimator, vb.rewards, vb.response_mask, vb.group_ids, True,
+                             vb.rollout_ids, vb.rowless)
+    got = [float(adv[i, 0]) for i in range(3)]
+    everyone = [1.0, 0.0, 0.5, 0.0]
+    if estimator == "grpo":
+        mean, std = statistics.fmean(everyone), statistics.stdev(everyone)
+        want = [(r - mean) / (std + 1e-6) for r in everyone[:3]]
+    else:
+        want = [r - (sum(everyone) - r) / 3 for r in everyone[:3]]
+    assert got == pytest.approx(want, abs=1e-5)
+    # left out of the baseline (as before), the same rollouts would get other advantages
+    without = compute_advantages(estimator, vb.rewards, vb.response_mask, vb.group_ids, True,
+                                 vb.rollout_ids)
+    assert float(without[0, 0]) != pytest.approx(got[0], abs=1e-3)

@@ -64,6 +64,12 @@ def _posted(client: redis.Redis, rollout_id: str) -> float | None:
     return json.loads(raw) if raw is not None else None
 
 
+def _overflowed(client: redis.Redis, rollout_id: str) -> bool:
+    """Whether the gateway refused one of the rollout's calls for the context length."""
+    raw = client.hget(keys.rollout(rollout_id), RolloutRecord.field("context_overflow"))
+    return int(raw or 0) > 0
+
+
 def existing_result(client: redis.Redis, group_id: str, index: int) -> SiblingResult | None:
     raw = client.hget(keys.group_results(group_id), str(index))
     return SiblingResult.from_json(raw) if raw else None
@@ -159,6 +165,18 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
                 adopted=bool(adopted))
         except AgentError as exc:
             adopted = None
+            if ctl_cfg.get("on_context_overflow") == "end" and _overflowed(client, rollout_id):
+                # the conversation outgrew the model: the rollout ends here, its calls so far
+                # are trained, with the reward the agent posted or controller.overflow_reward
+                _close_attempt(client, rollout_id, "finished")
+                posted = _posted(client, rollout_id)
+                reward = posted if posted is not None else float(ctl_cfg.overflow_reward)
+                log.info("rollout %s ended at its context overflow (%s); reward %s", rollout_id,
+                         exc, reward)
+                return SiblingResult(index=index, rollout_id=rollout_id, status="ok",
+                                     reward=reward, attempts=attempt,
+                                     seconds=time.monotonic() - started,
+                                     paused_seconds=clock.paused)
             _close_attempt(client, rollout_id, "failed")
             error = str(exc)
             log.warning("rollout %s attempt %d/%d failed: %s%s", rollout_id, attempt,

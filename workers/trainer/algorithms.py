@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -19,7 +20,8 @@ import torch
 
 def compute_advantages(estimator: str, rewards: torch.Tensor, response_mask: torch.Tensor,
                        group_ids: list[str], norm_by_std: bool,
-                       rollout_ids: list[str] | None = None) -> torch.Tensor:
+                       rollout_ids: list[str] | None = None,
+                       rowless: Sequence[tuple[str, float]] = ()) -> torch.Tensor:
     """Per-token advantages of each row, from one score per rollout.
 
     A rollout whose calls could not share one row (the agent rewrote its history) spans
@@ -28,6 +30,12 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, response_mask: tor
     rows: otherwise a rollout with more rows would weigh more, and RLOO's baseline would hold
     the rollout's own other rows. Each row gets its rollout's advantage on its response tokens.
     A row without a rollout id counts as a rollout of its own.
+
+    ``rowless``: (group id, reward) of the group's other rollouts, those that left no row (a
+    failure before the first call, scored 0, or every call excluded). They have a reward, so
+    they are part of the group's statistics: without them a group's mean and std would be
+    taken over the survivors only, and a group left with one row would train on its raw
+    reward.
     """
     from verl.trainer.ppo.core_algos import get_adv_estimator_fn
 
@@ -37,11 +45,15 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, response_mask: tor
         first.setdefault(k, i)
     rows = list(first.values())
     fn = get_adv_estimator_fn(estimator)
-    # Outcome reward: one token per rollout carries it.
-    ones = torch.ones((len(rows), 1), dtype=response_mask.dtype)
-    kwargs: dict[str, Any] = {"token_level_rewards": rewards[rows].unsqueeze(-1).to(ones.dtype),
+    # Outcome reward: one token per rollout carries it; the rowless rollouts come last, and
+    # their advantages are computed only to be dropped.
+    scores = torch.cat([rewards[rows].to(torch.float32),
+                        torch.tensor([r for _, r in rowless], dtype=torch.float32)])
+    index = [group_ids[i] for i in rows] + [g for g, _ in rowless]
+    ones = torch.ones((len(index), 1), dtype=response_mask.dtype)
+    kwargs: dict[str, Any] = {"token_level_rewards": scores.unsqueeze(-1).to(ones.dtype),
                               "response_mask": ones,
-                              "index": np.array([group_ids[i] for i in rows], dtype=object)}
+                              "index": np.array(index, dtype=object)}
     if "norm_adv_by_std_in_grpo" in inspect.signature(fn).parameters:
         kwargs["norm_adv_by_std_in_grpo"] = norm_by_std
     per_rollout, _ = fn(**kwargs)

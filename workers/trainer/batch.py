@@ -13,8 +13,9 @@ context it was sampled with), which halves the tokens a two-turn agent costs the
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 
@@ -24,6 +25,8 @@ from app.state.records import CapturedCall, RolloutRecord
 
 if TYPE_CHECKING:  # torch is imported where a batch is built, not with this module
     from torch import Tensor
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -36,6 +39,8 @@ class Sample:
     temperature: float
     policy_version: int
     rollout_id: str = ""   # consecutive calls of one rollout may share a row; "" never does
+    trained: bool = True   # False: in its row as context only (an over-long call masked out)
+    finish_reason: str | None = None
 
 
 @dataclass
@@ -51,14 +56,54 @@ class BatchStats:
     versions: list[int] = field(default_factory=list)
     mixed_version_samples: int = 0   # calls that spanned a weight update (drain_mode keep)
     mixed_version_tokens: int = 0    # their response tokens sampled after the first switch
+    # (group id, reward) of each rollout that left no trainable call: still in its group's
+    # baseline (``algorithms.compute_advantages``)
+    rowless: list[tuple[str, float]] = field(default_factory=list)
+    small_groups: int = 0            # groups left with too few rewards to train on
+    overlong_calls: int = 0          # trainable calls cut at max_tokens (finish_reason length)
+    overlong_masked_calls: int = 0   # of those, left out of the loss (algorithm.overlong.mask)
+    penalties: list[float] = field(default_factory=list)  # soft over-long penalty per rollout
 
 
-def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failures: bool
+@dataclass(frozen=True)
+class Overlong:
+    """``algorithm.overlong``: what happens to calls cut at ``max_tokens``."""
+
+    mask: bool = False              # DAPO's over-long filtering: their tokens train nothing
+    buffer_len: int = 0             # DAPO's soft over-long penalty (0: off)
+    penalty_factor: float = 1.0
+    max_response_length: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> Overlong:
+        o = cfg.algorithm.get("overlong") or {}
+        return cls(bool(o.get("mask", False)), int(o.get("buffer_len") or 0),
+                   float(o.get("penalty_factor", 1.0)), int(o.get("max_response_length") or 0))
+
+    def penalty(self, response_len: int) -> float:
+        """DAPO's soft penalty: 0 up to ``max_response_length - buffer_len`` tokens, then
+        falling linearly to ``-penalty_factor`` at ``max_response_length`` (and beyond)."""
+        if self.buffer_len <= 0:
+            return 0.0
+        exceed = response_len - (self.max_response_length - self.buffer_len)
+        return max(min(-exceed / self.buffer_len * self.penalty_factor, 0.0),
+                   -self.penalty_factor)
+
+
+def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failures: bool,
+                    min_group_rewards: int = 1, overlong: Overlong = Overlong()
                     ) -> tuple[list[Sample], BatchStats]:
+    """The trainable calls of ``group_ids``. A group with fewer than ``min_group_rewards``
+    rewards (2 for a group-relative estimator: one reward has no baseline) is left out.
+    The soft over-long penalty of a rollout is that of its longest call, added to its
+    reward (what its group's baseline sees too); ``stats.rewards`` keep the raw rewards."""
     stats = BatchStats(groups=len(group_ids))
     samples: list[Sample] = []
     for gid in group_ids:
-        for result in sibling_results(client, gid).values():
+        group_samples: list[Sample] = []
+        group_rowless: list[tuple[str, float]] = []
+        rewards = 0
+        for _, result in sorted(sibling_results(client, gid).items()):  # sibling order
             if result.status == "ok":
                 reward = float(result.reward)  # type: ignore[arg-type]
             elif zero_reward_failures:
@@ -68,35 +113,67 @@ def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failu
                 continue
             stats.rollouts += 1
             stats.rewards.append(reward)
-            if not result.rollout_id:
+            rewards += 1
+            calls = _rollout_samples(client, result.rollout_id, gid, reward, stats)
+            if overlong.buffer_len and calls:
+                penalty = overlong.penalty(max(len(c.response_ids) for c in calls))
+                stats.penalties.append(penalty)
+                for c in calls:
+                    c.reward = reward + penalty
+            for c in calls:
+                if c.finish_reason == "length":
+                    stats.overlong_calls += 1
+                    if overlong.mask:
+                        c.trained = False
+                        stats.overlong_masked_calls += 1
+            if calls and not any(c.trained for c in calls):
+                # nothing of it trains: it stays in the baseline only
+                group_rowless.append((gid, calls[0].reward))
                 continue
-            if client.hget(keys.rollout(result.rollout_id),
-                           RolloutRecord.field("calls_lost")) == "1":
-                # a Redis crash lost calls its agent saw: what is left would train on a
-                # trajectory its reward does not describe
-                stats.excluded_samples += max(client.llen(keys.rollout_calls(
-                    result.rollout_id)), 1)
-                continue
-            for raw in client.lrange(keys.rollout_calls(result.rollout_id), 0, -1):
-                call = CapturedCall.from_json(raw)
-                usable = (call.response_ids and call.nonfinite_logprobs == 0
-                          and len(call.logprobs) == len(call.response_ids) and call.prompt_ids)
-                if not usable:
-                    stats.excluded_samples += 1
-                    continue
-                samples.append(Sample(call.prompt_ids, call.response_ids,
-                                      [float(x) for x in call.logprobs],  # type: ignore[arg-type]
-                                      reward, gid, call.temperature, call.policy_version,
-                                      result.rollout_id))
-                stats.versions.append(call.policy_version)
-                if call.spans_update:
-                    stats.mixed_version_samples += 1
-                    after = call.tokens_after_switch()
-                    # not streamed: where the switch fell is unknown, count the whole call
-                    stats.mixed_version_tokens += len(call.response_ids) if after is None \
-                        else after
+            group_samples += calls
+            if not calls:
+                group_rowless.append((gid, reward))
+        if rewards < min_group_rewards:
+            stats.small_groups += 1
+            log.warning("group %s not trained: %d reward(s), a group-relative baseline needs "
+                        "%d", gid, rewards, min_group_rewards)
+            continue
+        samples += group_samples
+        stats.rowless += group_rowless
+        for s in group_samples:
+            stats.versions.append(s.policy_version)
     stats.samples = len(samples)
     return samples, stats
+
+
+def _rollout_samples(client: redis.Redis, rollout_id: str | None, gid: str, reward: float,
+                     stats: BatchStats) -> list[Sample]:
+    """A rollout's usable calls as samples; the unusable ones are counted in ``stats``."""
+    if not rollout_id:
+        return []
+    if client.hget(keys.rollout(rollout_id), RolloutRecord.field("calls_lost")) == "1":
+        # a Redis crash lost calls its agent saw: what is left would train on a trajectory
+        # its reward does not describe
+        stats.excluded_samples += max(client.llen(keys.rollout_calls(rollout_id)), 1)
+        return []
+    out = []
+    for raw in client.lrange(keys.rollout_calls(rollout_id), 0, -1):
+        call = CapturedCall.from_json(raw)
+        usable = (call.response_ids and call.nonfinite_logprobs == 0
+                  and len(call.logprobs) == len(call.response_ids) and call.prompt_ids)
+        if not usable:
+            stats.excluded_samples += 1
+            continue
+        out.append(Sample(call.prompt_ids, call.response_ids,
+                          [float(x) for x in call.logprobs],  # type: ignore[arg-type]
+                          reward, gid, call.temperature, call.policy_version, rollout_id,
+                          finish_reason=call.finish_reason))
+        if call.spans_update:
+            stats.mixed_version_samples += 1
+            after = call.tokens_after_switch()
+            # not streamed: where the switch fell is unknown, count the whole call
+            stats.mixed_version_tokens += len(call.response_ids) if after is None else after
+    return out
 
 
 @dataclass
@@ -137,6 +214,11 @@ class Row:
     logprobs: list[float]
     first: Sample             # reward, group and temperature (shared by the row's calls)
     calls: int = 1
+    trained: list[bool] = field(default_factory=list)  # per response token: in the loss
+
+    def __post_init__(self) -> None:
+        if not self.trained:
+            self.trained = [self.first.trained] * len(self.response_ids)
 
 
 def pack_turns(samples: list[Sample]) -> list[Row]:
@@ -154,6 +236,7 @@ def pack_turns(samples: list[Sample]) -> list[Row]:
             last.positions += range(start, start + len(s.response_ids))
             last.response_ids += s.response_ids
             last.logprobs += s.rollout_logprobs
+            last.trained += [s.trained] * len(s.response_ids)
             last.calls += 1
             continue
         p = len(s.prompt_ids)
@@ -183,7 +266,7 @@ def to_batch(samples: list[Sample], pad_id: int, device: str = "cpu") -> Batch:
         # the logits at position t predict token t+1
         response_index[i, :r] = torch.tensor(row.positions) - 1
         response_ids[i, :r] = torch.tensor(row.response_ids)
-        response_mask[i, :r] = 1.0
+        response_mask[i, :r] = torch.tensor(row.trained, dtype=torch.float32)
         rollout_lp[i, :r] = torch.tensor(row.logprobs)
     return Batch(
         input_ids.to(device), attention.to(device), response_index.to(device),

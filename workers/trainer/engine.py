@@ -146,7 +146,7 @@ class EngineTrainer:
         mask = vb.response_mask
         fields["advantages"] = compute_advantages(
             algo.adv_estimator, vb.rewards, mask, vb.group_ids,
-            bool(algo.norm_adv_by_std_in_grpo), vb.rollout_ids)
+            bool(algo.norm_adv_by_std_in_grpo), vb.rollout_ids, vb.rowless)
         is_weights, mask, rc_metrics = rollout_correction(
             old_log_prob, vb.rollout_log_probs, mask, algo.rollout_correction)
         if is_weights is not None:

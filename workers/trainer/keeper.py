@@ -83,6 +83,14 @@ class UpstreamKeeper:
             if not self.client.sismember(keys.upstreams_stale(), url):
                 return  # a step's publish reached it first
             published = self.client.hgetall(keys.policy_published())
+            if published and published.get("model") != self.model_name:
+                # another model's weights (a run of another config on this Redis): they
+                # cannot load into this server; the next run's start publishes its own
+                log.warning("inference server %s is back; the last published weights are of "
+                            "model %r, not %r (%s): not loaded, it serves its initial model",
+                            url, published.get("model"), self.model_name, published["path"])
+                self.client.srem(keys.upstreams_stale(), url)
+                return
             if published:
                 weights.reload_weights(url, Path(published["path"]))
                 weights.verify_sync(url, self.model_name, json.loads(published["probe"]),

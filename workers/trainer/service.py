@@ -122,7 +122,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
     group_ids, samples, stats = claim(client, run_id, step, settings)
     collocated = settings.collocated(resident.trainer.device)
     if not collocated:
-        update(resident, samples, step, metrics, timings)  # rollouts go on meanwhile
+        update(resident, samples, stats, step, metrics, timings)  # rollouts go on meanwhile
     pause = Pause(client, settings.lease_ttl_s)
     t = time.monotonic()
     with paused(pause, settings, beats, timings) as inflight, ExitStack() as undo:
@@ -135,7 +135,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
             t = time.monotonic()
             if settings.sleeps(resident.trainer.device):
                 asleep = undo.enter_context(sleep_engines(settings, step))
-            update(resident, samples, step, metrics, timings)
+            update(resident, samples, stats, step, metrics, timings)
             timings["update"] = time.monotonic() - t  # the engines' sleep included
         require_pause(pause, "loading the new weights")
         published = publish(client, settings, resident, timings, asleep, held)
@@ -154,10 +154,12 @@ def claim(client: redis.Redis, run_id: str, step: int, settings: TrainerSettings
     """The step's groups, each claimed for this step only, and their samples."""
     group_ids = _claim_groups(client, client.lrange(keys.run_step_groups(run_id, step), 0, -1),
                               step)
-    samples, stats = collect_samples(client, group_ids, settings.zero_reward_failures)
+    samples, stats = collect_samples(client, group_ids, settings.zero_reward_failures,
+                                     settings.min_group_rewards, settings.overlong)
     if not samples:
         raise StepError(f"step {step}: no usable samples in {len(group_ids)} groups "
-                        f"({stats.excluded_samples} excluded)")
+                        f"({stats.excluded_samples} excluded, {stats.small_groups} groups "
+                        f"with fewer than {settings.min_group_rewards} rewards)")
     return group_ids, samples, stats
 
 
@@ -218,11 +220,12 @@ def sleep_engines(settings: TrainerSettings, step: int) -> weights.Held:
         raise StepError(f"step {step} not trained: {exc}") from exc
 
 
-def update(resident: Resident, samples: list[Sample], step: int, metrics: Metrics,
-           timings: dict[str, float]) -> None:
+def update(resident: Resident, samples: list[Sample], stats: BatchStats, step: int,
+           metrics: Metrics, timings: dict[str, float]) -> None:
     t = time.monotonic()
     trainer = resident.trainer
-    metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id), step))
+    metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id, stats.rowless),
+                                  step))
     timings["update"] = time.monotonic() - t
 
 
@@ -278,6 +281,7 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     timings["probe"] = time.monotonic() - t
     client.hset(keys.policy_published(), mapping={
         "version": published.version, "path": str(published.path.resolve()),
+        "model": settings.inference.served_model_name,
         "probe": json.dumps(expected), "probe_ids": json.dumps(ids)})
 
 
@@ -295,6 +299,12 @@ def step_metrics(stats: BatchStats, version: int, timings: dict[str, float]) -> 
         "batch/samples": stats.samples,
         "batch/excluded_samples": stats.excluded_samples,
         "batch/failed_rollouts_zero_reward": stats.failed_rollouts_zero_reward,
+        "batch/rowless_rollouts": len(stats.rowless),
+        "batch/small_groups": stats.small_groups,
+        "batch/overlong_calls": stats.overlong_calls,
+        "batch/overlong_masked_calls": stats.overlong_masked_calls,
+        "reward/overlong_penalty_mean": statistics.fmean(stats.penalties)
+        if stats.penalties else 0.0,
         "batch/mixed_version_samples": stats.mixed_version_samples,
         "batch/mixed_version_tokens": stats.mixed_version_tokens,
         "policy/sample_version_lag_mean": statistics.fmean(
@@ -392,12 +402,16 @@ def _restore_servers(client: redis.Redis, settings: TrainerSettings, resident: R
                      beats: Beats, step: int) -> Metrics:
     """This process took up a run mid-way (its previous trainer worker died): bring every
     inference server back to the weights it restored before training on."""
+    restored = resident.restored_step or 0  # updates the checkpoint holds (0: none)
+    lost = max(step - restored, 0)
     log.warning("trainer worker took up run %s at step %d: restored from the checkpoint of "
-                "step %s; loading those weights into the inference servers", resident.run_id,
-                step, resident.restored_step)
+                "step %s, so %d update(s) are lost (trainer.save_freq %d); loading those "
+                "weights into the inference servers", resident.run_id, step,
+                resident.restored_step, lost, settings.save_freq)
     version = _serve_resident(client, settings, resident, beats, {})
     return {"trainer/restored_from_step": resident.restored_step,
-            "trainer/restored_policy_version": version}
+            "trainer/restored_policy_version": version,
+            "trainer/rolled_back_updates": lost}
 
 
 def init_run(client: redis.Redis, run_id: str) -> Metrics:

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from app.config.loader import REPO_ROOT
 from app.config.settings import DrainMode, InferenceSettings, drain_mode
+from app.config.verl_names import ADV_ESTIMATORS
+from workers.trainer.batch import Overlong
 
 
 def repo_path(p: str) -> Path:
@@ -31,6 +33,8 @@ class TrainerSettings:
     total_steps: int
     pause_during_update: bool | Literal["auto"]
     zero_reward_failures: bool  # controller.on_failure: zero_reward
+    min_group_rewards: int      # 2 for a group-relative estimator, else 1
+    overlong: Overlong
     lease_ttl_s: float
     drain_timeout_s: float
     drain_mode: DrainMode
@@ -54,6 +58,9 @@ class TrainerSettings:
             total_steps=int(tr.total_steps),
             pause_during_update="auto" if pause == "auto" else bool(pause),
             zero_reward_failures=cfg.controller.on_failure == "zero_reward",
+            min_group_rewards=2 if ADV_ESTIMATORS.get(str(cfg.algorithm.adv_estimator))
+            else 1,
+            overlong=Overlong.from_config(cfg),
             lease_ttl_s=float(gw.lease_ttl_s),
             drain_timeout_s=float(gw.drain_timeout_s),
             drain_mode=drain_mode(cfg),

@@ -7,8 +7,9 @@ the tokens the agent added between calls (tool output, the next user turn); thos
 trained on. This is verl's own multi-turn convention.
 
 Invariants:
-- ``response_mask`` is 1 exactly at the tokens the policy sampled; ``rollout_log_probs`` is
-  the engine's log-prob there and 0 elsewhere.
+- ``response_mask`` is 1 exactly at the tokens the policy sampled (less those of a call
+  masked out: ``algorithm.overlong.mask``); ``rollout_log_probs`` is the engine's log-prob
+  at every sampled token and 0 elsewhere.
 - Rows added by ``padded`` have an all-zero ``response_mask`` (and no reward): every loss and
   every token count verl computes ignores them, so padding a batch to divide evenly over
   ranks or micro-batches changes nothing.
@@ -38,6 +39,8 @@ class VerlBatch:
     rollout_ids: list[str]
     calls: list[int] = field(default_factory=list)
     real: int = -1                   # rows before padding (the rest are padding)
+    # (group id, reward) of rollouts without a row: part of their group's baseline only
+    rowless: list[tuple[str, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.real < 0:
@@ -53,7 +56,8 @@ class VerlBatch:
             self.response_attention[idx], self.response_mask[idx],
             self.rollout_log_probs[idx], self.temperatures[idx], self.rewards[idx],
             [self.group_ids[i] for i in rows], [self.rollout_ids[i] for i in rows],
-            [self.calls[i] for i in rows], real=sum(1 for i in rows if i < self.real))
+            [self.calls[i] for i in rows], real=sum(1 for i in rows if i < self.real),
+            rowless=self.rowless)
 
     def padded(self, multiple: int) -> VerlBatch:
         """This batch with all-masked rows appended up to a multiple of ``multiple``."""
@@ -76,7 +80,7 @@ class VerlBatch:
             cat([self.rollout_log_probs, pad.rollout_log_probs]),
             cat([self.temperatures, pad.temperatures]), cat([self.rewards, pad.rewards]),
             self.group_ids + [""] * extra, self.rollout_ids + [""] * extra,
-            self.calls + [0] * extra, real=self.real)
+            self.calls + [0] * extra, real=self.real, rowless=self.rowless)
 
     def tensordict(self, **fields: torch.Tensor) -> Any:
         """verl's no-padding TensorDict of these rows, with per-token ``fields`` ([B, R])
@@ -99,7 +103,8 @@ class VerlBatch:
         return left_right_2_no_padding(td)
 
 
-def to_verl_batch(samples: list[Sample], pad_id: int) -> VerlBatch:
+def to_verl_batch(samples: list[Sample], pad_id: int,
+                  rowless: list[tuple[str, float]] | None = None) -> VerlBatch:
     rows = pack_turns(samples)
     prompt_lens = [r.positions[0] for r in rows]
     resp_lens = [len(r.tokens) - p for r, p in zip(rows, prompt_lens, strict=True)]
@@ -116,11 +121,11 @@ def to_verl_batch(samples: list[Sample], pad_id: int) -> VerlBatch:
         responses[i, :r] = torch.tensor(row.tokens[p:])
         resp_att[i, :r] = 1
         at = torch.tensor(row.positions) - p
-        mask[i, at] = 1.0
+        mask[i, at] = torch.tensor(row.trained, dtype=torch.float32)
         rollout_lp[i, at] = torch.tensor(row.logprobs, dtype=torch.float32)
     return VerlBatch(
         prompts, responses, prompt_mask, resp_att, mask, rollout_lp,
         torch.tensor([r.first.temperature for r in rows], dtype=torch.float32),
         torch.tensor([r.first.reward for r in rows], dtype=torch.float32),
         [r.first.group_id for r in rows], [r.first.rollout_id for r in rows],
-        [r.calls for r in rows])
+        [r.calls for r in rows], rowless=list(rowless or []))
