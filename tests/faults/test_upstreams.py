@@ -137,3 +137,50 @@ def test_a_server_still_starting_is_skipped_but_not_marked_stale(redis_client):
     assert ups.check_health(timeout_s=1) == {url: False}
     assert ups.pick("r1") is None
     assert redis_client.sismember(keys.upstreams_stale(), url)
+
+
+def test_the_keeper_never_loads_another_models_weights(redis_client):
+    """A server that comes back while the last published weights are of another model (a
+    run of another config on this Redis) is put back in rotation with its initial model:
+    loading them would fail, and can leave the server unable to load the next run's."""
+    from workers.trainer.keeper import UpstreamKeeper
+
+    posts: list[str] = []
+
+    class Server(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_POST(self) -> None:  # noqa: N802
+            posts.append(self.path)
+            self.send_response(500)  # vLLM asked to load weights of another shape
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        redis_client.hset(keys.policy_published(), mapping={
+            "version": 7, "path": "/nonexistent/v7", "model": "another-model",
+            "probe": "[]", "probe_ids": "[]"})
+        redis_client.sadd(keys.upstreams_stale(), url)
+        keeper = UpstreamKeeper(redis_client, [url], "tiny-qwen2", 0.1)
+        assert keeper.tick() == [url]
+        assert posts == [] and not redis_client.sismember(keys.upstreams_stale(), url)
+        # the same model's weights are loaded (here the load fails: the server stays stale)
+        redis_client.hset(keys.policy_published(), "model", "tiny-qwen2")
+        redis_client.sadd(keys.upstreams_stale(), url)
+        with pytest.raises(Exception, match="reload_weights answered 500"):
+            keeper.tick()
+        assert posts == ["/collective_rpc"]
+        assert redis_client.sismember(keys.upstreams_stale(), url)
+    finally:
+        server.shutdown()
+        server.server_close()
