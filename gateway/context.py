@@ -82,7 +82,8 @@ class ContextCheck:
     def check(self, body: dict[str, Any], endpoint: str) -> tuple[int, int] | None:
         """``None`` when the call fits, else (prompt tokens, max_tokens). ``body`` is the
         upstream body (its ``max_tokens`` filled in)."""
-        max_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 0
+        # vLLM's chat endpoint takes max_completion_tokens first
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 0
         try:
             prompt = self.prompt_tokens(body, endpoint)
         except Exception as exc:  # noqa: BLE001 - a template that fails here fails in vLLM

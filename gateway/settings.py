@@ -53,7 +53,7 @@ class GatewaySettings:
     default_max_tokens: int
     default_temperature: float
     sampling: str = "enforce"
-    context_check: bool = False   # gateway.context_check: count prompts (gateway/context.py)
+    context_check: bool = True    # gateway.context_check: count prompts (gateway/context.py)
     tokenizer_path: str = ""      # the served model's tokenizer and chat template
     max_model_len: int = 0
 

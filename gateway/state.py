@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from pathlib import Path
 
 from flask import Flask, current_app
 
@@ -41,7 +42,14 @@ class GatewayState:
         if settings.context_check:
             from gateway.context import ContextCheck
 
-            self.context = ContextCheck(settings.tokenizer_path, settings.max_model_len)
+            try:
+                self.context = ContextCheck(Path(settings.tokenizer_path),
+                                            settings.max_model_len)
+            except Exception as exc:  # noqa: BLE001 - the gateway serves without the check
+                log.warning("the context-length check is off: the tokenizer at %s could not "
+                            "be loaded (%s: %s); vLLM's own refusals still get the code "
+                            "context_length_exceeded", settings.tokenizer_path,
+                            exc.__class__.__name__, exc)
         # After a Redis outage: mark the rollouts whose captures the crash lost
         outage_for(settings.redis_url).listeners.append(self._after_outage)
 

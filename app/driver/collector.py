@@ -110,10 +110,10 @@ class Collector:
     # --- dispatch ------------------------------------------------------------------
 
     def _next_sample_index(self, run: RunRecord) -> int:
-        requeued = self.r.lpop(keys.run_requeue(self.run_id))
-        if requeued is not None:
-            return int(requeued)
         quarantined = self.r.hkeys(keys.run_quarantined(self.run_id))
+        while (requeued := self.r.lpop(keys.run_requeue(self.run_id))) is not None:
+            if requeued not in quarantined:  # (one re-queued before its quarantine)
+                return int(requeued)
         if len(quarantined) >= len(self.samples):
             raise Starved(f"every one of the {len(self.samples)} prompts is quarantined "
                           "(data.max_prompt_failures): the agent fails on all of them")

@@ -13,7 +13,6 @@ import secrets
 import statistics
 import time
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -159,13 +158,24 @@ def train(cfg: Any, resume: str | None = None, *,
             # so their age counts from this step like the rest of this step's dispatch.
             # after_update: the loop's top_up at the next step starts them on the new ones.
             refill_early = is_async and step + 1 < total and refill_during_update
-            refill = partial(collector.top_up, version, dispatch_step=step)
+
+            def refill(v: int = version, s: int = step) -> None:
+                # a slot freed once the step's weights are loaded starts on them: its age
+                # counts from the next step, as after_update's refill does
+                now = int(client.get(keys.policy_version()) or 0)
+                if now == v:
+                    collector.top_up(v, dispatch_step=s)
+                else:
+                    collector.top_up(now, dispatch_step=s + 1)
+
             t_train = time.monotonic()
             try:
                 trainer_metrics = call_trainer(
                     client, cfg, "workers.trainer.tasks.train_step", run_id, str(step),
                     [run_id, step], while_running=refill if refill_early else None,
                     outage=watch, after_outage=after_outage)
+            except Starved:
+                raise  # the driver's own refill, not the trainer
             except Exception as exc:
                 raise TrainingFailed(f"update {step} failed in the trainer worker: "
                                      f"{exc.__class__.__name__}: {exc}") from exc

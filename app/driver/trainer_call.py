@@ -49,10 +49,10 @@ def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: floa
             return result.get(timeout=poll_s, propagate=True, disable_sync_subtasks=False)
         except CeleryTimeout:
             pass
-        if each_poll is not None:
-            each_poll()
         if outage is not None and outage.pending():
             raise RedisOutageEnded("Redis was unreachable while the task ran")
+        if each_poll is not None:
+            each_poll()
         alive = bool(client.exists(heartbeat_key))
         if alive:
             seen = True

@@ -5,7 +5,8 @@ Invariant: the count changes only inside the same Redis script (or MULTI) as the
 depends on, so no interleaving of siblings, callbacks and the driver can make it drift:
 - a sibling's first result for an active group adds 1 (``store_sibling_result``);
 - a group leaving the active set subtracts its stored results: selected (``n`` each, in the
-  selection's MULTI), dropped (the completion script), cancelled (``cancel_group``).
+  selection's MULTI), dropped or filtered (the completion script), cancelled
+  (``cancel_group``).
 Results stored for a group that is no longer active (a late sibling of a cancelled group, a
 sibling that ran twice) are not counted.
 

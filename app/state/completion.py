@@ -57,9 +57,10 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
     answer = client.register_script(_COMPLETE)(
         keys=[keys.group(group_id), keys.group_done(group_id), keys.run_active(run),
               keys.run_ready(run), keys.run_requeue(run), keys.run(run), keys.run_wakeup(run),
-              keys.group_results(group_id), keys.run_prompt_failures(run)],
+              keys.group_results(group_id), keys.run_prompt_failures(run),
+              keys.run_quarantined(run)],
         args=[group_id, outcome, str(time.time()), group.seq, group.sample_index,
-              int(limit or 0)])
+              int(limit or 0), (failed[0].error or "") if failed else ""])
     if answer == "duplicate":
         log.info("group %s: completion already recorded (duplicate callback)", group_id)
     elif answer == "dropped":
@@ -68,7 +69,6 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
                     group_id, len(failed), failed[0].error)
     elif answer == "quarantined":
         retention.expire_untrained(client, group_id)
-        client.hset(keys.run_quarantined(run), str(group.sample_index), failed[0].error or "")
         log.error("prompt %d quarantined: its groups were dropped %d times "
                   "(data.max_prompt_failures); it is not re-queued again. Last group %s, "
                   "%d sibling(s) failed, last error: %s", group.sample_index, int(limit or 0),
@@ -93,12 +93,13 @@ def equal_rewards(results: Iterable[SiblingResult], metric: str) -> bool:
 
 # Status check, exactly-once mark and the outcome's writes in one step (see the invariants).
 # A dropped group's prompt is re-queued unless its groups have now been dropped ARGV[6]
-# times (0: no limit): then the answer is 'quarantined'. A filtered group leaves the active
-# set like a dropped one (its slot is free), and its prompt is not re-queued.
+# times (0: no limit): then it is quarantined with its last error (once: the answer is
+# 'quarantined' the first time, 'dropped' after). A filtered group leaves the active set
+# like a dropped one (its slot is free), and its prompt is not re-queued.
 # KEYS: group, group_done, run_active, run_ready, run_requeue, run, run_wakeup, group_results,
-#       run_prompt_failures
+#       run_prompt_failures, run_quarantined
 # ARGV: group id, outcome (complete | dropped | filtered), completed_at, seq, sample index,
-#       max prompt failures
+#       max prompt failures, the last error
 _COMPLETE = """
 if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return 'cancelled' end
 if not redis.call('SET', KEYS[2], '1', 'NX') then return 'duplicate' end
@@ -117,8 +118,10 @@ else
     local failures = redis.call('HINCRBY', KEYS[9], ARGV[5], 1)
     local limit = tonumber(ARGV[6])
     if limit > 0 and failures >= limit then
-      redis.call('HINCRBY', KEYS[6], 'n_quarantined', 1)
-      answer = 'quarantined'
+      if redis.call('HSETNX', KEYS[10], ARGV[5], ARGV[7]) == 1 then
+        redis.call('HINCRBY', KEYS[6], 'n_quarantined', 1)
+        answer = 'quarantined'
+      end
     else
       redis.call('RPUSH', KEYS[5], ARGV[5])
     end

@@ -102,8 +102,9 @@ def run_prompt_failures(run_id: str) -> str:
 
 
 def run_quarantined(run_id: str) -> str:
-    """HASH dataset index -> the last error of a prompt no longer re-queued (its groups
-    were dropped ``data.max_prompt_failures`` times). Written by the groups worker."""
+    """HASH dataset index -> the last error of a prompt no longer dispatched (its groups
+    were dropped ``data.max_prompt_failures`` times). Written (HSETNX) by the completion
+    script; read by the driver, which skips these prompts."""
     return PREFIX + "run:" + run_id + ":quarantined"
 
 

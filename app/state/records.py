@@ -171,7 +171,8 @@ class GroupRecord(_HashRecord):
     dispatch_step: int = 0       # optimizer steps done when dispatched
     dispatch_version: int = 0    # policy version when dispatched
     dispatched_at: float = 0.0
-    status: str = "active"       # active | complete | selected | dropped | cancelled | filtered
+    # active | complete | selected | dropped | cancelled | filtered (equal rewards)
+    status: str = "active"
     completed_at: float = 0.0
     callback_early: int = 0      # 1: the chord callback fired before every sibling stored its
                                  # result; the last sibling completes the group

@@ -4,7 +4,7 @@ group baseline over every rollout."""
 
 from __future__ import annotations
 
-import json
+import re
 import threading
 import time
 
@@ -72,8 +72,10 @@ def test_dynamic_sampling_that_starves_a_step_fails_it_with_the_figures(stack, t
                    "algorithm.filter_groups.enable=true",
                    "algorithm.filter_groups.max_num_gen_batches=2", "trainer.total_steps=1")
     with pytest.raises(TrainingFailed, match=r"starved the step: 0 of 2 informative groups "
-                                             r"ready .* [4-9] complete groups filtered"):
+                                             r"ready .* (\d+) complete groups filtered") as err:
         run(cfg)
+    filtered = int(re.search(r"(\d+) complete groups filtered", str(err.value)).group(1))
+    assert filtered >= 4 and "max_num_gen_batches=2 (4 groups)" in str(err.value)
 
 
 def test_a_prompt_that_always_fails_is_quarantined_and_the_run_finishes(stack, tmp_path):  # noqa: F811
@@ -117,17 +119,21 @@ def test_a_rollout_that_failed_before_its_first_call_is_in_the_baseline(stack, t
     assert row["actor/advantage_abs_mean"] == pytest.approx(0.5 / std, rel=1e-4)
 
 
-def test_filtered_groups_and_quarantine_counters_reach_the_run_record(stack, tmp_path):  # noqa: F811
+def test_only_the_equal_reward_prompt_is_filtered_in_every_epoch(stack, tmp_path):  # noqa: F811
     cfg = make_cfg(tmp_path, [EQUAL, {}, {}], "data.train_batch_size=1",
                    "agentlightning.async_rollout.async_train_batch_size=2",
-                   "algorithm.filter_groups.enable=true", "trainer.total_steps=2")
+                   "algorithm.filter_groups.enable=true", "trainer.total_steps=4")
     result, rows = run(cfg)
-    record = stack.hgetall(keys.run(result["run_id"]))
-    filtered = [g for g in _groups(stack, result["run_id"]) if g["status"] == "filtered"]
-    assert int(record["n_filtered"]) == len(filtered) >= 1
-    assert all(g["sample_index"] == "0" for g in filtered)
-    assert sum(r[ASYNC + "n_filtered_groups"] for r in rows) <= len(filtered)
-    assert json.loads(record["config"])["algorithm"]["filter_groups"]["enable"] is True
+    run_id = result["run_id"]
+    reported = sum(r[ASYNC + "n_filtered_groups"] for r in rows)
+    groups = _groups(stack, run_id)
+    filtered = [g for g in groups if g["status"] == "filtered"]
+    assert {g["sample_index"] for g in filtered} == {"0"}
+    # 4 steps of 1 group go round the data twice: each epoch's group of prompt 0 was
+    # filtered (or, the last, may still run)
+    zeros = [g["status"] for g in groups if g["sample_index"] == "0"]
+    assert len(zeros) >= 2 and set(zeros) <= {"filtered", "active"} and reported >= 1
+    assert int(stack.hget(keys.run(run_id), "n_filtered")) >= reported
 
 
 def test_age_cap_wait_trains_the_overdue_group_and_reports_the_wait(stack, tmp_path):  # noqa: F811

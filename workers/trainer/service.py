@@ -156,7 +156,7 @@ def claim(client: redis.Redis, run_id: str, step: int, settings: TrainerSettings
                               step)
     samples, stats = collect_samples(client, group_ids, settings.zero_reward_failures,
                                      settings.min_group_rewards, settings.overlong)
-    if not samples:
+    if not samples and not stats.overlong_masked_calls:
         raise StepError(f"step {step}: no usable samples in {len(group_ids)} groups "
                         f"({stats.excluded_samples} excluded, {stats.small_groups} groups "
                         f"with fewer than {settings.min_group_rewards} rewards)")
@@ -224,8 +224,14 @@ def update(resident: Resident, samples: list[Sample], stats: BatchStats, step: i
            metrics: Metrics, timings: dict[str, float]) -> None:
     t = time.monotonic()
     trainer = resident.trainer
-    metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id, stats.rowless),
-                                  step))
+    if not samples:  # every call was cut at max_tokens and masked (algorithm.overlong.mask)
+        log.warning("step %d trains nothing: all %d trainable calls were cut at max_tokens "
+                    "and masked out (algorithm.overlong.mask)", step,
+                    stats.overlong_masked_calls)
+        metrics.update({"batch/trained_tokens": 0.0, "batch/rows": 0.0})
+    else:
+        metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id, stats.rowless),
+                                      step))
     timings["update"] = time.monotonic() - t
 
 
