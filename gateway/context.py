@@ -5,7 +5,8 @@ vLLM would refuse it too, with a 400 whose wording changes between versions; an 
 the rollout controller, ``controller.on_context_overflow``) needs one stable answer to act
 on: OpenAI's 400 with code ``context_length_exceeded``, naming both lengths. The prompt is
 counted as vLLM counts it: the served model's tokenizer and chat template (tools included),
-loaded once per gateway process. A 400 of vLLM's own about the context length (a count
+loaded once per gateway process; a call whose bytes alone show that it fits (most calls)
+is not rendered or tokenized. A 400 of vLLM's own about the context length (a count
 that differs at the margin, an endpoint the check does not cover) gets the same code.
 
 The rollout's record counts its overflowing calls (``RolloutRecord.context_overflow``),
@@ -59,6 +60,48 @@ class ContextCheck:
         self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
         self.tokenizer.model_max_length = 1 << 30  # counting long prompts is the point
+        self.fixed_bytes, self.message_bytes = self._template_overhead()
+
+    def _template_overhead(self) -> tuple[int, int]:
+        """What the chat template adds around the contents, in bytes: once (a default
+        system prompt, the generation prompt) and per message, each measured on empty
+        messages and doubled for safety. None when it cannot be measured."""
+        def size(roles: list[str]) -> int:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": r, "content": ""} for r in roles], add_generation_prompt=True,
+                tokenize=False)
+            return len(str(text).encode())
+
+        try:
+            one = max(size([r]) for r in ("user", "system"))
+            per = max(size(["user", r]) - size(["user"]) for r in ("user", "assistant",
+                                                                  "system"))
+        except Exception:  # noqa: BLE001 - a template without these roles: always count
+            return 1 << 30, 1 << 30
+        return 2 * one, 2 * max(per, 1)
+
+    def surely_fits(self, body: dict[str, Any], max_tokens: int) -> bool:
+        """A bound that needs no tokenizer: a token stands for at least one byte of the
+        rendered text (byte-level BPE, characters, SentencePiece with byte fallback), so a
+        chat whose contents plus the template's measured overhead have fewer bytes than
+        the room left fits. Tools and other template inputs are always counted."""
+        if body.get("tools") or body.get("chat_template_kwargs"):
+            return False
+        size = self.fixed_bytes + 16
+        for m in body["messages"]:
+            content = m.get("content")
+            if isinstance(content, list):
+                texts = [p.get("text", "") if isinstance(p, dict) else p for p in content]
+                if not all(isinstance(t, str) for t in texts):
+                    return False
+                content = "\n".join(texts)
+            if content is not None and not isinstance(content, str):
+                return False
+            if m.get("tool_calls") or set(m) - {"role", "content", "name"}:
+                return False
+            size += self.message_bytes + len((content or "").encode()) \
+                + len(str(m.get("name") or "").encode())
+        return size + max_tokens <= self.max_model_len
 
     def prompt_tokens(self, body: dict[str, Any], endpoint: str) -> int:
         if endpoint == "chat.completions":
@@ -83,12 +126,16 @@ class ContextCheck:
         """``None`` when the call fits, else (prompt tokens, max_tokens). ``body`` is the
         upstream body (its ``max_tokens`` filled in)."""
         # vLLM's chat endpoint takes max_completion_tokens first
-        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+        max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 0)
+        if endpoint == "chat.completions" and self.surely_fits(body, max_tokens):
+            return None  # most calls: no rendering, no tokenizing
+        if endpoint == "completions" and isinstance(body["prompt"], str) \
+                and len(body["prompt"].encode()) + 16 + max_tokens <= self.max_model_len:
+            return None
         try:
             prompt = self.prompt_tokens(body, endpoint)
         except Exception as exc:  # noqa: BLE001 - a template that fails here fails in vLLM
             log.info("context check skipped: the prompt could not be counted (%s: %s)",
                      exc.__class__.__name__, exc)
             return None
-        return None if prompt + int(max_tokens) <= self.max_model_len else \
-            (prompt, int(max_tokens))
+        return None if prompt + max_tokens <= self.max_model_len else (prompt, max_tokens)
