@@ -7,7 +7,9 @@ sleep for a duration drawn from the workload's distribution (``bench/agents.py``
 log-normal with the same median). Per workload the modes run back to back on the same seeds
 (the n-th group gets the same durations in every mode): sync; carry-over at
 ``async_train_batch_size`` 1.5x, 2x and 3x ``train_batch_size``; carry-over at 2x with
-``max_carry_over_age_steps`` 1 and 2 (the staleness-bounded variant).
+``max_carry_over_age_steps`` 1 and 2 (the staleness-bounded variant), each with the cap's
+``cancel`` strategy (``x2cap1``, ``x2cap2``: the group is cancelled, its finished siblings
+wasted) and its ``wait`` strategy (``x2cap1wait``, ``x2cap2wait``: the step waits for it).
 
 Steady state. Each step records the ages (``step - dispatch_step``) of the groups in flight.
 The warm-up ends at the first step (at least ``--min-warmup``) where the mean in-flight age,
@@ -28,7 +30,7 @@ rollouts (the gateway pauses only for the weight load). A mode above 100% of it 
 bench or the formula is wrong: the bench says so and exits 1.
 
 Usage: python -m bench.async_vs_sync [--quick] [--sigmas 0.5,1.0,1.5] [--no-fixed]
-       [--modes sync,x1.5,x2,x3,x2cap1,x2cap2] [--steps 30] [--slots 16] [--tbs 4] [--n 4]
+       [--modes sync,x1.5,x2,x3,x2cap1,x2cap2,x2cap1wait,x2cap2wait] [--steps 30] [--slots 16] [--tbs 4] [--n 4]
        [--median-s 2.0] [--out var/bench]
 Prints JSON, then a markdown table; writes a PNG of trained rollouts/s against sample age.
 """
@@ -49,8 +51,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 ROLES = ["redis", "inference", "gateway", "groups", "rollout", "trainer"]
 MAX_S = 60.0  # bench.agents.timed's cap on one sleep
-MODES = {"sync": (None, None), "x1.5": (1.5, None), "x2": (2.0, None), "x3": (3.0, None),
-         "x2cap1": (2.0, 1), "x2cap2": (2.0, 2)}
+# mode -> (async_train_batch_size / train_batch_size, age cap, the cap's strategy)
+MODES = {"sync": (None, None, None), "x1.5": (1.5, None, None), "x2": (2.0, None, None),
+         "x3": (3.0, None, None), "x2cap1": (2.0, 1, "cancel"), "x2cap2": (2.0, 2, "cancel"),
+         "x2cap1wait": (2.0, 1, "wait"), "x2cap2wait": (2.0, 2, "wait")}
 
 
 def parse_floats(text: str) -> list[float]:
@@ -90,7 +94,7 @@ def run_mode(base: list[str], data: Path, tmp: Path, dist: str, sigma: float, mo
     from app.state.connection import connect, resolve_redis_url
     from app.state.records import SiblingResult
 
-    ratio, cap = MODES[mode]
+    ratio, cap, strategy = MODES[mode]
     atbs = max(args.tbs + 1, round(args.tbs * ratio)) if ratio else 2 * args.tbs
     total = args.max_warmup + args.steps
     cfg = load_config(None, [
@@ -99,6 +103,7 @@ def run_mode(base: list[str], data: Path, tmp: Path, dist: str, sigma: float, mo
         f"agentlightning.async_rollout.enabled={'true' if ratio else 'false'}",
         f"agentlightning.async_rollout.async_train_batch_size={atbs}",
         f"agentlightning.async_rollout.max_carry_over_age_steps={cap if cap else 'null'}",
+        f"agentlightning.async_rollout.max_carry_over_age_strategy={strategy or 'cancel'}",
         "controller.agent=bench.agents:timed",
         f"agent.dist={dist}", f"agent.sigma={sigma}", f"agent.median_s={args.median_s}",
         f"agent.seed={args.seed}", f"logging.dir={tmp / 'runs'}", "logging.wandb_mode=disabled",
@@ -187,9 +192,10 @@ def run_mode(base: list[str], data: Path, tmp: Path, dist: str, sigma: float, mo
     versions.sort()
     return {
         "mode": "sync" if ratio is None else
-                f"async x{ratio:g}" + (f" cap {cap}" if cap else ""),
+                f"async x{ratio:g}" + (f" cap {cap} {strategy}" if cap else ""),
         "dist": dist, "sigma": sigma if dist != "fixed" else 0.0,
-        "ratio": ratio or 1.0, "age_cap": cap, "async_train_batch_size": atbs if ratio
+        "ratio": ratio or 1.0, "age_cap": cap, "age_strategy": strategy,
+        "async_train_batch_size": atbs if ratio
         else args.tbs,
         "warmup_steps": w, "steps_timed": len(timed), "wall_s": wall,
         "trained_rollouts_per_s": trained_rollouts / wall if wall > 0 else 0.0,
@@ -210,6 +216,9 @@ def run_mode(base: list[str], data: Path, tmp: Path, dist: str, sigma: float, mo
             r["policy/sample_version_lag_mean"] for r in timed) if timed else 0.0,
         "drain_s_mean": statistics.fmean(
             r["training/async/proxy_drain_seconds"] for r in timed) if timed else 0.0,
+        # the wait strategy: the part of each step's wait spent on groups past the cap
+        "wait_for_overdue_s_mean": statistics.fmean(
+            r.get("timing/wait_for_overdue_seconds", 0.0) for r in timed) if timed else 0.0,
     }
 
 
@@ -260,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(REPO / "var" / "bench"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.sigmas, args.no_fixed, args.modes = "1.0", True, "sync,x2,x2cap1"
+        args.sigmas, args.no_fixed, args.modes = "1.0", True, "sync,x2,x2cap1,x2cap1wait"
         args.steps, args.min_warmup, args.max_warmup = 3, 1, 3
         args.slots, args.tbs, args.n, args.median_s = 4, 1, 2, 0.2
     modes = [m for m in args.modes.split(",") if m]
@@ -315,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(summary, indent=1))
     print("\n| workload | mode | trained rollouts/s | of ideal | vs sync | steps/min | "
           "sample age mean/p90/max | version lag | groups dispatched/trained/cancelled/"
-          "in flight | waste slot-s | slot util | unfinished rollouts mean (time below slots) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "in flight | waste slot-s | overdue wait s/step | slot util | unfinished rollouts "
+          "mean (time below slots) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         g, a = r["groups"], r["sample_age_versions"]
         print(f"| {r['label']} | {r['mode']} | {r['trained_rollouts_per_s']:.2f} | "
@@ -324,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['steps_per_min']:.1f} | {a['mean']:.2f}/{a['p90']}/{a['max']} | "
               f"{r['sample_version_lag_mean']:.2f} | {g['dispatched']}/{g['trained']}/"
               f"{g['cancelled']}/{g['in_flight']} | {r['waste_slot_s']:.0f} | "
+              f"{r['wait_for_overdue_s_mean']:.2f} | "
               f"{r['slot_utilisation']:.0%} | {r['unfinished_rollouts_mean']:.1f} "
               f"({r['time_unfinished_below_slots']:.0%}) |")
     problem = above_ideal(results)

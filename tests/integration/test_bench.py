@@ -56,7 +56,8 @@ def test_weight_sync_bench_json():
 def test_async_vs_sync_bench_json(tmp_path):
     r = run_bench("bench.async_vs_sync", "--quick", "--out", str(tmp_path))
     assert r["benchmark"] == "async_vs_sync" and "ideal_formula" in r and "warmup_rule" in r
-    assert {x["mode"] for x in r["results"]} == {"sync", "async x2", "async x2 cap 1"}
+    assert {x["mode"] for x in r["results"]} == {"sync", "async x2", "async x2 cap 1 cancel",
+                                                 "async x2 cap 1 wait"}
     for x in r["results"]:
         assert x["steps_timed"] == 3 and x["warmup_steps"] >= 1
         assert x["trained_rollouts_per_s"] > 0 and x["steps_per_min"] > 0
@@ -70,8 +71,14 @@ def test_async_vs_sync_bench_json(tmp_path):
         assert x["sample_version_lag_mean"] >= 0
     sync = next(x for x in r["results"] if x["mode"] == "sync")
     assert sync["speedup_vs_sync"] == 1.0 and sync["groups"]["cancelled"] == 0
-    capped = next(x for x in r["results"] if x["mode"] == "async x2 cap 1")
+    capped = next(x for x in r["results"] if x["mode"] == "async x2 cap 1 cancel")
     assert capped["sample_age_versions"]["max"] <= 1  # the cap bounds what is trained
+    waiting = next(x for x in r["results"] if x["mode"] == "async x2 cap 1 wait")
+    # nothing is cancelled: a group past the cap is trained by the step that waits for it;
+    # with twice a batch active, at most two batches are overdue at once, so a trained group
+    # is at most cap + 2 = 3 versions old
+    assert waiting["groups"]["cancelled"] == 0 and waiting["waste_slot_s"] == 0
+    assert waiting["sample_age_versions"]["max"] <= 3 and waiting["wait_for_overdue_s_mean"] >= 0
     png = (tmp_path / "async_vs_sync.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
 
