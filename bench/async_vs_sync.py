@@ -30,8 +30,8 @@ rollouts (the gateway pauses only for the weight load). A mode above 100% of it 
 bench or the formula is wrong: the bench says so and exits 1.
 
 Usage: python -m bench.async_vs_sync [--quick] [--sigmas 0.5,1.0,1.5] [--no-fixed]
-       [--modes sync,x1.5,x2,x3,x2cap1,x2cap2,x2cap1wait,x2cap2wait] [--steps 30] [--slots 16] [--tbs 4] [--n 4]
-       [--median-s 2.0] [--out var/bench]
+       [--modes sync,x1.5,x2,x3,x2cap1,x2cap2,x2cap1wait,x2cap2wait] [--steps 30]
+       [--slots 16] [--tbs 4] [--n 4] [--median-s 2.0] [--out var/bench]
 Prints JSON, then a markdown table; writes a PNG of trained rollouts/s against sample age.
 """
 
