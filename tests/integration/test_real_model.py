@@ -13,6 +13,8 @@ import requests
 
 from app.config import load_config
 from app.driver.loop import train
+from app.state import keys
+from app.state.records import CapturedCall
 from tests.conftest import REPO, gateway_process, model_server
 
 pytestmark = pytest.mark.slow
@@ -27,6 +29,8 @@ def smol(tmp_root, redis_service, celery_workers):
     assert (MODEL / "carryover-build.json").exists(), "scripts/setup.sh builds the model"
     with model_server(MODEL, NAME, tmp_root / "logs", *SERVING) as url, gateway_process(
             tmp_root, "gateway-smollm2", [url], f"inference.served_model_name={NAME}",
+            # the context check counts with the served model's tokenizer and length
+            f"actor_rollout_ref.model.path={MODEL}", *SERVING,
             "actor_rollout_ref.rollout.max_tokens=12") as (gateway, _):
         yield url, gateway
 
@@ -41,6 +45,36 @@ def test_a_chat_turn_ends_at_the_end_of_turn_token(smol):
     # the next one instead of stopping at <|im_end|> (id 2)
     assert choice["finish_reason"] == "stop", choice
     assert choice["token_ids"][-1] == 2 and 1 not in choice["token_ids"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_choice_of_an_n_2_call_is_captured(smol, new_rollout, redis_client, stream):
+    _, gateway = smol
+    rid, token, base = new_rollout(gateway)
+    resp = requests.post(base + "/chat/completions", timeout=120, stream=stream,
+                         headers={"Authorization": f"Bearer {token}"},
+                         json={"model": NAME, "n": 2, "max_tokens": 12, "stream": stream,
+                               "messages": [{"role": "user", "content": "What is 3 + 4?"}]})
+    assert resp.status_code == 200, resp.text
+    if stream:
+        assert any(line.startswith(b"data: [DONE]") for line in resp.iter_lines())
+    else:
+        assert len(resp.json()["choices"]) == 2
+    calls = [CapturedCall.from_json(c) for c in redis_client.lrange(keys.rollout_calls(rid),
+                                                                      0, -1)]
+    assert len(calls) == 2  # one sample per choice, each with its own tokens and log-probs
+    for call in calls:
+        assert call.response_ids and len(call.logprobs) == len(call.response_ids)
+        assert call.nonfinite_logprobs == 0 and call.stream == stream
+        assert all(lp is not None and lp <= 0 for lp in call.logprobs)
+    assert calls[0].prompt_ids == calls[1].prompt_ids
+    # two samples at temperature 1 of 12 tokens: the same answer twice is possible but rare;
+    # their log-probs at least differ where their tokens do
+    a, b = calls
+    if a.response_ids != b.response_ids:
+        k = next(i for i, (x, y) in enumerate(zip(a.response_ids, b.response_ids,
+                                                  strict=False)) if x != y)
+        assert a.logprobs[k] != b.logprobs[k]
 
 
 def test_three_steps_of_the_real_model_through_every_part(smol, tmp_path):
