@@ -46,6 +46,25 @@ def agent_wants(body: dict[str, Any], endpoint: str) -> tuple[bool, bool]:
     return (lp is not None and lp is not False), wants_ids
 
 
+# vLLM's request fields that constrain decoding to a grammar (older guided_* names included)
+GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                  "guided_grammar", "guided_decoding_backend")
+
+
+def constrained_by(body: dict[str, Any]) -> str | None:
+    """The parameter that makes vLLM sample under a grammar mask, or None."""
+    fmt = body.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return "response_format"
+    for name in GRAMMAR_FIELDS:
+        if body.get(name):
+            return name
+    choice = body.get("tool_choice")
+    if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
+        return "tool_choice"
+    return None
+
+
 def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[Any]:
     lp = choice.get("logprobs") or {}
     if endpoint == "chat.completions":
@@ -56,8 +75,8 @@ def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[Any]:
 def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, temperature: float,
                         upstream: str, started_at: float, stream: bool = False,
                         version_end: int | None = None,
-                        switches: dict[int, list[list[int]]] | None = None
-                        ) -> list[CapturedCall]:
+                        switches: dict[int, list[list[int]]] | None = None,
+                        constrained: str | None = None) -> list[CapturedCall]:
     """One CapturedCall per choice of a complete (non-streamed or reassembled) response.
     ``version_end``: the policy version when the call ended; ``switches``: per choice index,
     where a streamed call's tokens changed version (``StreamAccumulator.switch``)."""
@@ -78,7 +97,8 @@ def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, tempe
             ended_at=time.time(), endpoint=endpoint, stream=stream, nonfinite_logprobs=bad,
             policy_version_end=None if version_end in (None, version) else version_end,
             version_switches=((switches or {}).get(choice.get("index", 0)) or None
-                              if version_end not in (None, version) else None)))
+                              if version_end not in (None, version) else None),
+            constrained=constrained))
     return calls
 
 

@@ -97,6 +97,11 @@ class CapturedCall:
     # [index of the first response token sampled on a version, that version] per switch.
     policy_version_end: int | None = None
     version_switches: list[list[int]] | None = None
+    # The request parameter that constrained decoding (response_format, structured_outputs,
+    # a required or named tool_choice), or None. vLLM masks the logits before it samples and
+    # computes log-probs, so ``logprobs`` are those of the masked distribution the tokens
+    # were drawn from: the importance weights against the unmasked policy stay exact.
+    constrained: str | None = None
 
     @property
     def spans_update(self) -> bool:

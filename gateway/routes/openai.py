@@ -136,7 +136,8 @@ def _forward(rollout_id: str, endpoint: str) -> Response:
             raise err
         meta: dict[str, Any] = dict(endpoint=endpoint, version=version,
                                     temperature=float(up_body["temperature"]),
-                                    upstream=upstream, started_at=started)
+                                    upstream=upstream, started_at=started,
+                                    constrained=capture.constrained_by(body))
         if stream:
             lease.handed_over = True
             return Response(_stream(state, resp, rollout_id, lease, cancel, meta, wants_lp,

@@ -51,3 +51,30 @@ def test_logprobs_agree_at_temperature_0_7(redis_client, gateway_at_0_7, new_rol
     wrong_gap = (wrong - batch.rollout_log_probs)[mask].abs().mean().item()
     assert gap < 1e-3, gap
     assert wrong_gap > 20 * max(gap, 1e-5), (gap, wrong_gap)
+
+
+def test_constrained_decoding_returns_the_masked_distributions_logprobs(redis_client, cfg,
+                                                                        new_rollout):
+    """Under a grammar (here a regex: only 'a' and 'b', then the end) vLLM masks the logits
+    before it samples and computes log-probs, so each token's log-prob is its share of the
+    mass the mask kept: at least the unmasked log-prob the trainer computes. The capture
+    says which parameter constrained it."""
+    weights.reload_weights(cfg.inference.urls[0], MODEL)
+    rid, token, base = new_rollout()
+    client = openai.OpenAI(base_url=base, api_key=token, max_retries=5)
+    for text in ("abc", "reverse bad"):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
+                                       max_tokens=6, extra_body={
+                                           "structured_outputs": {"regex": "[ab]+"}})
+    calls = [CapturedCall.from_json(x) for x in redis_client.lrange(keys.rollout_calls(rid), 0, -1)]
+    assert len(calls) == 2 and all(c.constrained == "structured_outputs" for c in calls)
+    trainer = PolicyTrainer(cfg, str(MODEL))
+    samples = [Sample(c.prompt_ids, c.response_ids, c.logprobs, 0.0, "g", c.temperature, 0)
+               for c in calls]
+    batch = to_batch(samples, trainer.pad_id)
+    with torch.no_grad():
+        unmasked, _ = token_log_probs(trainer.model, batch)
+    mask = batch.response_mask.bool()
+    lifted = (batch.rollout_log_probs - unmasked)[mask]  # -log(mass kept), per token
+    assert (lifted > -1e-3).all(), lifted
+    assert lifted.mean().item() > 0.05, lifted  # the mask removed most of the vocabulary

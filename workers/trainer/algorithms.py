@@ -85,6 +85,22 @@ def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tenso
     return w, mask, metrics
 
 
+def constrained_is_metrics(is_weights: torch.Tensor | None, mask: torch.Tensor,
+                           constrained: torch.Tensor | None) -> dict[str, float]:
+    """The importance weights of the tokens sampled under a grammar mask (structured
+    outputs, a required tool call): their log-probs are the masked distribution's, so a
+    token's weight against the unmasked policy is about the probability mass the mask kept
+    there (at most 1): how far the grammar moved the sampling."""
+    if constrained is None:
+        return {}
+    at = constrained * mask
+    n = float(at.sum())
+    out = {"rollout_corr/constrained_token_fraction": n / max(float(mask.sum()), 1.0)}
+    if is_weights is not None and n > 0:
+        out["rollout_corr/constrained_is_mean"] = float((is_weights * at).sum()) / n
+    return out
+
+
 def lr_at(cfg: Any, step: int) -> float:
     """The learning rate of optimizer step ``step`` (0-based): a pure function of the step,
     so a restored or restarted trainer follows the same schedule."""

@@ -41,6 +41,7 @@ class Sample:
     rollout_id: str = ""   # consecutive calls of one rollout may share a row; "" never does
     trained: bool = True   # False: in its row as context only (an over-long call masked out)
     finish_reason: str | None = None
+    constrained: bool = False  # sampled under a grammar mask (CapturedCall.constrained)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class BatchStats:
     # baseline (``algorithms.compute_advantages``)
     rowless: list[tuple[str, float]] = field(default_factory=list)
     small_groups: int = 0            # groups left with too few rewards to train on
+    constrained_calls: int = 0       # trainable calls sampled under a grammar mask
     overlong_calls: int = 0          # trainable calls cut at max_tokens (finish_reason length)
     overlong_masked_calls: int = 0   # of those, left out of the loss (algorithm.overlong.mask)
     penalties: list[float] = field(default_factory=list)  # soft over-long penalty per rollout
@@ -167,7 +169,9 @@ def _rollout_samples(client: redis.Redis, rollout_id: str | None, gid: str, rewa
         out.append(Sample(call.prompt_ids, call.response_ids,
                           [float(x) for x in call.logprobs],  # type: ignore[arg-type]
                           reward, gid, call.temperature, call.policy_version, rollout_id,
-                          finish_reason=call.finish_reason))
+                          finish_reason=call.finish_reason,
+                          constrained=call.constrained is not None))
+        stats.constrained_calls += call.constrained is not None
         if call.spans_update:
             stats.mixed_version_samples += 1
             after = call.tokens_after_switch()
@@ -215,10 +219,13 @@ class Row:
     first: Sample             # reward, group and temperature (shared by the row's calls)
     calls: int = 1
     trained: list[bool] = field(default_factory=list)  # per response token: in the loss
+    constrained: list[bool] = field(default_factory=list)  # per response token: under a mask
 
     def __post_init__(self) -> None:
         if not self.trained:
             self.trained = [self.first.trained] * len(self.response_ids)
+        if not self.constrained:
+            self.constrained = [self.first.constrained] * len(self.response_ids)
 
 
 def pack_turns(samples: list[Sample]) -> list[Row]:
@@ -237,6 +244,7 @@ def pack_turns(samples: list[Sample]) -> list[Row]:
             last.response_ids += s.response_ids
             last.logprobs += s.rollout_logprobs
             last.trained += [s.trained] * len(s.response_ids)
+            last.constrained += [s.constrained] * len(s.response_ids)
             last.calls += 1
             continue
         p = len(s.prompt_ids)

@@ -29,7 +29,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from workers.trainer.algorithms import compute_advantages, lr_at, rollout_correction
+from workers.trainer.algorithms import (
+    compute_advantages,
+    constrained_is_metrics,
+    lr_at,
+    rollout_correction,
+)
 from workers.trainer.engine_config import EngineSpec, engine_spec
 from workers.trainer.ranks import LocalRanks, RayRanks, SpawnedRanks
 from workers.trainer.verl_batch import VerlBatch, to_verl_batch
@@ -151,6 +156,7 @@ class EngineTrainer:
             old_log_prob, vb.rollout_log_probs, mask, algo.rollout_correction)
         if is_weights is not None:
             fields["rollout_is_weights"] = is_weights
+        rc_metrics.update(constrained_is_metrics(is_weights, mask, vb.constrained))
         trained = replace(vb, response_mask=mask)  # after rollout correction's rejection
 
         metrics: dict[str, list[float]] = {}

@@ -41,6 +41,7 @@ class VerlBatch:
     real: int = -1                   # rows before padding (the rest are padding)
     # (group id, reward) of rollouts without a row: part of their group's baseline only
     rowless: list[tuple[str, float]] = field(default_factory=list)
+    constrained: torch.Tensor | None = None  # [B, R] 1 at tokens sampled under a grammar mask
 
     def __post_init__(self) -> None:
         if self.real < 0:
@@ -57,7 +58,8 @@ class VerlBatch:
             self.rollout_log_probs[idx], self.temperatures[idx], self.rewards[idx],
             [self.group_ids[i] for i in rows], [self.rollout_ids[i] for i in rows],
             [self.calls[i] for i in rows], real=sum(1 for i in rows if i < self.real),
-            rowless=self.rowless)
+            rowless=self.rowless,
+            constrained=None if self.constrained is None else self.constrained[idx])
 
     def padded(self, multiple: int) -> VerlBatch:
         """This batch with all-masked rows appended up to a multiple of ``multiple``."""
@@ -80,7 +82,9 @@ class VerlBatch:
             cat([self.rollout_log_probs, pad.rollout_log_probs]),
             cat([self.temperatures, pad.temperatures]), cat([self.rewards, pad.rewards]),
             self.group_ids + [""] * extra, self.rollout_ids + [""] * extra,
-            self.calls + [0] * extra, real=self.real, rowless=self.rowless)
+            self.calls + [0] * extra, real=self.real, rowless=self.rowless,
+            constrained=None if self.constrained is None
+            else cat([self.constrained, torch.zeros_like(pad.response_mask)]))
 
     def tensordict(self, **fields: torch.Tensor) -> Any:
         """verl's no-padding TensorDict of these rows, with per-token ``fields`` ([B, R])
@@ -115,6 +119,7 @@ def to_verl_batch(samples: list[Sample], pad_id: int,
     resp_att = torch.zeros((b, r_max), dtype=torch.long)
     mask = torch.zeros((b, r_max), dtype=torch.float32)
     rollout_lp = torch.zeros((b, r_max), dtype=torch.float32)
+    constrained = torch.zeros((b, r_max), dtype=torch.float32)
     for i, (row, p, r) in enumerate(zip(rows, prompt_lens, resp_lens, strict=True)):
         prompts[i, p_max - p:] = torch.tensor(row.tokens[:p])
         prompt_mask[i, p_max - p:] = 1
@@ -122,10 +127,11 @@ def to_verl_batch(samples: list[Sample], pad_id: int,
         resp_att[i, :r] = 1
         at = torch.tensor(row.positions) - p
         mask[i, at] = torch.tensor(row.trained, dtype=torch.float32)
+        constrained[i, at] = torch.tensor(row.constrained, dtype=torch.float32)
         rollout_lp[i, at] = torch.tensor(row.logprobs, dtype=torch.float32)
     return VerlBatch(
         prompts, responses, prompt_mask, resp_att, mask, rollout_lp,
         torch.tensor([r.first.temperature for r in rows], dtype=torch.float32),
         torch.tensor([r.first.reward for r in rows], dtype=torch.float32),
         [r.first.group_id for r in rows], [r.first.rollout_id for r in rows],
-        [r.calls for r in rows], rowless=list(rowless or []))
+        [r.calls for r in rows], rowless=list(rowless or []), constrained=constrained)
