@@ -4,6 +4,8 @@ vLLM serves ``processed_logprobs`` and the trainer divides logits by the capture
 
 from __future__ import annotations
 
+from typing import Any
+
 import openai
 import pytest
 import torch
@@ -28,6 +30,15 @@ def gateway_at_0_7(vllm_service, redis_service, tmp_root):
         yield url
 
 
+def _captured(client, rid: str, cfg) -> tuple[list[CapturedCall], PolicyTrainer, Any]:
+    """The rollout's captured calls, a trainer on the base model, and the calls' batch."""
+    calls = [CapturedCall.from_json(x) for x in client.lrange(keys.rollout_calls(rid), 0, -1)]
+    trainer = PolicyTrainer(cfg, str(MODEL))
+    samples = [Sample(c.prompt_ids, c.response_ids, c.logprobs, 0.0, "g", c.temperature, 0)
+               for c in calls]
+    return calls, trainer, to_batch(samples, trainer.pad_id)
+
+
 def test_logprobs_agree_at_temperature_0_7(redis_client, gateway_at_0_7, new_rollout, cfg):
     # earlier tests may have trained the engine's weights: serve the base model again
     weights.reload_weights(cfg.inference.urls[0], MODEL)
@@ -36,12 +47,8 @@ def test_logprobs_agree_at_temperature_0_7(redis_client, gateway_at_0_7, new_rol
     for text in ("abc", "dcba", "reverse bad"):
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
                                        max_tokens=6, temperature=0.7)
-    calls = [CapturedCall.from_json(x) for x in redis_client.lrange(keys.rollout_calls(rid), 0, -1)]
+    calls, trainer, batch = _captured(redis_client, rid, cfg)
     assert len(calls) == 3 and all(c.temperature == 0.7 for c in calls)
-    trainer = PolicyTrainer(cfg, str(MODEL))
-    samples = [Sample(c.prompt_ids, c.response_ids, c.logprobs, 0.0, "g", c.temperature, 0)
-               for c in calls]
-    batch = to_batch(samples, trainer.pad_id)
     with torch.no_grad():
         ours, _ = token_log_probs(trainer.model, batch)
         batch.temperatures.fill_(1.0)
@@ -53,8 +60,8 @@ def test_logprobs_agree_at_temperature_0_7(redis_client, gateway_at_0_7, new_rol
     assert wrong_gap > 20 * max(gap, 1e-5), (gap, wrong_gap)
 
 
-def test_constrained_decoding_returns_the_masked_distributions_logprobs(redis_client, cfg,
-                                                                        new_rollout):
+def test_constrained_decoding_returns_the_masked_distributions_logprobs(
+        redis_client, cfg, new_rollout, gateway_service):
     """Under a grammar (here a regex: only 'a' and 'b', then the end) vLLM masks the logits
     before it samples and computes log-probs, so each token's log-prob is its share of the
     mass the mask kept: at least the unmasked log-prob the trainer computes. The capture
@@ -66,12 +73,8 @@ def test_constrained_decoding_returns_the_masked_distributions_logprobs(redis_cl
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
                                        max_tokens=6, extra_body={
                                            "structured_outputs": {"regex": "[ab]+"}})
-    calls = [CapturedCall.from_json(x) for x in redis_client.lrange(keys.rollout_calls(rid), 0, -1)]
+    calls, trainer, batch = _captured(redis_client, rid, cfg)
     assert len(calls) == 2 and all(c.constrained == "structured_outputs" for c in calls)
-    trainer = PolicyTrainer(cfg, str(MODEL))
-    samples = [Sample(c.prompt_ids, c.response_ids, c.logprobs, 0.0, "g", c.temperature, 0)
-               for c in calls]
-    batch = to_batch(samples, trainer.pad_id)
     with torch.no_grad():
         unmasked, _ = token_log_probs(trainer.model, batch)
     mask = batch.response_mask.bool()
