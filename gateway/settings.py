@@ -8,15 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app.config.loader import REPO_ROOT
+from app.config.loader import REPO_ROOT, repo_path
 from app.state.connection import resolve_redis_url
 
 ADMIN_TOKEN_FILE = REPO_ROOT / "var" / "admin-token"
-
-
-def repo_path(p: str) -> Path:
-    path = Path(p)
-    return path if path.is_absolute() else REPO_ROOT / path
 
 
 def admin_token(cfg: Any) -> str:

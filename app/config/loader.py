@@ -22,6 +22,12 @@ from app.config.validate import FREE_FORM_SECTIONS, validate
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
+def repo_path(p: str) -> Path:
+    """A config path: absolute, or relative to the repository."""
+    path = Path(p)
+    return path if path.is_absolute() else REPO_ROOT / path
+
+
 class _Loader(yaml.SafeLoader):
     """YAML 1.1 reads ``1e-3`` as a string; verl users write learning rates that way."""
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from app.config.loader import REPO_ROOT
+from app.config.loader import repo_path
 from app.driver.collector import Collector, Starved
 from app.driver.evaluation import Evaluator
 from app.driver.metrics import CARRY, MetricsSink, console_line, val_line
@@ -40,8 +40,7 @@ def new_run_id() -> str:
 
 
 def run_dir_for(cfg: Any, run_id: str) -> Path:
-    base = Path(cfg.logging.dir)
-    return (base if base.is_absolute() else REPO_ROOT / base) / run_id
+    return repo_path(str(cfg.logging.dir)) / run_id
 
 
 def run_training(cfg: Any, resume: str | None = None, *,

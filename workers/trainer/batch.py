@@ -117,23 +117,10 @@ def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failu
             stats.rewards.append(reward)
             rewards += 1
             calls = _rollout_samples(client, result.rollout_id, gid, reward, stats)
-            if overlong.buffer_len and calls:
-                penalty = overlong.penalty(max(len(c.response_ids) for c in calls))
-                stats.penalties.append(penalty)
-                for c in calls:
-                    c.reward = reward + penalty
-            for c in calls:
-                if c.finish_reason == "length":
-                    stats.overlong_calls += 1
-                    if overlong.mask:
-                        c.trained = False
-                        stats.overlong_masked_calls += 1
-            if calls and not any(c.trained for c in calls):
-                # nothing of it trains: it stays in the baseline only
-                group_rowless.append((gid, calls[0].reward))
-                continue
-            group_samples += calls
-            if not calls:
+            reward = _shape_overlong(calls, reward, overlong, stats)
+            if any(c.trained for c in calls):
+                group_samples += calls
+            else:  # nothing of it trains: it stays in the baseline only
                 group_rowless.append((gid, reward))
         if rewards < min_group_rewards:
             stats.small_groups += 1
@@ -146,6 +133,25 @@ def collect_samples(client: redis.Redis, group_ids: list[str], zero_reward_failu
             stats.versions.append(s.policy_version)
     stats.samples = len(samples)
     return samples, stats
+
+
+def _shape_overlong(calls: list[Sample], reward: float, overlong: Overlong,
+                    stats: BatchStats) -> float:
+    """Count a rollout's calls cut at ``max_tokens``, mask them out when configured, and add
+    the soft penalty of its longest call to its reward; returns the reward its samples (and
+    its group's baseline) use."""
+    if overlong.buffer_len and calls:
+        penalty = overlong.penalty(max(len(c.response_ids) for c in calls))
+        stats.penalties.append(penalty)
+        reward += penalty
+    for c in calls:
+        c.reward = reward
+        if c.finish_reason == "length":
+            stats.overlong_calls += 1
+            if overlong.mask:
+                c.trained = False
+                stats.overlong_masked_calls += 1
+    return reward
 
 
 def _rollout_samples(client: redis.Redis, rollout_id: str | None, gid: str, reward: float,

@@ -6,16 +6,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from app.config.loader import REPO_ROOT
+from app.config.loader import repo_path
 from app.config.settings import DrainMode, InferenceSettings, drain_mode
 from app.config.verl_names import ADV_ESTIMATORS
 from workers.trainer.batch import Overlong
-
-
-def repo_path(p: str) -> Path:
-    """A config path: absolute, or relative to the repository."""
-    path = Path(p)
-    return path if path.is_absolute() else REPO_ROOT / path
 
 
 @dataclass(frozen=True)
