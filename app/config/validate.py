@@ -298,6 +298,7 @@ RULES: dict[str, Check] = {
     "trainer.n_gpus_per_node": positive_int,
     "trainer.ray_address": optional(string),
     "trainer.save_freq": positive_int,
+    "trainer.checkpoint_in_background": boolean,
     "trainer.weights_dir": string,
     "trainer.keep_weight_versions": positive_int,
     "trainer.checkpoint_dir": string,

@@ -180,10 +180,12 @@ def train(cfg: Any, resume: str | None = None, *,
                                      f"{exc.__class__.__name__}: {exc}") from exc
             t_end = time.monotonic()
             if trainer_metrics.get("trainer/rolled_back_updates"):
-                log.warning("update %d ran in a trainer worker that took the run up from the "
-                            "checkpoint of step %s: %d update(s) since it were lost (their "
-                            "weights and optimizer state; trainer.save_freq %s)", step,
-                            trainer_metrics.get("trainer/restored_from_step"),
+                since = trainer_metrics.get("trainer/restored_from_step")
+                log.warning("update %d ran in a trainer worker that took the run up from %s: "
+                            "%d update(s) since were lost (their weights and optimizer "
+                            "state; trainer.save_freq %s)", step,
+                            "the initial weights (no checkpoint yet)" if since is None
+                            else f"the checkpoint of step {since}",
                             trainer_metrics["trainer/rolled_back_updates"],
                             cfg.trainer.save_freq)
             counters = collector.counters()

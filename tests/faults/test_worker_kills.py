@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import threading
@@ -133,16 +134,18 @@ def test_rollout_worker_sigkilled_mid_rollout(stack, tmp_path, celery_workers): 
     assert "fired early" not in logs  # each sibling counted once by its chord
 
 
-def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # noqa: F811
+def kill_trainer_in_step_2(stack, tmp_path, celery_workers, run_id: str,  # noqa: F811
+                           save_freq: int) -> list[dict]:
+    """Train 4 steps of 2 groups, SIGKILL the trainer worker inside step 2's update (under
+    the gateway's pause), start a new one; returns the steps' metrics."""
     samples = [{"sleep": 0.2} for _ in range(16)]
     heartbeat = 2.0
     run_cfg = make_cfg(tmp_path, samples, "data.train_batch_size=2",
                        "agentlightning.async_rollout.async_train_batch_size=4",
-                       "trainer.total_steps=4", "trainer.save_freq=1",
+                       "trainer.total_steps=4", f"trainer.save_freq={save_freq}",
                        f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
                        f"trainer.heartbeat_s={heartbeat}",
                        "trainer.pause_during_update=true")  # the kill lands inside the pause
-    run_id = "kill-trainer"
     thread, out = train_in_thread(run_cfg, run_id)
     # Tiny steps pause the gateway for a fraction of a second, too short to be sure of
     # catching. So once step 1 is done the test holds a model call "in flight" (a lease):
@@ -150,7 +153,7 @@ def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # n
     wait_for(lambda: stack.llen(keys.run_metrics(run_id)) >= 2, 120, "step 1", poll=0.002,
              detail=lambda: _state(stack, celery_workers, run_id))
     adm = Admission(stack)
-    status, lease, _ = adm.admit("kill-trainer-inflight")
+    status, lease, _ = adm.admit(f"{run_id}-inflight")
     wait_for(lambda: stack.exists(keys.trainer_heartbeat(run_id, "2"))
              and stack.exists(keys.paused()), 60, "step 2's update under the pause",
              poll=0.002)
@@ -166,9 +169,32 @@ def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # n
     assert_trained_once_and_whole(stack, run_id, 4, 2, 2)
     rows = [json.loads(r) for r in stack.lrange(keys.run_metrics(run_id), 0, -1)]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    # Step 2 was retried by a new worker: it restored the checkpoint written after step 1
-    # (``step_000002``) and published those weights (probe-verified) before training.
-    assert rows[2]["trainer/restored_from_step"] == 2
-    assert rows[2]["trainer/rolled_back_updates"] == 0  # save_freq 1: nothing lost
     versions = [r["policy/version"] for r in rows]
     assert versions == sorted(versions) and len(set(versions)) == 4
+    return rows
+
+
+def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # noqa: F811
+    rows = kill_trainer_in_step_2(stack, tmp_path, celery_workers, "kill-trainer", 1)
+    # Step 2 was retried by a new worker: it restored the checkpoint written after step 1
+    # (``step_000002``, written in the background while step 2's groups were collected)
+    # and published those weights (probe-verified) before training.
+    assert rows[2]["trainer/restored_from_step"] == 2
+    assert rows[2]["trainer/rolled_back_updates"] == 0  # save_freq 1: nothing lost
+    # step 1 began by waiting for the checkpoint step 0 left writing
+    assert rows[1]["timing/trainer_background_checkpoint_seconds"] > 0
+    assert rows[1]["timing/trainer_wait_for_checkpoint_seconds"] >= 0
+
+
+def test_a_take_over_reports_the_updates_it_lost(stack, tmp_path,  # noqa: F811
+                                                 celery_workers, caplog):
+    """save_freq 3: the worker that dies in step 2 has written no checkpoint, so its
+    successor starts from the initial weights and steps 0 and 1 are lost; the driver and
+    the metrics say so."""
+    caplog.set_level(logging.WARNING, logger="app.driver.loop")
+    rows = kill_trainer_in_step_2(stack, tmp_path, celery_workers, "kill-trainer-lost", 3)
+    assert rows[2]["trainer/restored_from_step"] is None
+    assert rows[2]["trainer/rolled_back_updates"] == 2
+    assert "trainer/rolled_back_updates" not in rows[3]  # only the step that took it up
+    warned = [r.getMessage() for r in caplog.records if "were lost" in r.getMessage()]
+    assert len(warned) == 1 and "2 update(s)" in warned[0] and "save_freq 3" in warned[0]

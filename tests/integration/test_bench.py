@@ -119,6 +119,16 @@ def test_gpu_trainer_bench_tiny_json(tmp_path):
     assert 0 < r["logprob_gap_engine_vs_hf"]["mean"] < 0.1
 
 
+def test_checkpoint_cost_bench_json():
+    r = run_bench("bench.checkpoint_cost", "--tiny")
+    assert r["benchmark"] == "checkpoint_cost" and r["checkpoint_bytes"] > 0
+    modes = r["modes"]
+    assert set(modes) == {"none", "sync", "background"}
+    assert all(len(m["trainer_step_s"]) == 2 for m in modes.values())
+    assert modes["none"]["write_s_median"] == 0.0
+    assert modes["sync"]["write_s_median"] > 0 and modes["background"]["write_s_median"] > 0
+
+
 def test_drain_modes_bench_json():
     r = run_bench("bench.drain_modes", "--quick")
     assert r["benchmark"] == "drain_modes"

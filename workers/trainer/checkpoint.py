@@ -5,6 +5,10 @@ snapshot of the run's state, so a resumed run continues from the same parameters
 Layout: ``<checkpoint_dir>/<run_id>/step_<k>/{engine/, rng.pt, meta.json}``; written to a
 temporary directory and renamed, so a crash never leaves a half checkpoint that looks
 complete (``meta.json`` is written last).
+
+``BackgroundSaves`` writes one while the driver collects the next step's groups: the
+parameters and optimizer state do not change until the next update, which waits for the
+write first, so the checkpoint is the state after the step it names.
 """
 
 from __future__ import annotations
@@ -12,6 +16,9 @@ from __future__ import annotations
 import json
 import random
 import shutil
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +26,21 @@ import numpy as np
 import torch
 
 
+def rng_state() -> dict[str, Any]:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+            "python": random.getstate()}
+
+
 def save_checkpoint(trainer: Any, root: Path, run_id: str, step: int, version: int,
-                    run_state: dict, keep: int = 2) -> Path:
+                    run_state: dict, keep: int = 2, rng: dict[str, Any] | None = None) -> Path:
+    """``rng``: the generators' state to record (default: now)."""
     run_dir = root / run_id
     out = run_dir / f"step_{step:06d}"
     tmp = run_dir / f".step_{step:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     trainer.save(tmp / "engine")
-    torch.save({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-                "python": random.getstate()}, tmp / "rng.pt")
+    torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
     (tmp / "meta.json").write_text(json.dumps(
         {"run_id": run_id, "step": step, "policy_version": version, "run_state": run_state},
         indent=1))
@@ -55,3 +67,45 @@ def load_checkpoint(trainer: Any, path: Path) -> dict:
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
     return json.loads((path / "meta.json").read_text())
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+class BackgroundSaves:
+    """At most one checkpoint write at a time, in a thread. ``wait`` before the engine is
+    used again (an update, a load, closing it): it returns the seconds waited and raises
+    ``CheckpointError`` if the write failed."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: tuple[int, Future[float]] | None = None
+        self.last_write_s: float | None = None  # how long the last finished write took
+
+    def start(self, step: int, write: Callable[[], object]) -> None:
+        self.wait()
+
+        def timed() -> float:
+            t = time.monotonic()
+            write()
+            return time.monotonic() - t
+
+        self._pending = (step, self._pool.submit(timed))
+
+    @property
+    def pending(self) -> bool:
+        return self._pending is not None
+
+    def wait(self) -> float:
+        if self._pending is None:
+            return 0.0
+        step, future = self._pending
+        self._pending = None
+        t = time.monotonic()
+        try:
+            self.last_write_s = future.result()
+        except Exception as exc:
+            raise CheckpointError(f"the checkpoint after step {step}, written in the "
+                                  f"background, failed: {exc.__class__.__name__}: {exc}") from exc
+        return time.monotonic() - t

@@ -30,7 +30,8 @@ import statistics
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +70,15 @@ class Resident:
     probe_prev: list[float] | None = None  # the probe of the weights the servers hold
     restored_step: int | None = None       # the checkpoint this process started from
     published: bool = False                # the servers hold this process's weights
+    saves: checkpoint.BackgroundSaves = field(default_factory=checkpoint.BackgroundSaves)
+
+    def close(self) -> None:
+        """Finish a checkpoint still being written, then free the engine."""
+        try:
+            self.saves.wait()
+        except checkpoint.CheckpointError as exc:
+            log.error("%s", exc)
+        self.trainer.close()
 
 
 _resident: Resident | None = None
@@ -81,7 +91,7 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Reside
     if _resident is not None and _resident.run_id == run_id:
         return _resident
     if _resident is not None:
-        _resident.trainer.close()
+        _resident.close()
         _resident = None
     trainer = EngineTrainer(cfg, str(settings.model_path))
     resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path))
@@ -117,6 +127,10 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
     resident = resident_trainer(run_id, cfg, settings)
     metrics: Metrics = {}
     timings: dict[str, float] = {}
+    if resident.saves.pending:
+        # the previous step's checkpoint, written while this step's groups were collected
+        metrics["timing/trainer_wait_for_checkpoint_seconds"] = resident.saves.wait()
+        metrics["timing/trainer_background_checkpoint_seconds"] = resident.saves.last_write_s
     if not resident.published:
         metrics.update(_restore_servers(client, settings, resident, beats, step))
     group_ids, samples, stats = claim(client, run_id, step, settings)
@@ -331,11 +345,18 @@ def record(client: redis.Redis, run_id: str, step: int, group_ids: list[str],
 def save_if_due(client: redis.Redis, settings: TrainerSettings, resident: Resident,
                 run_id: str, step: int, version: int, metrics: Metrics) -> None:
     done = step + 1
-    if done % settings.save_freq == 0 or done >= settings.total_steps:
-        t = time.monotonic()
-        checkpoint.save_checkpoint(resident.trainer, settings.checkpoint_dir, run_id, done,
-                                   version, client.hgetall(keys.run(run_id)))
-        metrics["timing/trainer_checkpoint_seconds"] = time.monotonic() - t
+    if done % settings.save_freq != 0 and done < settings.total_steps:
+        return
+    # what the checkpoint records is taken now; only the writing may run in the background
+    write = partial(checkpoint.save_checkpoint, resident.trainer, settings.checkpoint_dir,
+                    run_id, done, version, client.hgetall(keys.run(run_id)),
+                    rng=checkpoint.rng_state())
+    if done < settings.total_steps and settings.saves_in_background(resident.trainer.device):
+        resident.saves.start(done, write)
+        return
+    t = time.monotonic()
+    write()
+    metrics["timing/trainer_checkpoint_seconds"] = time.monotonic() - t
 
 
 # --- weight loading -------------------------------------------------------------------
@@ -411,10 +432,12 @@ def _restore_servers(client: redis.Redis, settings: TrainerSettings, resident: R
     inference server back to the weights it restored before training on."""
     restored = resident.restored_step or 0  # updates the checkpoint holds (0: none)
     lost = max(step - restored, 0)
-    log.warning("trainer worker took up run %s at step %d: restored from the checkpoint of "
-                "step %s, so %d update(s) are lost (trainer.save_freq %d); loading those "
-                "weights into the inference servers", resident.run_id, step,
-                resident.restored_step, lost, settings.save_freq)
+    log.warning("trainer worker took up run %s at step %d: restored %s, so %d update(s) "
+                "are lost (trainer.save_freq %d); loading those weights into the inference "
+                "servers", resident.run_id, step,
+                "no checkpoint (none yet): the initial weights" if resident.restored_step
+                is None else f"the checkpoint of step {resident.restored_step}", lost,
+                settings.save_freq)
     version = _serve_resident(client, settings, resident, beats, {})
     return {"trainer/restored_from_step": resident.restored_step,
             "trainer/restored_policy_version": version,
@@ -429,7 +452,7 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
     cfg = run_config(client, run_id)
     settings = TrainerSettings.from_config(cfg)
     if _resident is not None:
-        _resident.trainer.close()
+        _resident.close()
     _resident = None
     resident = resident_trainer(run_id, cfg, settings)
     metrics: Metrics = {}

@@ -24,6 +24,8 @@ class TrainerSettings:
     probe_tolerance: float
     trained_data_ttl_s: float
     save_freq: int
+    checkpoint_in_background: bool
+    offloads: bool              # the engine parks parameters or optimizer state off-device
     total_steps: int
     pause_during_update: bool | Literal["auto"]
     zero_reward_failures: bool  # controller.on_failure: zero_reward
@@ -49,6 +51,9 @@ class TrainerSettings:
             probe_tolerance=float(tr.probe_tolerance),
             trained_data_ttl_s=float(tr.trained_data_ttl_s),
             save_freq=int(tr.save_freq),
+            checkpoint_in_background=bool(tr.checkpoint_in_background),
+            offloads=bool(cfg.actor_rollout_ref.actor.fsdp_config.param_offload
+                          or cfg.actor_rollout_ref.actor.fsdp_config.optimizer_offload),
             total_steps=int(tr.total_steps),
             pause_during_update="auto" if pause == "auto" else bool(pause),
             zero_reward_failures=cfg.controller.on_failure == "zero_reward",
@@ -76,3 +81,9 @@ class TrainerSettings:
     def sleeps(self, device: str) -> bool:
         """The engines sleep through a collocated update where sleep mode is on (GPU)."""
         return self.collocated(device) and self.inference.sleep_mode
+
+    def saves_in_background(self, device: str) -> bool:
+        """A checkpoint is written while the next step's groups are collected only where the
+        engine's state stays put between steps: verl's save brings offloaded parameters
+        back onto the accelerator, which a sleeping-engine cycle has lent to inference."""
+        return self.checkpoint_in_background and not self.offloads and not self.sleeps(device)
