@@ -32,13 +32,17 @@ def create_app(settings: GatewaySettings | None = None, cfg: Any | None = None) 
 
     from gateway.errors import register_error_handlers
     from gateway.routes.admin import bp as admin_bp
+    from gateway.routes.anthropic import bp as anthropic_bp
     from gateway.routes.health import bp as health_bp
     from gateway.routes.openai import bp as openai_bp
+    from gateway.routes.responses import bp as responses_bp
     from gateway.routes.rewards import bp as rewards_bp
 
     register_error_handlers(app)
     app.register_blueprint(health_bp)
     app.register_blueprint(openai_bp)
+    app.register_blueprint(anthropic_bp)
+    app.register_blueprint(responses_bp)
     app.register_blueprint(rewards_bp)
     app.register_blueprint(admin_bp)
     return app

@@ -26,7 +26,8 @@ def bearer() -> str:
 
 
 def rollout_token() -> str:
-    token = bearer()
+    """A bearer header, or Anthropic's ``x-api-key``."""
+    token = bearer() or request.headers.get("x-api-key", "").strip()
     if not token:
         raise GatewayError(401, "missing bearer token: use the rollout's token as the API key",
                            code="invalid_api_key")

@@ -54,11 +54,14 @@ def _text_parts_joined(message: dict[str, Any]) -> dict[str, Any]:
 class ContextCheck:
     """Counts a request's prompt tokens with the served model's tokenizer."""
 
-    def __init__(self, tokenizer_path: Path, max_model_len: int) -> None:
+    def __init__(self, tokenizer_path: Path, max_model_len: int,
+                 chat_template: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+        if chat_template:  # the servers render with it (inference.chat_template)
+            self.tokenizer.chat_template = Path(chat_template).read_text()
         self.tokenizer.model_max_length = 1 << 30  # counting long prompts is the point
         self.fixed_bytes, self.message_bytes = self._template_overhead()
 

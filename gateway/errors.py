@@ -1,12 +1,17 @@
 """OpenAI-style errors. Raised anywhere in a request; turned into a response in one place.
 
 Body shape (what the official ``openai`` client parses):
-``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``.
+``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``; on the Messages
+route, Anthropic's (``{"type": "error", "error": {"type": ..., "message": ...}}``).
+
+Every error says whether to retry (``x-should-retry``, which the openai and anthropic SDKs
+obey before their status rules): they would otherwise retry a 409, which here means a
+rollout that has ended.
 """
 
 from __future__ import annotations
 
-from flask import Flask, jsonify
+from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 
@@ -39,8 +44,14 @@ def retryable(message: str, retry_after: float, code: str = "paused") -> Gateway
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(GatewayError)
     def _gateway_error(exc: GatewayError):
-        resp = jsonify(exc.body())
+        if request.path.endswith("/v1/messages"):
+            from gateway.protocols.anthropic import error_body
+
+            resp = jsonify(error_body(exc))
+        else:
+            resp = jsonify(exc.body())
         resp.status_code = exc.status
+        resp.headers["x-should-retry"] = "true" if exc.retry_after is not None else "false"
         if exc.retry_after is not None:
             resp.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
             resp.headers["Retry-After-Ms"] = str(int(exc.retry_after * 1000))

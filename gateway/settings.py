@@ -50,6 +50,7 @@ class GatewaySettings:
     sampling: str = "enforce"
     context_check: bool = True    # gateway.context_check: count prompts (gateway/context.py)
     tokenizer_path: str = ""      # the served model's tokenizer and chat template
+    chat_template: str | None = None  # inference.chat_template: the servers' template file
     max_model_len: int = 0
 
     @classmethod
@@ -74,4 +75,6 @@ class GatewaySettings:
             context_check=bool(g.get("context_check", True)),
             tokenizer_path=str(repo_path(str(cfg.actor_rollout_ref.model.path))),
             max_model_len=int(cfg.inference.max_model_len),
+            chat_template=str(repo_path(str(cfg.inference.chat_template)))
+            if cfg.inference.get("chat_template") else None,
         )

@@ -44,7 +44,7 @@ class GatewayState:
 
             try:
                 self.context = ContextCheck(Path(settings.tokenizer_path),
-                                            settings.max_model_len)
+                                            settings.max_model_len, settings.chat_template)
             except Exception as exc:  # noqa: BLE001 - the gateway serves without the check
                 log.warning("the context-length check is off: the tokenizer at %s could not "
                             "be loaded (%s: %s); vLLM's own refusals still get the code "

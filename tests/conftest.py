@@ -248,3 +248,20 @@ def model_server(model: Path, name: str, log_dir: Path, *overrides: str,
                              f"inference.served_model_name={name}", *overrides])
     with inference_server(cfg, log_dir / f"vllm-{name}.log", timeout) as (url, _):
         yield url
+
+
+SMOLLM2 = REPO / "var" / "models" / "smollm2-135m-instruct"
+SMOLLM2_NAME = "smollm2-135m-instruct"
+# how config/arith.yaml serves it (bf16, 1024 tokens, the tool-aware chat template)
+SMOLLM2_SERVING = ("inference.dtype=bfloat16", "inference.max_model_len=1024",
+                   "inference.kv_cache_memory_bytes=268435456",
+                   "inference.chat_template=config/templates/smollm2-tools.jinja")
+
+
+@pytest.fixture(scope="session")
+def smollm2_server(tmp_root, redis_service) -> Iterator[str]:
+    """One vLLM CPU server of SmolLM2-135M-Instruct for the session (the real-model and the
+    agent-SDK tests share it)."""
+    assert (SMOLLM2 / "carryover-build.json").exists(), "scripts/setup.sh builds the model"
+    with model_server(SMOLLM2, SMOLLM2_NAME, tmp_root / "logs", *SMOLLM2_SERVING) as url:
+        yield url

@@ -230,6 +230,9 @@ RULES: dict[str, Check] = {
     "redis.password": optional(string),
     "redis.reconnect_s": at_least(5),
     "redis.appendfsync": one_of("everysec", "always"),
+    "inference.chat_template": optional(string),
+    "inference.tool_call_parser": optional(string),
+    "inference.enable_auto_tool_choice": boolean,
     "inference.urls": url_list,
     "inference.host": string,
     "inference.port": port,
@@ -338,6 +341,12 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             f"greater than data.train_batch_size ({tbs}) when async_rollout.enabled is true "
             f"(a good start is 2 x train_batch_size = {2 * tbs})"
         )
+    from app.config.loader import repo_path  # the loader imports this module
+
+    template = _get(cfg, "inference.chat_template")
+    if ok("inference.chat_template") and template and not repo_path(template).is_file():
+        problems.append(f"inference.chat_template: no file {template!r} (a path relative to "
+                        f"the repository, or absolute)")
     n = _get(cfg, "actor_rollout_ref.rollout.n")
     est = _get(cfg, "algorithm.adv_estimator")
     if ok("actor_rollout_ref.rollout.n", "algorithm.adv_estimator") and ADV_ESTIMATORS.get(est) \

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.config.loader import REPO_ROOT
+from app.config.loader import REPO_ROOT, repo_path
 from app.config.settings import sleep_mode
 from app.services.device import resolve as resolve_device
 from app.state.connection import is_external
@@ -88,6 +88,12 @@ def inference_command(cfg: Any) -> Command:
         "--generation-config", "vllm",
         "--disable-uvicorn-access-log",
     ]
+    if inf.chat_template:
+        argv += ["--chat-template", str(repo_path(str(inf.chat_template)))]
+    if inf.tool_call_parser:
+        argv += ["--tool-call-parser", str(inf.tool_call_parser)]
+        if inf.enable_auto_tool_choice:
+            argv.append("--enable-auto-tool-choice")
     eager = inf.enforce_eager if inf.enforce_eager is not None else device == "cpu"
     if eager:
         argv.append("--enforce-eager")

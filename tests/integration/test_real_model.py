@@ -15,19 +15,18 @@ from app.config import load_config
 from app.driver.loop import train
 from app.state import keys
 from app.state.records import CapturedCall
-from tests.conftest import REPO, gateway_process, model_server
+from tests.conftest import SMOLLM2 as MODEL
+from tests.conftest import SMOLLM2_NAME as NAME
+from tests.conftest import SMOLLM2_SERVING as SERVING
+from tests.conftest import gateway_process
 
 pytestmark = pytest.mark.slow
-MODEL = REPO / "var" / "models" / "smollm2-135m-instruct"
-NAME = "smollm2-135m-instruct"
-SERVING = ("inference.dtype=bfloat16", "inference.max_model_len=1024",
-           "inference.kv_cache_memory_bytes=268435456")
 
 
 @pytest.fixture(scope="module")
-def smol(tmp_root, redis_service, celery_workers):
-    assert (MODEL / "carryover-build.json").exists(), "scripts/setup.sh builds the model"
-    with model_server(MODEL, NAME, tmp_root / "logs", *SERVING) as url, gateway_process(
+def smol(tmp_root, smollm2_server, celery_workers):
+    url = smollm2_server
+    with gateway_process(
             tmp_root, "gateway-smollm2", [url], f"inference.served_model_name={NAME}",
             # the context check counts with the served model's tokenizer and length
             f"actor_rollout_ref.model.path={MODEL}", *SERVING,

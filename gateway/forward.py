@@ -1,0 +1,224 @@
+"""One model call through the gateway, whatever protocol the agent speaks: authenticate the
+rollout's token, take an in-flight lease (or refuse while paused), apply the sampling
+policy and the context check, forward to an inference server with token ids and log-probs
+requested, record the call for training, release the lease, and answer in the agent's
+protocol (``gateway.protocols``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+from flask import Response
+
+from app.state import keys
+from app.state.cached_reads import policy_version
+from app.state.records import RolloutRecord
+from gateway import capture, sampling
+from gateway.admission import admit
+from gateway.auth import rollout_token_sha256
+from gateway.body import json_body, loads
+from gateway.context import CODE, is_vllm_overflow, overflow_error
+from gateway.errors import GatewayError, bad_request, retryable
+from gateway.leases import Lease, UpstreamCancelled
+from gateway.protocols import OPENAI, Protocol, StreamTranslator
+from gateway.state import GatewayState, get_state
+from gateway.upstream import UpstreamResponse, UpstreamUnreachable
+
+log = logging.getLogger(__name__)
+
+ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+def _check_int(body: dict, name: str, lo: int, hi: int | None = None) -> None:
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        limit = f" and <= {hi}" if hi is not None else ""
+        raise bad_request(f"'{name}' must be an integer >= {lo}{limit}", param=name)
+
+
+def validate_body(body: Any, endpoint: str) -> dict:
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    if endpoint == "chat.completions":
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad_request("'messages' must be a non-empty array", param="messages")
+        for i, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise bad_request(f"messages[{i}] must be an object with a string 'role'",
+                                  param="messages")
+            if not isinstance(m.get("content"), (str, list, type(None))):
+                raise bad_request(f"messages[{i}].content must be a string or an array",
+                                  param="messages")
+    else:
+        prompt = body.get("prompt")
+        if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
+            raise bad_request("'prompt' must be a string or a non-empty array", param="prompt")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise bad_request("'stream' must be true or false", param="stream")
+    temp = body.get("temperature")
+    if temp is not None and (isinstance(temp, bool) or not isinstance(temp, (int, float))
+                             or temp < 0):
+        raise bad_request("'temperature' must be a number >= 0", param="temperature")
+    _check_int(body, "max_tokens", 1)
+    _check_int(body, "max_completion_tokens", 1)
+    _check_int(body, "n", 1, 16)
+    return body
+
+
+def _cancelled_error(state: GatewayState | None = None) -> GatewayError:
+    # ``state`` inside a streamed answer's generator, which runs outside the app context
+    return retryable("request cancelled by a weight update; retry",
+                     (state or get_state()).settings.retry_after_s, code="cancelled_by_update")
+
+
+def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Response:
+    """``endpoint``: what is sent upstream (chat.completions or completions); ``protocol``
+    translates the agent's request to it and the answer back."""
+    state = get_state()
+    s = state.settings
+    # Authentication comes first (as in the OpenAI API) and rides in the admission script;
+    # from then on the lease is released on every way out but two: recorded with the
+    # call's capture, or handed to the stream that will end it.
+    lease_id, version, own = admit(state, rollout_id, rollout_token_sha256())
+    # An evaluation rollout (its own temperature) is never trained: its sampling is always
+    # set to what the evaluation asks, whatever the agent sends, in either mode.
+    temperature = s.default_temperature if own is None else own
+    mode = s.sampling if own is None else "enforce"
+    with state.leases.held(lease_id) as lease:
+        request = json_body()
+        body = sampling.apply(validate_body(protocol.to_chat(request), endpoint), mode,
+                              temperature)
+        upstream = state.upstreams.pick(rollout_id)
+        if upstream is None:
+            raise retryable("no inference server is reachable", s.retry_after_s,
+                            code="upstream_unavailable")
+        wants_lp, wants_ids = capture.agent_wants(body, endpoint)
+        up_body = capture.prepare_upstream_body(body, endpoint, s.model, s.default_max_tokens,
+                                                temperature)
+        if state.context is not None:
+            over = state.context.check(up_body, endpoint)
+            if over is not None:
+                raise _overflowed(state, rollout_id, overflow_error(
+                    *over, state.context.max_model_len,
+                    "messages" if endpoint == "chat.completions" else "prompt"))
+        stream = bool(body.get("stream"))
+        cancel = state.leases.add(lease_id)
+        started = time.time()
+        try:
+            with state.leases.abortable(lease_id):
+                resp = state.upstreams.post(upstream, ENDPOINT_PATHS[endpoint],
+                                            orjson.dumps(up_body), s.upstream_timeout_s)
+                data = None if stream else resp.read()
+        except UpstreamCancelled:
+            raise _cancelled_error() from None
+        except UpstreamUnreachable as exc:
+            # Refused or cut connections mean the server is gone (perhaps restarting with its
+            # initial weights); a read timeout is only a slow answer.
+            state.upstreams.mark_down(upstream, restarted=not exc.timed_out)
+            raise retryable(f"inference server unreachable ({exc})",
+                            s.retry_after_s, code="upstream_unavailable") from None
+        if resp.status >= 400:
+            try:
+                data = resp.read() if data is None else data
+            except UpstreamUnreachable:
+                data = b""
+            err = _upstream_error(resp.status, data)
+            if is_vllm_overflow(resp.status, err.message):
+                err.code = CODE
+                raise _overflowed(state, rollout_id, err)
+            raise err
+        meta: dict[str, Any] = dict(endpoint=endpoint, version=version,
+                                    temperature=float(up_body["temperature"]),
+                                    upstream=upstream, started_at=started,
+                                    constrained=capture.constrained_by(body))
+        if stream:
+            lease.handed_over = True
+            return Response(_stream(state, resp, rollout_id, lease, cancel, meta, wants_lp,
+                                    wants_ids, protocol.stream(request)),
+                            mimetype="text/event-stream",
+                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        assert data is not None  # read above: not streamed
+        data = loads(data)
+        # a call frozen across a weight update ends on a later version than it started
+        calls = capture.calls_from_response(data, **meta,
+                                            version_end=policy_version(state.redis))
+        if not lease.record([c.to_json() for c in calls]):
+            raise _cancelled_error()
+    shown = capture.strip_for_agent(data, endpoint, wants_lp, wants_ids)
+    return Response(orjson.dumps(protocol.answer(shown, request)), mimetype="application/json")
+
+
+def _overflowed(state: GatewayState, rollout_id: str, err: GatewayError) -> GatewayError:
+    """Count the overflow on the rollout's record (the rollout worker reads it when the
+    agent ends: ``controller.on_context_overflow``); nothing is captured."""
+    state.redis.hincrby(keys.rollout(rollout_id), RolloutRecord.field("context_overflow"), 1)
+    log.info("rollout %s: %s", rollout_id, err.message)
+    return err
+
+
+def _lines(resp: UpstreamResponse) -> Iterator[str]:
+    for line in resp.lines():
+        yield line.rstrip(b"\r\n").decode("utf-8")
+
+
+def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease: Lease,
+            cancel: Any, meta: dict[str, Any], wants_lp: bool, wants_ids: bool,
+            out: StreamTranslator) -> Iterator[bytes]:
+    acc = capture.StreamAccumulator(meta["endpoint"])
+    current = meta["version"]
+    try:
+        for line in _lines(resp):
+            # The trainer bumps the version while the engines are frozen and before they
+            # resume (gateway.drain_mode keep): the first chunk read under a new version
+            # holds the first tokens sampled on it.
+            now = policy_version(state.redis)
+            if now != current:
+                acc.switch(now)
+                current = now
+            if cancel.is_set():
+                yield out.error(_cancelled_error(state))
+                return
+            if not line or not line.startswith("data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == "[DONE]":
+                calls = capture.calls_from_response(acc.response(), stream=True, **meta,
+                                                    version_end=current,
+                                                    switches=acc.switches)
+                if not lease.record([c.to_json() for c in calls]):
+                    yield out.error(_cancelled_error(state))
+                    return
+                yield from out.done()
+                continue
+            chunk = loads(payload)
+            acc.add(chunk)
+            yield from out.chunk(capture.strip_for_agent(chunk, meta["endpoint"], wants_lp,
+                                                         wants_ids))
+    finally:
+        resp.release()
+        if not lease.ended:
+            lease.release()
+            log.info("stream for %s ended early; nothing captured", rollout_id)
+
+
+def _upstream_error(status: int, data: bytes) -> GatewayError:
+    try:
+        err = loads(data).get("error", {})
+        if isinstance(err, str):
+            err = {"message": err}
+    except (ValueError, AttributeError):
+        err = {}
+    message = err.get("message") or f"inference server answered {status}"
+    if status < 500:
+        return GatewayError(status, message, type_=err.get("type") or
+                            "invalid_request_error", code=err.get("code"), param=err.get("param"))
+    return GatewayError(502, f"inference server error: {message}", type_="server_error",
+                        code="upstream_error")

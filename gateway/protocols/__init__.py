@@ -1,0 +1,70 @@
+"""The wire protocols the gateway speaks to agents, each translated to and from the one it
+speaks to vLLM (OpenAI chat completions with token ids and log-probs, which capture needs).
+
+A protocol turns an agent's request into a chat-completions body (``to_chat``), a complete
+chat answer into its own (``answer``), and a chat stream into its own events
+(``StreamTranslator``). Capture, leases, sampling enforcement and the context check run on
+the chat body, so they are the same on every route. Pure functions: no IO here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+from gateway.errors import GatewayError
+
+
+class StreamTranslator:
+    """Chat-completions chunks in, the protocol's server-sent events out."""
+
+    def chunk(self, chunk: dict[str, Any]) -> Iterator[bytes]:
+        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+
+    def done(self) -> Iterator[bytes]:
+        yield b"data: [DONE]\n\n"
+
+    def error(self, err: GatewayError) -> bytes:
+        return b"data: " + orjson.dumps(err.body()) + b"\n\n"
+
+
+class Protocol:
+    """OpenAI chat completions and completions: served as they are."""
+
+    name = "openai"
+
+    def to_chat(self, body: Any) -> dict[str, Any]:
+        return body
+
+    def answer(self, chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+        return chat
+
+    def stream(self, request: dict[str, Any]) -> StreamTranslator:
+        return StreamTranslator()
+
+
+OPENAI = Protocol()
+
+
+def text_of(content: Any, where: str) -> str:
+    """A string, or a list of text parts ({"type": "text" | "input_text" | "output_text",
+    "text": ...}), as one string."""
+    from gateway.errors import bad_request
+
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or an array of text blocks", param=where)
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind not in ("text", "input_text", "output_text") or not isinstance(
+                part.get("text"), str):
+            raise bad_request(f"{where}[{j}]: content of type {kind!r} is not supported by "
+                              f"this gateway (text only)", param=f"{where}[{j}].type")
+        texts.append(part["text"])
+    return "".join(texts)

@@ -1,0 +1,294 @@
+"""Anthropic's Messages API (``/v1/messages``), translated to chat completions and back.
+
+vLLM serves a ``/v1/messages`` of its own, but it returns neither token ids nor log-probs,
+so the gateway translates to the chat path that captures them:
+
+- ``system`` becomes the system message; text blocks become text; an assistant's
+  ``tool_use`` blocks become its ``tool_calls`` (``input`` as JSON arguments); a user's
+  ``tool_result`` blocks become ``tool`` messages, ahead of the text beside them.
+- ``tools`` (``input_schema``) become function tools; ``tool_choice`` auto / any / tool /
+  none become auto / required / the named function / none.
+- ``stop_sequences`` becomes ``stop``; ``max_tokens`` (required) and the sampling
+  parameters are passed on, where the gateway's sampling policy applies to them as on
+  every route.
+
+What the gateway cannot serve is refused with a 400 naming it: image and document blocks,
+extended thinking, server tools (web search, code execution and the like), MCP servers.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+from gateway.errors import GatewayError, bad_request
+from gateway.protocols import Protocol, StreamTranslator, text_of
+
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
+REFUSED_FIELDS = ("mcp_servers", "container")
+
+
+def _tool(tool: Any, i: int) -> dict[str, Any]:
+    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+        raise bad_request(f"tools[{i}] must be an object with a string 'name'",
+                          param=f"tools[{i}]")
+    kind = tool.get("type")
+    if kind not in (None, "custom"):
+        raise bad_request(f"tools[{i}]: server tool {kind!r} is not supported by this gateway "
+                          f"(custom tools with an input_schema only)", param=f"tools[{i}].type")
+    fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
+    if tool.get("description"):
+        fn["description"] = tool["description"]
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None:
+        return None
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    if kind == "auto":
+        return "auto"
+    if kind == "any":
+        return "required"
+    if kind == "none":
+        return "none"
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request("tool_choice must be {'type': 'auto' | 'any' | 'none'} or "
+                      "{'type': 'tool', 'name': ...}", param="tool_choice")
+
+
+def _message(m: Any, i: int) -> list[dict[str, Any]]:
+    where = f"messages[{i}]"
+    if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
+        raise bad_request(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
+    role, content = m["role"], m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise bad_request(f"{where}.content must be a string or an array of content blocks",
+                          param=f"{where}.content")
+    out: list[dict[str, Any]] = []
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        at = f"{where}.content[{j}]"
+        if kind == "text" and isinstance(block.get("text"), str):
+            texts.append(block["text"])
+        elif kind == "tool_use" and role == "assistant":
+            calls.append({"id": str(block.get("id")), "type": "function", "function": {
+                "name": str(block.get("name")),
+                "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
+        elif kind == "tool_result" and role == "user":
+            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id")),
+                        "content": text_of(block.get("content"), f"{at}.content")})
+        else:
+            raise bad_request(f"{at}: a {kind!r} block is not supported by this gateway in a "
+                              f"{role} message (text, tool_use, tool_result)",
+                              param=f"{at}.type")
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        if calls:
+            msg["tool_calls"] = calls
+        out.append(msg)
+    elif texts or not out:
+        out.append({"role": "user", "content": "".join(texts)})
+    return out
+
+
+class Messages(Protocol):
+    name = "anthropic"
+
+    def to_chat(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        max_tokens = body.get("max_tokens")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+            raise bad_request("max_tokens: a positive integer is required", param="max_tokens")
+        thinking = body.get("thinking")
+        if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled"):
+            raise bad_request("thinking: extended thinking is not supported by this gateway",
+                              param="thinking")
+        for name in REFUSED_FIELDS:
+            if body.get(name):
+                raise bad_request(f"{name}: not supported by this gateway", param=name)
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise bad_request("messages: a non-empty array is required", param="messages")
+        chat_msgs: list[dict[str, Any]] = []
+        if body.get("system"):
+            chat_msgs.append({"role": "system", "content": text_of(body["system"], "system")})
+        for i, m in enumerate(msgs):
+            chat_msgs.extend(_message(m, i))
+        chat: dict[str, Any] = {"messages": chat_msgs, "max_tokens": max_tokens}
+        for name in ("temperature", "top_p", "top_k"):
+            if body.get(name) is not None:
+                chat[name] = body[name]
+        if body.get("stop_sequences"):
+            chat["stop"] = list(body["stop_sequences"])
+        tools = body.get("tools")
+        if tools:
+            if not isinstance(tools, list):
+                raise bad_request("tools must be an array", param="tools")
+            chat["tools"] = [_tool(t, i) for i, t in enumerate(tools)]
+        choice = _tool_choice(body.get("tool_choice"))
+        if choice is not None and tools:
+            chat["tool_choice"] = choice
+        if body.get("stream"):
+            chat["stream"] = True
+            chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
+        return chat
+
+    def answer(self, chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+        choice = (chat.get("choices") or [{}])[0]
+        msg = choice.get("message") or {}
+        content: list[dict[str, Any]] = []
+        if msg.get("content"):
+            content.append({"type": "text", "text": msg["content"]})
+        for call in msg.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                            "input": _arguments(fn.get("arguments"))})
+        reason, sequence = _stop(choice, request, bool(msg.get("tool_calls")))
+        usage = chat.get("usage") or {}
+        return {"id": _message_id(chat), "type": "message", "role": "assistant",
+                "model": chat.get("model"), "content": content, "stop_reason": reason,
+                "stop_sequence": sequence,
+                "usage": {"input_tokens": usage.get("prompt_tokens", 0),
+                          "output_tokens": usage.get("completion_tokens", 0)}}
+
+    def stream(self, request: dict[str, Any]) -> StreamTranslator:
+        return MessagesStream(request)
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, dict):
+        return raw
+    try:
+        value = json.loads(raw or "{}")
+    except ValueError:
+        return {"arguments": raw}  # what the model wrote is kept, not dropped
+    return value if isinstance(value, dict) else {"arguments": value}
+
+
+def _message_id(chat: dict[str, Any]) -> str:
+    raw = str(chat.get("id") or f"{time.time_ns():x}")
+    return "msg_" + raw.removeprefix("chatcmpl-")
+
+
+def _stop(choice: dict[str, Any], request: dict[str, Any],
+          tool_called: bool) -> tuple[str | None, str | None]:
+    finish = choice.get("finish_reason")
+    if finish is None:
+        return None, None
+    matched = choice.get("stop_reason")  # vLLM: the stop string that ended the text
+    if isinstance(matched, str) and matched in (request.get("stop_sequences") or []):
+        return "stop_sequence", matched
+    if tool_called:
+        return "tool_use", None
+    return STOP_REASONS.get(finish, "end_turn"), None
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) \
+        + b"\n\n"
+
+
+class MessagesStream(StreamTranslator):
+    """Chat chunks to Messages events: message_start, a content block per text run or tool
+    call (start, deltas, stop), message_delta with the stop reason and usage, message_stop."""
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        self.request = request
+        self.started = False
+        self.block: str | None = None   # the open block's kind: "text" or "tool_use"
+        self.index = -1
+        self.tool_calls: dict[int, int] = {}  # chat tool-call index -> block index
+        self.finish: dict[str, Any] = {}
+        self.tool_called = False
+        self.usage = {"input_tokens": 0, "output_tokens": 0}
+
+    def _start(self, chunk: dict[str, Any]) -> Iterator[bytes]:
+        self.started = True
+        yield _event("message_start", {"message": {
+            "id": _message_id(chunk), "type": "message", "role": "assistant",
+            "model": chunk.get("model"), "content": [], "stop_reason": None,
+            "stop_sequence": None, "usage": dict(self.usage)}})
+
+    def _open(self, kind: str, block: dict[str, Any]) -> Iterator[bytes]:
+        yield from self._close()
+        self.index += 1
+        self.block = kind
+        yield _event("content_block_start", {"index": self.index, "content_block": block})
+
+    def _close(self) -> Iterator[bytes]:
+        if self.block is not None:
+            yield _event("content_block_stop", {"index": self.index})
+            self.block = None
+
+    def chunk(self, chunk: dict[str, Any]) -> Iterator[bytes]:
+        usage = chunk.get("usage")
+        if usage:
+            self.usage = {"input_tokens": usage.get("prompt_tokens", 0),
+                          "output_tokens": usage.get("completion_tokens", 0)}
+        if not self.started:
+            yield from self._start(chunk)
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                if self.block != "text":
+                    yield from self._open("text", {"type": "text", "text": ""})
+                yield _event("content_block_delta", {
+                    "index": self.index, "delta": {"type": "text_delta", "text": text}})
+            for call in delta.get("tool_calls") or []:
+                k = call.get("index", 0)
+                fn = call.get("function") or {}
+                if k not in self.tool_calls:
+                    self.tool_called = True
+                    yield from self._open("tool_use", {
+                        "type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
+                        "input": {}})
+                    self.tool_calls[k] = self.index
+                if fn.get("arguments"):
+                    yield _event("content_block_delta", {
+                        "index": self.tool_calls[k],
+                        "delta": {"type": "input_json_delta",
+                                  "partial_json": fn["arguments"]}})
+            if choice.get("finish_reason"):
+                self.finish = choice
+
+    def done(self) -> Iterator[bytes]:
+        if not self.started:
+            yield from self._start({})
+        yield from self._close()
+        reason, sequence = _stop(self.finish or {"finish_reason": "stop"}, self.request,
+                                 self.tool_called)
+        yield _event("message_delta", {"delta": {"stop_reason": reason,
+                                                 "stop_sequence": sequence},
+                                       "usage": {"output_tokens": self.usage["output_tokens"]}})
+        yield _event("message_stop", {})
+
+    def error(self, err: GatewayError) -> bytes:
+        return _event("error", {"error": error_body(err)["error"]})
+
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+               403: "permission_error", 404: "not_found_error", 409: "invalid_request_error",
+               413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error",
+               529: "overloaded_error"}
+
+
+def error_body(err: GatewayError) -> dict[str, Any]:
+    """Anthropic's error shape; the gateway's code leads the message so it is not lost."""
+    kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500
+                           else "invalid_request_error")
+    message = f"{err.code}: {err.message}" if err.code else err.message
+    return {"type": "error", "error": {"type": kind, "message": message}}

@@ -1,0 +1,322 @@
+"""OpenAI's Responses API (``/v1/responses``), the subset agents use, translated to chat
+completions and back.
+
+- ``instructions`` and system or developer items become system messages; message items
+  become messages (text parts joined); ``function_call`` items become the assistant's
+  ``tool_calls``, ``function_call_output`` items ``tool`` messages; reasoning items are
+  dropped (the served model writes none).
+- Function ``tools`` and ``tool_choice`` map one to one; ``text.format`` (json_schema,
+  json_object) becomes ``response_format``; ``max_output_tokens`` becomes ``max_tokens``.
+- The answer is a ``response`` object with a message item and a ``function_call`` item per
+  tool call; streamed, the events the SDKs read (created, output items and parts, text and
+  argument deltas, completed).
+
+The gateway keeps no responses: ``previous_response_id``, ``conversation`` and
+``background`` are refused with a 400 naming them (send the whole input, as the OpenAI
+Agents SDK does by default), as are built-in tools and non-text inputs.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import orjson
+
+from gateway.errors import GatewayError, bad_request
+from gateway.protocols import Protocol, StreamTranslator, text_of
+
+REFUSED_FIELDS = {
+    "previous_response_id": "the gateway keeps no responses: send the whole input",
+    "conversation": "the gateway keeps no conversations: send the whole input",
+    "background": "background responses are not supported by this gateway",
+    "prompt": "stored prompts are not supported by this gateway",
+}
+
+
+def _tool(tool: Any, i: int) -> dict[str, Any]:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function" or not isinstance(tool.get("name"), str):
+        raise bad_request(f"tools[{i}]: tool type {kind!r} is not supported by this gateway "
+                          f"(function tools only)", param=f"tools[{i}].type")
+    fn = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
+    for name in ("description", "strict"):
+        if tool.get(name) is not None:
+            fn[name] = tool[name]
+    return {"type": "function", "function": fn}
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice is None or choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function" \
+            and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
+                      "{'type': 'function', 'name': ...}", param="tool_choice")
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
+        return None
+    if fmt["type"] == "json_object":
+        return {"type": "json_object"}
+    if fmt["type"] == "json_schema":
+        spec = {"name": fmt.get("name") or "output", "schema": fmt.get("schema") or {}}
+        if fmt.get("strict") is not None:
+            spec["strict"] = fmt["strict"]
+        return {"type": "json_schema", "json_schema": spec}
+    raise bad_request(f"text.format: type {fmt['type']!r} is not supported",
+                      param="text.format.type")
+
+
+def _messages(items: Any) -> list[dict[str, Any]]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise bad_request("input must be a string or a non-empty array of items",
+                          param="input")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise bad_request(f"{where} must be an object", param=where)
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise bad_request(f"{where}.role must be user, assistant, system or "
+                                  f"developer", param=f"{where}.role")
+            out.append({"role": "system" if role == "developer" else role,
+                        "content": text_of(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            call = {"id": str(item.get("call_id")), "type": "function", "function": {
+                "name": str(item.get("name")), "arguments": str(item.get("arguments") or "{}")}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                last.setdefault("tool_calls", []).append(call)  # one turn, several calls
+            else:
+                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            out.append({"role": "tool", "tool_call_id": str(item.get("call_id")),
+                        "content": output if isinstance(output, str)
+                        else text_of(output, f"{where}.output")})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise bad_request(f"{where}: an item of type {kind!r} is not supported by this "
+                              f"gateway (message, function_call, function_call_output)",
+                              param=f"{where}.type")
+    return out
+
+
+class Responses(Protocol):
+    name = "responses"
+
+    def to_chat(self, body: Any) -> dict[str, Any]:
+        if not isinstance(body, dict):
+            raise bad_request("request body must be a JSON object")
+        for name, why in REFUSED_FIELDS.items():
+            if body.get(name):
+                raise bad_request(f"{name}: {why}", param=name)
+        msgs = _messages(body.get("input"))
+        if body.get("instructions"):
+            msgs.insert(0, {"role": "system", "content": str(body["instructions"])})
+        chat: dict[str, Any] = {"messages": msgs}
+        if body.get("max_output_tokens") is not None:
+            chat["max_tokens"] = body["max_output_tokens"]
+        for name in ("temperature", "top_p"):
+            if body.get(name) is not None:
+                chat[name] = body[name]
+        tools = body.get("tools")
+        if tools:
+            if not isinstance(tools, list):
+                raise bad_request("tools must be an array", param="tools")
+            chat["tools"] = [_tool(t, i) for i, t in enumerate(tools)]
+            choice = _tool_choice(body.get("tool_choice"))
+            if choice is not None:
+                chat["tool_choice"] = choice
+            if body.get("parallel_tool_calls") is not None:
+                chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
+        fmt = _response_format(body.get("text"))
+        if fmt is not None:
+            chat["response_format"] = fmt
+        if body.get("stream"):
+            chat["stream"] = True
+            chat["stream_options"] = {"include_usage": True}
+        return chat
+
+    def answer(self, chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+        choice = (chat.get("choices") or [{}])[0]
+        msg = choice.get("message") or {}
+        output: list[dict[str, Any]] = []
+        if msg.get("content"):
+            output.append(_message_item(_item_id("msg"), msg["content"]))
+        for call in msg.get("tool_calls") or []:
+            fn = call.get("function") or {}
+            output.append(_call_item(_item_id("fc"), str(call.get("id")), fn.get("name"),
+                                     fn.get("arguments") or ""))
+        return _response(request, chat.get("model"), output, choice.get("finish_reason"),
+                         chat.get("usage"), "completed")
+
+    def stream(self, request: dict[str, Any]) -> StreamTranslator:
+        return ResponsesStream(request)
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": []}]}
+
+
+def _call_item(item_id: str, call_id: str, name: Any, arguments: str,
+               status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def _response(request: dict[str, Any], model: Any, output: list[dict[str, Any]],
+              finish: str | None, usage: dict[str, Any] | None, status: str,
+              response_id: str | None = None, created: int | None = None) -> dict[str, Any]:
+    if status == "completed" and finish == "length":
+        status = "incomplete"
+    usage = usage or {}
+    return {
+        "id": response_id or _item_id("resp"), "object": "response",
+        "created_at": created or int(time.time()), "status": status, "model": model,
+        "output": output, "error": None,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete"
+        else None,
+        "instructions": request.get("instructions"), "metadata": request.get("metadata") or {},
+        "max_output_tokens": request.get("max_output_tokens"),
+        "parallel_tool_calls": request.get("parallel_tool_calls", True),
+        "previous_response_id": None, "reasoning": None, "store": False,
+        "temperature": request.get("temperature"), "top_p": request.get("top_p"),
+        "text": request.get("text") or {"format": {"type": "text"}},
+        "tool_choice": request.get("tool_choice") or "auto",
+        "tools": request.get("tools") or [], "truncation": "disabled",
+        "usage": {"input_tokens": usage.get("prompt_tokens", 0),
+                  "input_tokens_details": {"cached_tokens": 0},
+                  "output_tokens": usage.get("completion_tokens", 0),
+                  "output_tokens_details": {"reasoning_tokens": 0},
+                  "total_tokens": usage.get("total_tokens", 0)},
+    }
+
+
+class ResponsesStream(StreamTranslator):
+    """Chat chunks to Responses events, numbered by ``sequence_number``."""
+
+    def __init__(self, request: dict[str, Any]) -> None:
+        self.request = request
+        self.id = _item_id("resp")
+        self.created = int(time.time())
+        self.model: Any = None
+        self.seq = 0
+        self.items: list[dict[str, Any]] = []   # output items so far, in order
+        self.open: dict[str, Any] | None = None  # the item receiving deltas
+        self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> item
+        self.finish: str | None = None
+        self.usage: dict[str, Any] | None = None
+        self.started = False
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
+            {"type": kind, "sequence_number": self.seq - 1, **data}) + b"\n\n"
+
+    def _snapshot(self, status: str) -> dict[str, Any]:
+        return _response(self.request, self.model, self.items, self.finish, self.usage,
+                         status, self.id, self.created)
+
+    def _close(self) -> Iterator[bytes]:
+        item, self.open = self.open, None
+        if item is None:
+            return
+        index = self.items.index(item)
+        item["status"] = "completed"
+        if item["type"] == "message":
+            part = item["content"][0]
+            yield self._event("response.output_text.done", item_id=item["id"],
+                              output_index=index, content_index=0, text=part["text"],
+                              logprobs=[])
+            yield self._event("response.content_part.done", item_id=item["id"],
+                              output_index=index, content_index=0, part=part)
+        else:
+            yield self._event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=index, name=item["name"],
+                              arguments=item["arguments"])
+        yield self._event("response.output_item.done", output_index=index, item=item)
+
+    def _add(self, item: dict[str, Any]) -> Iterator[bytes]:
+        yield from self._close()
+        self.items.append(item)
+        self.open = item
+        index = len(self.items) - 1
+        added = {**item, "status": "in_progress"}
+        if item["type"] == "message":
+            added["content"] = []
+        yield self._event("response.output_item.added", output_index=index, item=added)
+        if item["type"] == "message":
+            yield self._event("response.content_part.added", item_id=item["id"],
+                              output_index=index, content_index=0,
+                              part={"type": "output_text", "text": "", "annotations": []})
+
+    def chunk(self, chunk: dict[str, Any]) -> Iterator[bytes]:
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        self.model = chunk.get("model", self.model)
+        if not self.started:
+            self.started = True
+            snapshot = self._snapshot("in_progress")
+            yield self._event("response.created", response=snapshot)
+            yield self._event("response.in_progress", response=snapshot)
+        for choice in chunk.get("choices") or []:
+            if choice.get("index", 0) != 0:
+                continue
+            delta = choice.get("delta") or {}
+            text = delta.get("content")
+            if text:
+                if self.open is None or self.open["type"] != "message":
+                    yield from self._add(_message_item(_item_id("msg"), "", "in_progress"))
+                assert self.open is not None
+                self.open["content"][0]["text"] += text
+                yield self._event("response.output_text.delta", item_id=self.open["id"],
+                                  output_index=self.items.index(self.open), content_index=0,
+                                  delta=text, logprobs=[])
+            for call in delta.get("tool_calls") or []:
+                k = call.get("index", 0)
+                fn = call.get("function") or {}
+                if k not in self.calls:
+                    item = _call_item(_item_id("fc"), str(call.get("id")), fn.get("name"), "",
+                                      "in_progress")
+                    yield from self._add(item)
+                    self.calls[k] = item
+                item = self.calls[k]
+                if fn.get("arguments"):
+                    item["arguments"] += fn["arguments"]
+                    yield self._event("response.function_call_arguments.delta",
+                                      item_id=item["id"],
+                                      output_index=self.items.index(item),
+                                      delta=fn["arguments"])
+            if choice.get("finish_reason"):
+                self.finish = choice["finish_reason"]
+
+    def done(self) -> Iterator[bytes]:
+        if not self.started:
+            yield from self.chunk({})
+        yield from self._close()
+        final = self._snapshot("completed")
+        kind = "response.incomplete" if final["status"] == "incomplete" else \
+            "response.completed"
+        yield self._event(kind, response=final)
+
+    def error(self, err: GatewayError) -> bytes:
+        return self._event("error", code=err.code, message=err.message, param=err.param)

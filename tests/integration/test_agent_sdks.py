@@ -1,0 +1,237 @@
+"""Agents as they are written: the official SDKs, unmodified, through the real gateway to the
+real vLLM CPU server of SmolLM2-135M-Instruct (with its tool-aware chat template and
+vLLM's hermes tool-call parser). Each rollout's calls must be captured with token ids and
+log-probs, whatever protocol the agent spoke.
+
+A 135M model rarely decides to call a tool by itself, so the tool turns name the tool
+(``tool_choice``): vLLM then constrains the arguments to the tool's schema, and the call is
+marked constrained in the capture.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from app.state import keys
+from app.state.records import CapturedCall
+from tests.conftest import SMOLLM2 as MODEL
+from tests.conftest import SMOLLM2_NAME as NAME
+from tests.conftest import SMOLLM2_SERVING as SERVING
+from tests.conftest import gateway_process
+
+pytestmark = pytest.mark.slow
+
+ADD_SCHEMA = {"type": "object",
+              "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                             "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["a", "b"], "additionalProperties": False}
+QUESTION = "What is 3 + 4? Use the add tool."
+
+
+@pytest.fixture(scope="module")
+def gw(tmp_root, smollm2_server):
+    with gateway_process(tmp_root, "gateway-sdks", [smollm2_server],
+                         f"inference.served_model_name={NAME}",
+                         f"actor_rollout_ref.model.path={MODEL}", *SERVING,
+                         "actor_rollout_ref.rollout.max_tokens=24") as (url, _):
+        yield url
+
+
+def captured(redis_client, rid: str, calls: int) -> list[CapturedCall]:
+    got = [CapturedCall.from_json(c)
+           for c in redis_client.lrange(keys.rollout_calls(rid), 0, -1)]
+    assert len(got) == calls, [c.endpoint for c in got]
+    for call in got:
+        assert call.prompt_ids and call.response_ids
+        assert len(call.logprobs) == len(call.response_ids) and call.nonfinite_logprobs == 0
+        assert all(lp <= 0 for lp in call.logprobs)
+    return got
+
+
+def prompt_text(call: CapturedCall) -> str:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(MODEL)).decode(call.prompt_ids)
+
+
+def add(a: int, b: int) -> str:
+    return str(a + b)
+
+
+def test_openai_chat_with_a_tool_call_and_its_answer(gw, new_rollout, redis_client):
+    from openai import OpenAI
+
+    rid, token, base = new_rollout(gw)
+    client = OpenAI(base_url=base, api_key=token, max_retries=2)
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two digits",
+                                               "parameters": ADD_SCHEMA}}]
+    messages: list = [{"role": "user", "content": QUESTION}]
+    first = client.chat.completions.create(
+        model=NAME, messages=messages, tools=tools, max_tokens=40,
+        tool_choice={"type": "function", "function": {"name": "add"}})
+    call = first.choices[0].message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "add" and set(args) == {"a", "b"}
+    messages += [first.choices[0].message.model_dump(exclude_none=True),
+                 {"role": "tool", "tool_call_id": call.id, "content": add(**args)}]
+    second = client.chat.completions.create(model=NAME, messages=messages, tools=tools,
+                                            tool_choice="none", max_tokens=12)
+    assert second.choices[0].message.content is not None
+    calls = captured(redis_client, rid, 2)
+    assert calls[0].constrained == "tool_choice" and calls[1].constrained is None
+    # the second turn's prompt holds the tool call and its result, rendered by the template
+    text = prompt_text(calls[1])
+    assert "<tool_call>" in text and f"<tool_response>\n{add(**args)}\n</tool_response>" in text
+
+
+def test_openai_responses_plain_streamed_and_with_a_function_call(gw, new_rollout,
+                                                                   redis_client):
+    from openai import OpenAI
+
+    rid, token, base = new_rollout(gw)
+    client = OpenAI(base_url=base, api_key=token, max_retries=2)
+    plain = client.responses.create(model=NAME, input="Say hello.", max_output_tokens=12,
+                                    instructions="Answer briefly.")
+    assert plain.status in ("completed", "incomplete") and plain.output_text
+    events = list(client.responses.create(model=NAME, input="Say hello.",
+                                          max_output_tokens=12, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[0] == "response.created" and kinds[-1] in ("response.completed",
+                                                            "response.incomplete")
+    assert "response.output_text.delta" in kinds
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].response.output_text == streamed
+    tools = [{"type": "function", "name": "add", "description": "Add two digits",
+              "parameters": ADD_SCHEMA}]
+    first = client.responses.create(model=NAME, input=QUESTION, tools=tools,
+                                    tool_choice={"type": "function", "name": "add"},
+                                    max_output_tokens=40)
+    fc = next(item for item in first.output if item.type == "function_call")
+    args = json.loads(fc.arguments)
+    second = client.responses.create(
+        model=NAME, tools=tools, tool_choice="none", max_output_tokens=12,
+        input=[{"role": "user", "content": QUESTION},
+               {"type": "function_call", "call_id": fc.call_id, "name": "add",
+                "arguments": fc.arguments},
+               {"type": "function_call_output", "call_id": fc.call_id,
+                "output": add(**args)}])
+    assert second.output_text is not None
+    calls = captured(redis_client, rid, 4)
+    assert [c.stream for c in calls] == [False, True, False, False]
+    assert calls[2].constrained == "tool_choice"
+    assert f"<tool_response>\n{add(**args)}\n</tool_response>" in prompt_text(calls[3])
+
+
+def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool(gw, new_rollout,
+                                                                  redis_client):
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIResponsesModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from openai import AsyncOpenAI
+
+    set_tracing_disabled(True)  # nothing is exported
+    rid, token, base = new_rollout(gw)
+    used: list[tuple[int, int]] = []
+
+    @function_tool
+    def add_digits(a: int, b: int) -> str:
+        """Add two digits."""
+        used.append((a, b))
+        return add(a, b)
+
+    model = OpenAIResponsesModel(model=NAME, openai_client=AsyncOpenAI(
+        base_url=base, api_key=token, max_retries=2))
+    # the first turn must call the tool; the SDK then resets tool_choice, so the next turn
+    # answers
+    agent = Agent(name="adder", instructions="Add the numbers with the tool.", model=model,
+                  tools=[add_digits], model_settings=ModelSettings(
+                      tool_choice="required", max_tokens=40))
+    result = asyncio.run(Runner.run(agent, QUESTION, max_turns=3))
+    assert len(used) >= 1 and result.final_output is not None
+    calls = captured(redis_client, rid, len(result.raw_responses))
+    assert len(calls) >= 2 and calls[0].constrained == "tool_choice"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_anthropic_messages_with_a_tool_use_round_trip(gw, new_rollout, redis_client, stream):
+    import anthropic
+
+    rid, token, base = new_rollout(gw)
+    client = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key=token,
+                                 max_retries=2)
+    tools = [{"name": "add", "description": "Add two digits", "input_schema": ADD_SCHEMA}]
+    messages: list = [{"role": "user", "content": QUESTION}]
+
+    def create(**kw):
+        if not stream:
+            return client.messages.create(model=NAME, messages=messages, **kw)
+        with client.messages.stream(model=NAME, messages=messages, **kw) as s:
+            assert any(e.type == "content_block_delta" for e in s)
+            return s.get_final_message()
+
+    first = create(max_tokens=40, system="You add numbers.", tools=tools,
+                   tool_choice={"type": "tool", "name": "add"})
+    assert first.stop_reason == "tool_use"
+    use = next(b for b in first.content if b.type == "tool_use")
+    assert use.name == "add" and set(use.input) == {"a", "b"}
+    messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                               "content": add(**use.input)}]}]
+    second = create(max_tokens=12, system="You add numbers.", tools=tools)
+    assert second.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert second.usage.input_tokens > 0 and second.usage.output_tokens > 0
+    calls = captured(redis_client, rid, 2)
+    assert all(c.stream == stream for c in calls)
+    assert calls[0].constrained == "tool_choice"
+    assert f"<tool_response>\n{add(**use.input)}\n</tool_response>" in prompt_text(calls[1])
+
+
+def test_langchain_chat_openai_with_a_tool(gw, new_rollout, redis_client):
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    rid, token, base = new_rollout(gw)
+
+    @tool
+    def add_digits(a: int, b: int) -> str:
+        """Add two digits."""
+        return add(a, b)
+
+    llm = ChatOpenAI(model=NAME, base_url=base, api_key=token, max_tokens=40, max_retries=2)
+    history = [HumanMessage(QUESTION)]
+    first = llm.bind_tools([add_digits], tool_choice="add_digits").invoke(history)
+    call = first.tool_calls[0]
+    assert call["name"] == "add_digits"
+    history += [first, ToolMessage(add_digits.invoke(call["args"]), tool_call_id=call["id"])]
+    second = llm.invoke(history)
+    assert isinstance(second.content, str)
+    captured(redis_client, rid, 2)
+
+
+def test_anthropic_errors_have_anthropics_shape(gw, new_rollout):
+    import anthropic
+
+    rid, token, base = new_rollout(gw)
+    client = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key=token,
+                                 max_retries=0)
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        client.messages.create(model=NAME, max_tokens=8, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "AAAA"}}]}])
+    assert bad.value.body["type"] == "error"
+    assert bad.value.body["error"]["type"] == "invalid_request_error"
+    assert "messages[0].content[0]" in bad.value.body["error"]["message"]
+    wrong = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key="nope",
+                                max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        wrong.messages.create(model=NAME, max_tokens=8,
+                              messages=[{"role": "user", "content": "hi"}])

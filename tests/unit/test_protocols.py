@@ -1,0 +1,239 @@
+"""The Messages and Responses protocols, translated to chat completions and back (pure
+functions; the SDK tests in tests/integration/test_agent_sdks.py run them on the real
+stack)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gateway.errors import GatewayError
+from gateway.protocols.anthropic import Messages, error_body
+from gateway.protocols.responses import Responses
+
+TOOL_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+
+
+def events(raw: list[bytes]) -> list[tuple[str, dict]]:
+    out = []
+    for chunk in raw:
+        head, data = chunk.decode().strip().split("\n", 1)
+        assert head.startswith("event: ") and data.startswith("data: ")
+        body = json.loads(data[6:])
+        assert body["type"] == head[7:]
+        out.append((head[7:], body))
+    return out
+
+
+def chat_chunks(*deltas: dict, finish: str = "stop") -> list[dict]:
+    chunks = [{"id": "chatcmpl-1", "model": "m", "choices": [{"index": 0, "delta": d}],
+               "usage": {"prompt_tokens": 5, "completion_tokens": i + 1}}
+              for i, d in enumerate(deltas)]
+    chunks[-1]["choices"][0]["finish_reason"] = finish
+    return chunks
+
+
+# --- Anthropic Messages ----------------------------------------------------------------
+
+def test_messages_become_chat_messages_in_order():
+    chat = Messages().to_chat({
+        "model": "x", "max_tokens": 20, "system": [{"type": "text", "text": "be brief"}],
+        "stop_sequences": ["END"], "temperature": 0.5,
+        "tools": [{"name": "add", "description": "Add", "input_schema": TOOL_SCHEMA}],
+        "tool_choice": {"type": "any"},
+        "messages": [
+            {"role": "user", "content": "3+4?"},
+            {"role": "assistant", "content": [
+                {"type": "text", "text": "ok"},
+                {"type": "tool_use", "id": "t1", "name": "add", "input": {"a": 3}}]},
+            {"role": "user", "content": [
+                {"type": "text", "text": "so?"},
+                {"type": "tool_result", "tool_use_id": "t1",
+                 "content": [{"type": "text", "text": "7"}]}]}]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "3+4?"},
+        {"role": "assistant", "content": "ok", "tool_calls": [
+            {"id": "t1", "type": "function",
+             "function": {"name": "add", "arguments": '{"a": 3}'}}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "7"},  # results before the text
+        {"role": "user", "content": "so?"}]
+    assert chat["tools"] == [{"type": "function", "function": {
+        "name": "add", "parameters": TOOL_SCHEMA, "description": "Add"}}]
+    assert chat["tool_choice"] == "required" and chat["stop"] == ["END"]
+    assert chat["max_tokens"] == 20 and chat["temperature"] == 0.5
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": "hi"}]}, "max_tokens"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "image", "source": {}}]}]}, "messages[0].content[0].type"),
+    ({"max_tokens": 5, "thinking": {"type": "enabled", "budget_tokens": 100},
+      "messages": [{"role": "user", "content": "hi"}]}, "thinking"),
+    ({"max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
+      "messages": [{"role": "user", "content": "hi"}]}, "tools[0].type"),
+    ({"max_tokens": 5, "messages": [{"role": "tool", "content": "hi"}]}, "messages[0].role"),
+])
+def test_what_messages_cannot_serve_is_a_400_naming_it(body, param):
+    with pytest.raises(GatewayError) as err:
+        Messages().to_chat(body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_a_chat_answer_becomes_a_message():
+    chat = {"id": "chatcmpl-9", "model": "m", "usage": {"prompt_tokens": 7,
+                                                         "completion_tokens": 3},
+            "choices": [{"finish_reason": "tool_calls", "message": {
+                "content": "Let me add.", "tool_calls": [
+                    {"id": "c1", "function": {"name": "add", "arguments": '{"a": 1}'}}]}}]}
+    msg = Messages().answer(chat, {})
+    assert msg["id"] == "msg_9" and msg["type"] == "message" and msg["role"] == "assistant"
+    assert msg["content"] == [{"type": "text", "text": "Let me add."},
+                              {"type": "tool_use", "id": "c1", "name": "add",
+                               "input": {"a": 1}}]
+    assert msg["stop_reason"] == "tool_use"
+    assert msg["usage"] == {"input_tokens": 7, "output_tokens": 3}
+    length = {"choices": [{"finish_reason": "length", "message": {"content": "x"}}]}
+    assert Messages().answer(length, {})["stop_reason"] == "max_tokens"
+    stopped = {"choices": [{"finish_reason": "stop", "stop_reason": "END",
+                            "message": {"content": "x"}}]}
+    out = Messages().answer(stopped, {"stop_sequences": ["END"]})
+    assert (out["stop_reason"], out["stop_sequence"]) == ("stop_sequence", "END")
+
+
+def test_a_chat_stream_becomes_messages_events():
+    stream = Messages().stream({})
+    raw = []
+    for chunk in chat_chunks({"content": "Hi"}, {"content": " there"},
+                             {"tool_calls": [{"index": 0, "id": "c1", "function": {
+                                 "name": "add", "arguments": '{"a":'}}]},
+                             {"tool_calls": [{"index": 0, "function": {"arguments": " 1}"}}]},
+                             finish="tool_calls"):
+        raw.extend(stream.chunk(chunk))
+    raw.extend(stream.done())
+    got = events(raw)
+    assert [k for k, _ in got] == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "content_block_start", "content_block_delta",
+        "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+    assert got[0][1]["message"]["usage"]["input_tokens"] == 5
+    assert got[1][1] == {"type": "content_block_start", "index": 0,
+                         "content_block": {"type": "text", "text": ""}}
+    assert got[5][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "add",
+                                          "input": {}}
+    partial = "".join(b["delta"]["partial_json"] for k, b in got
+                      if k == "content_block_delta" and b["index"] == 1)
+    assert json.loads(partial) == {"a": 1}
+    assert got[9][1]["delta"]["stop_reason"] == "tool_use"
+    assert got[9][1]["usage"] == {"output_tokens": 4}
+
+
+def test_anthropic_error_types():
+    assert error_body(GatewayError(503, "paused", code="paused"))["error"]["type"] == \
+        "overloaded_error"
+    assert error_body(GatewayError(429, "busy"))["error"]["type"] == "rate_limit_error"
+    assert error_body(GatewayError(401, "no"))["error"]["type"] == "authentication_error"
+    body = error_body(GatewayError(400, "too long", code="context_length_exceeded"))
+    assert body == {"type": "error", "error": {
+        "type": "invalid_request_error", "message": "context_length_exceeded: too long"}}
+
+
+# --- OpenAI Responses ------------------------------------------------------------------
+
+def test_responses_input_items_become_chat_messages():
+    chat = Responses().to_chat({
+        "model": "x", "instructions": "be brief", "max_output_tokens": 30,
+        "tools": [{"type": "function", "name": "add", "parameters": TOOL_SCHEMA,
+                   "strict": True}],
+        "tool_choice": {"type": "function", "name": "add"},
+        "text": {"format": {"type": "json_schema", "name": "out", "schema": TOOL_SCHEMA}},
+        "store": False, "include": [], "truncation": "disabled",
+        "input": [
+            {"role": "developer", "content": "rules"},
+            {"role": "user", "content": [{"type": "input_text", "text": "3+4?"}]},
+            {"type": "reasoning", "id": "r1", "summary": []},
+            {"type": "message", "role": "assistant", "content": [
+                {"type": "output_text", "text": "adding"}]},
+            {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a":3}'},
+            {"type": "function_call", "call_id": "c2", "name": "add", "arguments": '{"a":4}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "3"},
+            {"type": "function_call_output", "call_id": "c2", "output": "4"}]})
+    assert chat["messages"] == [
+        {"role": "system", "content": "be brief"},
+        {"role": "system", "content": "rules"},
+        {"role": "user", "content": "3+4?"},
+        {"role": "assistant", "content": "adding", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "add", "arguments": '{"a":3}'}},
+            {"id": "c2", "type": "function",
+             "function": {"name": "add", "arguments": '{"a":4}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"},
+        {"role": "tool", "tool_call_id": "c2", "content": "4"}]
+    assert chat["max_tokens"] == 30
+    assert chat["tool_choice"] == {"type": "function", "function": {"name": "add"}}
+    assert chat["tools"][0]["function"]["strict"] is True
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "out", "schema": TOOL_SCHEMA}}
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "hi", "background": True}, "background"),
+    ({"input": "hi", "tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input[0].content[0].type"),
+    ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
+    ({"input": []}, "input"),
+])
+def test_what_responses_cannot_serve_is_a_400_naming_it(body, param):
+    with pytest.raises(GatewayError) as err:
+        Responses().to_chat(body)
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_a_chat_answer_becomes_a_response():
+    chat = {"model": "m", "usage": {"prompt_tokens": 7, "completion_tokens": 3,
+                                    "total_tokens": 10},
+            "choices": [{"finish_reason": "tool_calls", "message": {
+                "content": "ok", "tool_calls": [
+                    {"id": "c1", "function": {"name": "add", "arguments": '{"a": 1}'}}]}}]}
+    resp = Responses().answer(chat, {"instructions": "x"})
+    assert resp["object"] == "response" and resp["status"] == "completed"
+    assert resp["id"].startswith("resp_") and resp["instructions"] == "x"
+    message, call = resp["output"]
+    assert message["type"] == "message" and message["content"][0]["text"] == "ok"
+    assert call["type"] == "function_call" and call["call_id"] == "c1"
+    assert call["name"] == "add" and call["arguments"] == '{"a": 1}'
+    assert resp["usage"]["input_tokens"] == 7 and resp["usage"]["total_tokens"] == 10
+    cut = Responses().answer({"choices": [{"finish_reason": "length",
+                                           "message": {"content": "x"}}]}, {})
+    assert cut["status"] == "incomplete"
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_a_chat_stream_becomes_responses_events():
+    stream = Responses().stream({})
+    raw = []
+    for chunk in chat_chunks({"content": "Hi"}, {"content": "!"},
+                             {"tool_calls": [{"index": 0, "id": "c1", "function": {
+                                 "name": "add", "arguments": '{"a": 1}'}}]},
+                             finish="tool_calls"):
+        raw.extend(stream.chunk(chunk))
+    raw.extend(stream.done())
+    got = events(raw)
+    assert [k for k, _ in got] == [
+        "response.created", "response.in_progress", "response.output_item.added",
+        "response.content_part.added", "response.output_text.delta",
+        "response.output_text.delta", "response.output_text.done",
+        "response.content_part.done", "response.output_item.done",
+        "response.output_item.added", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.completed"]
+    assert [b["sequence_number"] for _, b in got] == list(range(len(got)))
+    assert got[6][1]["text"] == "Hi!"
+    final = got[-1][1]["response"]
+    assert final["status"] == "completed" and len(final["output"]) == 2
+    assert final["output"][0]["content"][0]["text"] == "Hi!"
+    assert final["output"][1]["arguments"] == '{"a": 1}'
+    assert final["output"][1]["status"] == "completed"
