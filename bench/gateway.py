@@ -9,7 +9,11 @@ and 8 connections, interleaved in one run: the bare proxy's figures say what Fla
 + one upstream call cost on this machine at this moment, so the gateway's can be read against
 them.
 
-Usage: python -m bench.gateway [--requests 2000] [--rounds 3]     (prints JSON, then a table)
+``--baseline DIR`` also serves the gateway of another checkout (``git worktree add DIR REV``)
+on the same Redis and upstream, measured in the same rounds: a change's cost, side by side.
+
+Usage: python -m bench.gateway [--requests 2000] [--rounds 3] [--baseline DIR]
+(prints JSON, then a table)
 """
 
 from __future__ import annotations
@@ -153,10 +157,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--gateway-workers", type=int, default=2)
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="another checkout whose gateway is measured beside this one")
     args = ap.parse_args(argv)
 
     tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
-    redis_port, standin_port, gw_port, bare_port = (free_port() for _ in range(4))
+    redis_port, standin_port, gw_port, bare_port, base_port = (free_port() for _ in range(5))
     overrides = [f"redis.port={redis_port}", f"redis.dir={tmp}", f"gateway.port={gw_port}",
                  f"gateway.url=http://127.0.0.1:{gw_port}",
                  f"gateway.workers={args.gateway_workers}",
@@ -181,6 +187,14 @@ def main(argv: list[str] | None = None) -> int:
                           f"bench.bare_proxy:create_app('http://127.0.0.1:{standin_port}')"],
                          cwd=REPO, stdout=log, stderr=log, start_new_session=True),
     ]
+    if args.baseline is not None:
+        base_env = {**env, "PYTHONPATH": str(args.baseline.resolve()),
+                    "CARRYOVER_OVERRIDES": json.dumps(
+                        [*overrides, f"gateway.port={base_port}",
+                         f"gateway.url=http://127.0.0.1:{base_port}"])}
+        procs.append(subprocess.Popen(
+            [str(BIN / "gunicorn"), "-c", "gateway/gunicorn.conf.py", "gateway:create_app()"],
+            cwd=args.baseline, env=base_env, stdout=log, stderr=log, start_new_session=True))
     try:
         wait_http(f"http://127.0.0.1:{standin_port}/health")
         wait_http(f"http://127.0.0.1:{gw_port}/healthz")
@@ -196,8 +210,13 @@ def main(argv: list[str] | None = None) -> int:
         via = f"http://127.0.0.1:{gw_port}/rollout/{rid}/v1/chat/completions"
         bare = f"http://127.0.0.1:{bare_port}/rollout/{rid}/v1/chat/completions"
         auth = {"Authorization": f"Bearer {token}"}
-        paths = (("direct", direct, {}, None), ("bare_proxy", bare, {}, _tree(procs[3].pid)),
-                 ("gateway", via, auth, _tree(procs[2].pid)))
+        paths = [("direct", direct, {}, None), ("bare_proxy", bare, {}, _tree(procs[3].pid)),
+                 ("gateway", via, auth, _tree(procs[2].pid))]
+        if args.baseline is not None:
+            wait_http(f"http://127.0.0.1:{base_port}/healthz")
+            paths.append(("gateway_baseline",
+                          f"http://127.0.0.1:{base_port}/rollout/{rid}/v1/chat/completions",
+                          auth, _tree(procs[4].pid)))
         standin = _tree(procs[1].pid)
         for _name, url, hdr, _procs in paths:
             run_load(url, hdr, 8, 400)  # warm-up: connections, imports, scripts
@@ -236,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         "results": {k: {f: med(k, f) for f in ("rps", "p50_ms", "p99_ms")} for k in results},
     }
     for conns in (1, 8):
-        for name, prefix in (("gateway", ""), ("bare_proxy", "bare_proxy_")):
+        names = [("gateway", ""), ("bare_proxy", "bare_proxy_")]
+        if args.baseline is not None:
+            names.append(("gateway_baseline", "gateway_baseline_"))
+        for name, prefix in names:
             for q in ("p50", "p99"):
                 summary[f"{prefix}added_{q}_ms@{conns}"] = med(
                     f"{name}@{conns}", f"{q}_ms") - med(f"direct@{conns}", f"{q}_ms")
@@ -244,6 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     summary["bare_proxy_rps@8"] = med("bare_proxy@8", "rps")
     summary["gateway_rps_vs_bare_proxy@8"] = summary["gateway_rps@8"] / summary[
         "bare_proxy_rps@8"]
+    if args.baseline is not None:
+        summary["gateway_baseline_rps@8"] = med("gateway_baseline@8", "rps")
+        summary["gateway_rps_vs_baseline@8"] = summary["gateway_rps@8"] / summary[
+            "gateway_baseline_rps@8"]
     # CPU the proxies' processes spend per call: what bounds requests/s on 2 cores
     for key, values in cpu.items():
         name, conns = key.split("@")

@@ -9,8 +9,12 @@ held-out success rate after each evaluation and the minutes of training before e
 Run it with nothing else on the machine: a second load slows the steps (and the
 asynchronous timing changes what is trained).
 
+``--plot PNG`` draws each run's held-out success (or, without evaluations, its reward)
+against minutes of training, labelled by ``--labels`` (one per run, comma-separated).
+
 Usage: python -m bench.repeat_runs [--runs 3] [--config config/arith.yaml] [--log-dir DIR]
        python -m bench.repeat_runs --metrics a.jsonl b.jsonl ...   (summarise finished runs)
+       [--plot out.png --labels a,b,...]
 (prints JSON)
 """
 
@@ -66,12 +70,43 @@ def spread(values: list[float]) -> dict[str, Any]:
             "runs": values}
 
 
+def plot(paths: list[Path], labels: list[str], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for path, label in zip(paths, labels, strict=True):
+        steps, evals = [], []
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            (evals if "val/success_rate" in row else steps).append(row)
+        minutes = [0.0]
+        for s in steps:
+            minutes.append(minutes[-1] + s["timing/step_seconds"] / 60)
+        if evals:
+            x = [minutes[int(e["val/sent_at_step"])] for e in evals]
+            y = [e["val/success_rate"] for e in evals]
+        else:
+            x, y = minutes[1:], [s.get("reward/mean") or 0.0 for s in steps]
+        ax.plot(x, y, marker="o", label=label)
+    ax.set_xlabel("minutes of training")
+    ax.set_ylabel("held-out success" if evals else "reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=90)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--config", default=None, help="the demo's config (default: config/demo.yaml)")
     ap.add_argument("--log-dir", type=Path, default=REPO / "var" / "repeats")
     ap.add_argument("--metrics", type=Path, nargs="*", help="finished runs' metrics.jsonl")
+    ap.add_argument("--plot", type=Path, default=None, help="a PNG of the runs")
+    ap.add_argument("--labels", default=None, help="one label per run, comma-separated")
     ap.add_argument("demo_args", nargs="*", help="more arguments for carryover demo")
     args = ap.parse_args(argv)
     paths = list(args.metrics or [])
@@ -92,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         summary["minutes_before_eval"] = {
             k: spread([r["minutes_before_eval"][k] for r in runs]) for k in after}
     print(json.dumps(summary, indent=1))
+    if args.plot is not None:
+        labels = args.labels.split(",") if args.labels else [r["run"] for r in runs]
+        plot(paths, labels, args.plot)
     return 0
 
 

@@ -4,9 +4,9 @@ Body shape (what the official ``openai`` client parses):
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``; on the Messages
 route, Anthropic's (``{"type": "error", "error": {"type": ..., "message": ...}}``).
 
-Every error says whether to retry (``x-should-retry``, which the openai and anthropic SDKs
-obey before their status rules): they would otherwise retry a 409, which here means a
-rollout that has ended.
+A retryable error says so (``x-should-retry: true``, which the openai and anthropic SDKs
+obey before their status rules), and so does a 4xx that is not (``false``): they would
+otherwise retry a 409, which here means a rollout that has ended.
 """
 
 from __future__ import annotations
@@ -51,7 +51,10 @@ def register_error_handlers(app: Flask) -> None:
         else:
             resp = jsonify(exc.body())
         resp.status_code = exc.status
-        resp.headers["x-should-retry"] = "true" if exc.retry_after is not None else "false"
+        if exc.retry_after is not None:
+            resp.headers["x-should-retry"] = "true"
+        elif exc.status < 500:  # a 5xx keeps the SDKs' own rules (they retry it)
+            resp.headers["x-should-retry"] = "false"
         if exc.retry_after is not None:
             resp.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
             resp.headers["Retry-After-Ms"] = str(int(exc.retry_after * 1000))

@@ -199,6 +199,14 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 yield from out.done()
                 continue
             chunk = loads(payload)
+            if isinstance(chunk, dict) and chunk.get("error"):
+                # vLLM's error inside a stream (then [DONE]): the agent gets it in its
+                # protocol's shape, and the partial call is not captured
+                err = _stream_error(chunk["error"])
+                log.warning("inference server error in the stream for %s: %s", rollout_id,
+                            err.message)
+                yield out.error(err)
+                return
             acc.add(chunk)
             yield from out.chunk(capture.strip_for_agent(chunk, meta["endpoint"], wants_lp,
                                                          wants_ids))
@@ -207,6 +215,13 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
         if not lease.ended:
             lease.release()
             log.info("stream for %s ended early; nothing captured", rollout_id)
+
+
+def _stream_error(error: Any) -> GatewayError:
+    body = error if isinstance(error, dict) else {"message": str(error)}
+    code = body.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else 500
+    return _upstream_error(status, orjson.dumps({"error": body}))
 
 
 def _upstream_error(status: int, data: bytes) -> GatewayError:

@@ -189,6 +189,8 @@ def _stop(choice: dict[str, Any], request: dict[str, Any],
     matched = choice.get("stop_reason")  # vLLM: the stop string that ended the text
     if isinstance(matched, str) and matched in (request.get("stop_sequences") or []):
         return "stop_sequence", matched
+    if finish == "length":  # a tool call cut off is not one to run
+        return "max_tokens", None
     if tool_called:
         return "tool_use", None
     return STOP_REASONS.get(finish, "end_turn"), None

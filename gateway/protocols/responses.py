@@ -188,6 +188,8 @@ def _response(request: dict[str, Any], model: Any, output: list[dict[str, Any]],
               response_id: str | None = None, created: int | None = None) -> dict[str, Any]:
     if status == "completed" and finish == "length":
         status = "incomplete"
+        for item in output:
+            item["status"] = "incomplete"
     usage = usage or {}
     return {
         "id": response_id or _item_id("resp"), "object": "response",
@@ -319,4 +321,7 @@ class ResponsesStream(StreamTranslator):
         yield self._event(kind, response=final)
 
     def error(self, err: GatewayError) -> bytes:
-        return self._event("error", code=err.code, message=err.message, param=err.param)
+        # the "error" object makes the openai SDK raise an APIError at this event, also
+        # when it is the first one
+        return self._event("error", code=err.code, message=err.message, param=err.param,
+                           error=err.body()["error"])

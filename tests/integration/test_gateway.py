@@ -5,6 +5,7 @@ openai client and carryover's retry client ride through; bad input gets the righ
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 
@@ -155,6 +156,19 @@ def test_closed_rollout_is_refused(gw, new_rollout):
     resp = requests.post(base + "/chat/completions", headers={"Authorization": f"Bearer {token}"},
                          json={"messages": [{"role": "user", "content": "a"}]}, timeout=10)
     assert resp.status_code == 409
+    assert resp.headers["x-should-retry"] == "false"
+
+
+def test_the_openai_client_does_not_retry_a_closed_rollout(gw, new_rollout, caplog):
+    """The SDK retries a 409 by its status rules; the gateway's x-should-retry: false stops
+    it (a closed rollout never reopens)."""
+    rid, token, base = new_rollout()
+    gw.hset(keys.rollout(rid), "status", "finished")
+    client = openai.OpenAI(base_url=base, api_key=token, max_retries=3)
+    caplog.set_level(logging.INFO, logger="openai")
+    with pytest.raises(openai.ConflictError):
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+    assert not [r for r in caplog.records if "Retrying request" in r.getMessage()]
 
 
 def test_admin_endpoints_need_the_admin_token(gw, cfg):

@@ -237,3 +237,95 @@ def test_a_chat_stream_becomes_responses_events():
     assert final["output"][0]["content"][0]["text"] == "Hi!"
     assert final["output"][1]["arguments"] == '{"a": 1}'
     assert final["output"][1]["status"] == "completed"
+
+
+# --- through the SDKs' own stream accumulators ------------------------------------------
+
+def vllm_stream(tool: bool, finish: str) -> list[dict]:
+    """Chunks as vLLM streams them: a role chunk, text, a tool call's name then its
+    arguments in pieces, the finish reason, a usage-only chunk."""
+    base = {"id": "chatcmpl-abc", "object": "chat.completion.chunk", "model": "m"}
+
+    def usage(n: int) -> dict:
+        return {"prompt_tokens": 11, "completion_tokens": n, "total_tokens": 11 + n}
+
+    out = [{**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}],
+            "usage": usage(0)},
+           {**base, "choices": [{"index": 0, "delta": {"content": "Sure."}}], "usage": usage(1)}]
+    if tool:
+        out += [{**base, "usage": usage(5), "choices": [{"index": 0, "delta": {"tool_calls": [
+                    {"index": 0, "type": "function", "id": "call-1",
+                     "function": {"name": "add"}},
+                    {"index": 0, "function": {"arguments": '{"a": '}}]}}]},
+                {**base, "usage": usage(8), "choices": [{"index": 0, "finish_reason": finish,
+                                                         "delta": {"tool_calls": [
+                    {"index": 0, "function": {"arguments": "1}"}}]}}]}]
+    else:
+        out.append({**base, "usage": usage(2), "choices": [
+            {"index": 0, "delta": {"content": "!"}, "finish_reason": finish}]})
+    return out + [{**base, "choices": [], "usage": usage(8)}]
+
+
+def sse_events(raw: list[bytes]) -> list[dict]:
+    return [json.loads(chunk.decode().split("\ndata: ", 1)[1]) for chunk in raw]
+
+
+@pytest.mark.parametrize("tool, finish, stop_reason", [
+    (True, "tool_calls", "tool_use"), (False, "stop", "end_turn"),
+    (True, "length", "max_tokens"),  # a tool call cut off is not one to run
+    (False, "length", "max_tokens")])
+def test_the_anthropic_sdk_accumulates_the_stream(tool, finish, stop_reason):
+    from anthropic._models import construct_type
+    from anthropic.lib.streaming._messages import accumulate_event
+    from anthropic.types import RawMessageStreamEvent
+
+    stream = Messages().stream({})
+    raw = [b for c in vllm_stream(tool, finish) for b in stream.chunk(c)] + list(stream.done())
+    message, buffers = None, {}
+    for data in sse_events(raw):
+        event = construct_type(type_=RawMessageStreamEvent, value=data)
+        message = accumulate_event(event=event, current_snapshot=message, json_bufs=buffers)
+    assert message.stop_reason == stop_reason
+    assert message.content[0].type == "text" and message.content[0].text == \
+        ("Sure." if tool else "Sure.!")
+    if tool:
+        assert message.content[1].type == "tool_use" and message.content[1].name == "add"
+        assert message.content[1].input == {"a": 1}
+    assert message.usage.input_tokens == 11 and message.usage.output_tokens == 8
+
+
+@pytest.mark.parametrize("tool, finish, status", [
+    (True, "tool_calls", "completed"), (False, "stop", "completed"),
+    (False, "length", "incomplete")])
+def test_the_openai_sdk_accumulates_the_responses_stream(tool, finish, status):
+    from openai import omit
+    from openai._models import construct_type
+    from openai.lib.streaming.responses._responses import ResponseStreamState
+    from openai.types.responses import ResponseStreamEvent
+
+    tools = [{"type": "function", "name": "add", "parameters": {"type": "object"},
+              "strict": False}]
+    stream = Responses().stream({"tools": tools})
+    raw = [b for c in vllm_stream(tool, finish) for b in stream.chunk(c)] + list(stream.done())
+    state = ResponseStreamState(input_tools=tools, text_format=omit)
+    seen = [e for data in sse_events(raw)
+            for e in state.handle_event(construct_type(type_=ResponseStreamEvent, value=data))]
+    # OpenAI ends a stream cut at max_output_tokens with response.incomplete (the SDK's
+    # get_final_response() then raises, as it does against OpenAI)
+    assert seen[-1].type == f"response.{status}"
+    final = seen[-1].response
+    assert final.status == status
+    assert final.output_text == ("Sure." if tool else "Sure.!")
+    if tool:
+        call = final.output[1]
+        assert call.type == "function_call" and call.name == "add"
+        assert json.loads(call.arguments) == {"a": 1} and call.call_id == "call-1"
+
+
+def test_a_responses_stream_error_is_one_the_openai_sdk_raises():
+    """The openai SDK raises APIError at an event whose data holds an "error" object (before
+    its stream state needs a response.created)."""
+    err = GatewayError(503, "request cancelled by a weight update", code="cancelled_by_update")
+    data = sse_events([Responses().stream({}).error(err)])[0]
+    assert data["type"] == "error" and data["error"]["message"] == err.message
+    assert data["code"] == "cancelled_by_update"

@@ -93,6 +93,13 @@ class BackgroundSaves:
 
         self._pending = (step, self._pool.submit(timed))
 
+    def close(self) -> None:
+        """Wait for the write in progress, then stop the thread."""
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown()
+
     @property
     def pending(self) -> bool:
         return self._pending is not None

@@ -75,7 +75,7 @@ class Resident:
     def close(self) -> None:
         """Finish a checkpoint still being written, then free the engine."""
         try:
-            self.saves.wait()
+            self.saves.close()
         except checkpoint.CheckpointError as exc:
             log.error("%s", exc)
         self.trainer.close()
