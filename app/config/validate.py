@@ -233,6 +233,7 @@ RULES: dict[str, Check] = {
     "inference.chat_template": optional(string),
     "inference.tool_call_parser": optional(string),
     "inference.enable_auto_tool_choice": boolean,
+    "inference.tool_strict_level": one_of("auto", "function", "parameter"),
     "inference.urls": url_list,
     "inference.host": string,
     "inference.port": port,

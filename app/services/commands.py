@@ -94,6 +94,7 @@ def inference_command(cfg: Any) -> Command:
         argv += ["--tool-call-parser", str(inf.tool_call_parser)]
         if inf.enable_auto_tool_choice:
             argv.append("--enable-auto-tool-choice")
+        argv += ["--tool-strict-level", str(inf.tool_strict_level)]
     eager = inf.enforce_eager if inf.enforce_eager is not None else device == "cpu"
     if eager:
         argv.append("--enforce-eager")

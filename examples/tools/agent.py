@@ -1,8 +1,9 @@
 """A tool-using agent, written five ways: with the ``openai`` chat API, the ``openai``
 Responses API, the OpenAI Agents SDK, the ``anthropic`` Messages API and LangChain's
 ``ChatOpenAI``. Each asks "What is a + b?", has the model call an ``add`` tool (the tool
-is named in ``tool_choice``: a small model seldom decides to call one by itself), runs it,
-and lets the model answer with the tool's result in the conversation.
+is named in ``tool_choice`` and marked strict: a small model seldom decides to call one by
+itself, and vLLM then constrains the call and its arguments to the schema), runs it, and
+lets the model answer with the tool's result in the conversation.
 
 Reward: half for calling the tool with the question's numbers, half for a final answer
 whose first number is the sum. ``sample["sdk"]`` (or the ``sdk`` setting) picks the
@@ -48,8 +49,8 @@ def with_openai_chat(llm: Any, q: str, retries: int, max_tokens: int) -> Episode
     import openai
 
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=retries)
-    tools = [{"type": "function",
-              "function": {"name": "add", "description": DESCRIPTION, "parameters": SCHEMA}}]
+    tools = [{"type": "function", "function": {"name": "add", "description": DESCRIPTION,
+                                               "parameters": SCHEMA, "strict": True}}]
     messages: list[Any] = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
     first = client.chat.completions.create(
         model=llm.model, messages=messages, tools=tools, max_tokens=max_tokens,
@@ -68,7 +69,7 @@ def with_openai_responses(llm: Any, q: str, retries: int, max_tokens: int) -> Ep
 
     client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=retries)
     tools = [{"type": "function", "name": "add", "description": DESCRIPTION,
-              "parameters": SCHEMA}]
+              "parameters": SCHEMA, "strict": True}]
     first = client.responses.create(model=llm.model, instructions=SYSTEM, input=q,
                                     tools=tools, max_output_tokens=max_tokens,
                                     tool_choice={"type": "function", "name": "add"})
@@ -124,7 +125,8 @@ def with_anthropic(llm: Any, q: str, retries: int, max_tokens: int) -> Episode:
 
     client = anthropic.Anthropic(base_url=llm.base_url.removesuffix("/v1"),
                                  api_key=llm.api_key, max_retries=retries)
-    tools = [{"name": "add", "description": DESCRIPTION, "input_schema": SCHEMA}]
+    tools = [{"name": "add", "description": DESCRIPTION, "input_schema": SCHEMA,
+              "strict": True}]
     messages: list[Any] = [{"role": "user", "content": q}]
     first = client.messages.create(model=llm.model, system=SYSTEM, messages=messages,
                                    tools=tools, max_tokens=max_tokens,
@@ -152,7 +154,8 @@ def with_langchain(llm: Any, q: str, retries: int, max_tokens: int) -> Episode:
     chat = ChatOpenAI(model=llm.model, base_url=llm.base_url, api_key=llm.api_key,
                       max_tokens=max_tokens, max_retries=retries)
     history: list[Any] = [SystemMessage(SYSTEM), HumanMessage(q)]
-    first = chat.bind_tools([add_numbers], tool_choice="add_numbers").invoke(history)
+    first = chat.bind_tools([add_numbers], tool_choice="add_numbers",
+                            strict=True).invoke(history)
     call = first.tool_calls[0]
     history += [first, ToolMessage(add_numbers.invoke(call["args"]), tool_call_id=call["id"])]
     final = chat.invoke(history)

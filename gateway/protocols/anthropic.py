@@ -41,8 +41,9 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
         raise bad_request(f"tools[{i}]: server tool {kind!r} is not supported by this gateway "
                           f"(custom tools with an input_schema only)", param=f"tools[{i}].type")
     fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
-    if tool.get("description"):
-        fn["description"] = tool["description"]
+    for name in ("description", "strict"):
+        if tool.get(name) is not None:
+            fn[name] = tool[name]
     return {"type": "function", "function": fn}
 
 

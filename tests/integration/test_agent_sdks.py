@@ -4,8 +4,9 @@ vLLM's hermes tool-call parser). Each rollout's calls must be captured with toke
 log-probs, whatever protocol the agent spoke.
 
 A 135M model rarely decides to call a tool by itself, so the tool turns name the tool
-(``tool_choice``): vLLM then constrains the arguments to the tool's schema, and the call is
-marked constrained in the capture.
+(``tool_choice``) and mark it strict: vLLM then constrains the call's markup and its
+arguments to the tool's schema (without ``strict`` only the markup), and the call is marked
+constrained in the capture.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def test_openai_chat_with_a_tool_call_and_its_answer(gw, new_rollout, redis_clie
     rid, token, base = new_rollout(gw)
     client = OpenAI(base_url=base, api_key=token, max_retries=2)
     tools = [{"type": "function", "function": {"name": "add", "description": "Add two digits",
-                                               "parameters": ADD_SCHEMA}}]
+                                               "parameters": ADD_SCHEMA, "strict": True}}]
     messages: list = [{"role": "user", "content": QUESTION}]
     first = client.chat.completions.create(
         model=NAME, messages=messages, tools=tools, max_tokens=40,
@@ -107,7 +108,7 @@ def test_openai_responses_plain_streamed_and_with_a_function_call(gw, new_rollou
     streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert events[-1].response.output_text == streamed
     tools = [{"type": "function", "name": "add", "description": "Add two digits",
-              "parameters": ADD_SCHEMA}]
+              "parameters": ADD_SCHEMA, "strict": True}]
     first = client.responses.create(model=NAME, input=QUESTION, tools=tools,
                                     tool_choice={"type": "function", "name": "add"},
                                     max_output_tokens=40)
@@ -176,7 +177,8 @@ def test_anthropic_messages_with_a_tool_use_round_trip(gw, new_rollout, redis_cl
     rid, token, base = new_rollout(gw)
     client = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key=token,
                                  max_retries=2)
-    tools = [{"name": "add", "description": "Add two digits", "input_schema": ADD_SCHEMA}]
+    tools = [{"name": "add", "description": "Add two digits", "input_schema": ADD_SCHEMA,
+              "strict": True}]
     messages: list = [{"role": "user", "content": QUESTION}]
 
     def create(**kw):
@@ -217,7 +219,7 @@ def test_langchain_chat_openai_with_a_tool(gw, new_rollout, redis_client):
 
     llm = ChatOpenAI(model=NAME, base_url=base, api_key=token, max_tokens=40, max_retries=2)
     history = [HumanMessage(QUESTION)]
-    first = llm.bind_tools([add_digits], tool_choice="add_digits").invoke(history)
+    first = llm.bind_tools([add_digits], tool_choice="add_digits", strict=True).invoke(history)
     call = first.tool_calls[0]
     assert call["name"] == "add_digits"
     history += [first, ToolMessage(add_digits.invoke(call["args"]), tool_call_id=call["id"])]
@@ -260,7 +262,7 @@ def test_a_group_per_sdk_trains_one_step(gw, smollm2_server, celery_workers, tmp
         *json.loads(os.environ["CARRYOVER_OVERRIDES"]), *SERVING,
         f"inference.urls=[{smollm2_server}]", f"gateway.url={gw}",
         "controller.agent=examples.tools.agent:run", f"data.train_files={data}",
-        "data.val_files=null", "trainer.val_before_train=false",
+        "data.val_files=null", "trainer.val_before_train=false", "trainer.test_freq=-1",
         "trainer.total_steps=1", f"data.train_batch_size={len(SDKS)}",
         "actor_rollout_ref.rollout.n=2",
         f"agentlightning.async_rollout.async_train_batch_size={len(SDKS) + 1}",
@@ -273,7 +275,7 @@ def test_a_group_per_sdk_trains_one_step(gw, smollm2_server, celery_workers, tmp
     m = steps[0]
     assert m["batch/groups"] == len(SDKS) and m["batch/rollouts"] == 2 * len(SDKS)
     assert m["batch/excluded_samples"] == 0 and m["batch/trained_tokens"] > 0
-    # two calls per rollout (the Agents SDK may take a third turn)
-    assert m["batch/samples"] >= 4 * len(SDKS)
-    assert m["batch/constrained_calls"] >= 2 * len(SDKS)  # every named-tool turn
+    assert m["batch/samples"] >= 2 * len(SDKS)
+    # each rollout's tool turn, and no other, was sampled under the tool's grammar
+    assert m["batch/constrained_calls"] == 2 * len(SDKS)
     assert m["weight_sync/probe_gap"] < float(cfg.trainer.probe_tolerance)
