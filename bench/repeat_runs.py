@@ -90,9 +90,9 @@ def plot(paths: list[Path], labels: list[str], out: Path) -> None:
             y = [e["val/success_rate"] for e in evals]
         else:
             x, y = minutes[1:], [s.get("reward/mean") or 0.0 for s in steps]
-        ax.plot(x, y, marker="o", label=label)
+        ax.plot(x, y, marker="o" if len(x) <= 30 else None, label=label)
     ax.set_xlabel("minutes of training")
-    ax.set_ylabel("held-out success" if evals else "reward")
+    ax.set_ylabel("held-out success" if evals else "trained reward (the step's groups)")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
