@@ -13,7 +13,12 @@ the trainer does (``workers.trainer.batch.pack_turns``):
   constrains the arguments to the schema, and the template renders the call back in the
   Hermes format), the tool's result, an answer.
 
-Prints JSON: per kind, later-turn calls, calls packed into an earlier row, rows per rollout.
+Each kind runs through two gateways on the same server, alternating rollouts: one with
+token continuity (``gateway.token_continuity``, the default: a later turn is sent as the
+tokens sampled) and one without (every prompt rendered by the template).
+
+Prints JSON: per kind and gateway, later-turn calls, calls packed into an earlier row, rows
+per rollout, the mean reward.
 
 Usage: python -m bench.rerender [--rollouts 8] [--kinds arith,openai-chat,anthropic,...]
 """
@@ -23,11 +28,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import subprocess
 import sys
 from types import SimpleNamespace
 from typing import Any
 
-from bench.stack import REPO, bench_stack
+from bench.stack import REPO, bench_stack, free_port
+
+BIN = os.path.dirname(sys.executable)
 
 
 def pack_stats(client: Any, rollout_ids: list[str]) -> dict[str, Any]:
@@ -60,38 +69,60 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     kinds = args.kinds.split(",")
     os.environ["CARRYOVER_CONFIG"] = str(REPO / "config" / "arith.yaml")
-    with bench_stack(["redis", "inference", "gateway"]):
+    with bench_stack(["redis", "inference", "gateway"]) as (overrides, tmp):
         from app.config import service_config
         from app.state.connection import connect, resolve_redis_url
+        from bench.gateway import wait_http
         from examples.arith.agent import run as arith
         from examples.tools.agent import run as tools
         from workers.rollout.episode import _start_attempt
 
         cfg = service_config()
         client = connect(resolve_redis_url(cfg))
-        out: dict[str, Any] = {"benchmark": "rerender", "model": cfg.inference.served_model_name,
-                               "kinds": {}}
-        for kind in kinds:
-            ids, rewards, errors = [], [], 0
-            for i in range(args.rollouts):
-                rid, token = _start_attempt(client, "bench", f"{kind}-{i}", 0, 1)
-                llm = SimpleNamespace(base_url=f"{cfg.gateway.url}/rollout/{rid}/v1",
-                                      api_key=token, model=cfg.inference.served_model_name,
-                                      max_wait_s=60.0)
-                sample = {"a": 2 + i % 7, "b": 3 + i % 5}
-                try:
-                    if kind == "arith":
-                        rewards.append(arith(sample, llm, tool_median_s=0.0, tool_sigma=0.0))
-                    else:
-                        rewards.append(tools({**sample, "sdk": kind}, llm))
-                except Exception as exc:  # noqa: BLE001 - counted, and the episode's calls kept
-                    errors += 1
-                    print(f"{kind} {i}: {exc.__class__.__name__}: {exc}", file=sys.stderr)
-                ids.append(rid)
-            out["kinds"][kind] = {**pack_stats(client, ids), "errors": errors,
-                                  "reward_mean": sum(rewards) / len(rewards) if rewards
-                                  else None}
-            print(kind, json.dumps(out["kinds"][kind]), file=sys.stderr, flush=True)
+        port = free_port()
+        plain_url = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(
+            [*overrides, f"gateway.port={port}", f"gateway.url={plain_url}",
+             "gateway.token_continuity=false"])}
+        with open(tmp / "gateway-plain.log", "ab") as log:
+            plain = subprocess.Popen([os.path.join(BIN, "gunicorn"), "-c",
+                                      "gateway/gunicorn.conf.py", "gateway:create_app()"],
+                                     cwd=REPO, env=env, stdout=log, stderr=log,
+                                     start_new_session=True)
+        try:
+            wait_http(f"{plain_url}/healthz", 120)
+            gateways = {"continuity": str(cfg.gateway.url), "rendered": plain_url}
+            out: dict[str, Any] = {"benchmark": "rerender",
+                                   "model": cfg.inference.served_model_name, "kinds": {}}
+            for kind in kinds:
+                ids: dict[str, list[str]] = {g: [] for g in gateways}
+                rewards: dict[str, list[float]] = {g: [] for g in gateways}
+                errors = dict.fromkeys(gateways, 0)
+                for i in range(args.rollouts):
+                    for name, url in gateways.items():
+                        rid, token = _start_attempt(client, "bench", f"{kind}-{name}-{i}", 0, 1)
+                        llm = SimpleNamespace(base_url=f"{url}/rollout/{rid}/v1",
+                                              api_key=token,
+                                              model=cfg.inference.served_model_name,
+                                              max_wait_s=60.0)
+                        sample = {"a": 2 + i % 7, "b": 3 + i % 5}
+                        try:
+                            rewards[name].append(
+                                arith(sample, llm, tool_median_s=0.0, tool_sigma=0.0)
+                                if kind == "arith" else tools({**sample, "sdk": kind}, llm))
+                        except Exception as exc:  # noqa: BLE001 - counted; its calls are kept
+                            errors[name] += 1
+                            print(f"{kind} {name} {i}: {exc.__class__.__name__}: {exc}",
+                                  file=sys.stderr)
+                        ids[name].append(rid)
+                out["kinds"][kind] = {
+                    name: {**pack_stats(client, ids[name]), "errors": errors[name],
+                           "reward_mean": sum(rewards[name]) / len(rewards[name])
+                           if rewards[name] else None} for name in gateways}
+                print(kind, json.dumps(out["kinds"][kind]), file=sys.stderr, flush=True)
+        finally:
+            os.killpg(plain.pid, signal.SIGTERM)
+            plain.wait(15)
     print(json.dumps(out, indent=1))
     return 0
 

@@ -76,7 +76,8 @@ def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, tempe
                         upstream: str, started_at: float, stream: bool = False,
                         version_end: int | None = None,
                         switches: dict[int, list[list[int]]] | None = None,
-                        constrained: str | None = None) -> list[CapturedCall]:
+                        constrained: str | None = None,
+                        continued: bool = False) -> list[CapturedCall]:
     """One CapturedCall per choice of a complete (non-streamed or reassembled) response.
     ``version_end``: the policy version when the call ended; ``switches``: per choice index,
     where a streamed call's tokens changed version (``StreamAccumulator.switch``)."""
@@ -98,7 +99,7 @@ def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, tempe
             policy_version_end=None if version_end in (None, version) else version_end,
             version_switches=((switches or {}).get(choice.get("index", 0)) or None
                               if version_end not in (None, version) else None),
-            constrained=constrained))
+            constrained=constrained, continued=continued))
     return calls
 
 
@@ -147,10 +148,19 @@ class StreamAccumulator:
             idx = choice.get("index", 0)
             if idx not in self.choices and self.pending_switch is not None:
                 self.switches[idx] = [[0, self.pending_switch]]
-            acc = self.choices.setdefault(idx, {"token_ids": [], "lp": [], "finish_reason": None})
+            acc = self.choices.setdefault(idx, {"token_ids": [], "lp": [], "finish_reason": None,
+                                                "content": "", "tool_calls": {}})
             if choice.get("prompt_token_ids"):
                 self.prompt_ids = list(choice["prompt_token_ids"])
             acc["token_ids"].extend(choice.get("token_ids") or [])
+            delta = choice.get("delta") or {}
+            acc["content"] += delta.get("content") or ""
+            for call in delta.get("tool_calls") or []:  # the answer the agent echoes back
+                fn = call.get("function") or {}
+                kept = acc["tool_calls"].setdefault(call.get("index", 0), {
+                    "id": call.get("id"), "type": "function",
+                    "function": {"name": fn.get("name"), "arguments": ""}})
+                kept["function"]["arguments"] += fn.get("arguments") or ""
             acc["lp"].extend(_choice_logprobs(choice, self.endpoint))
             if choice.get("finish_reason"):
                 acc["finish_reason"] = choice["finish_reason"]
@@ -163,6 +173,8 @@ class StreamAccumulator:
                 lp = {"content": [{"logprob": v} for v in acc["lp"]]}
             else:
                 lp = {"token_logprobs": acc["lp"]}
+            calls = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
             choices.append({"index": idx, "token_ids": acc["token_ids"], "logprobs": lp,
-                            "finish_reason": acc["finish_reason"]})
+                            "finish_reason": acc["finish_reason"],
+                            "message": {"content": acc["content"], "tool_calls": calls or None}})
         return {"prompt_token_ids": self.prompt_ids, "choices": choices}

@@ -51,18 +51,24 @@ def _text_parts_joined(message: dict[str, Any]) -> dict[str, Any]:
     return message
 
 
+def served_tokenizer(tokenizer_path: Path, chat_template: str | None = None) -> Any:
+    """The served model's tokenizer, with the chat template the servers render with
+    (``inference.chat_template``, else the model's own)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    if chat_template:
+        tokenizer.chat_template = Path(chat_template).read_text()
+    tokenizer.model_max_length = 1 << 30  # counting long prompts is the point
+    return tokenizer
+
+
 class ContextCheck:
     """Counts a request's prompt tokens with the served model's tokenizer."""
 
-    def __init__(self, tokenizer_path: Path, max_model_len: int,
-                 chat_template: str | None = None) -> None:
-        from transformers import AutoTokenizer
-
+    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.max_model_len = max_model_len
-        self.tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
-        if chat_template:  # the servers render with it (inference.chat_template)
-            self.tokenizer.chat_template = Path(chat_template).read_text()
-        self.tokenizer.model_max_length = 1 << 30  # counting long prompts is the point
+        self.tokenizer = tokenizer
         self.fixed_bytes, self.message_bytes = self._template_overhead()
 
     def _template_overhead(self) -> tuple[int, int]:

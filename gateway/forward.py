@@ -109,6 +109,12 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
                 raise _overflowed(state, rollout_id, overflow_error(
                     *over, state.context.max_model_len,
                     "messages" if endpoint == "chat.completions" else "prompt"))
+        continued = None
+        if endpoint == "chat.completions" and state.continuity is not None:
+            continued = state.continuity.prompt_ids(state.redis, rollout_id, up_body)
+            if continued is not None:  # vLLM takes these ids instead of rendering
+                up_body["kv_transfer_params"] = {**(up_body.get("kv_transfer_params") or {}),
+                                                 "prompt_token_ids": continued}
         stream = bool(body.get("stream"))
         cancel = state.leases.add(lease_id)
         started = time.time()
@@ -138,11 +144,12 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         meta: dict[str, Any] = dict(endpoint=endpoint, version=version,
                                     temperature=float(up_body["temperature"]),
                                     upstream=upstream, started_at=started,
-                                    constrained=capture.constrained_by(body))
+                                    constrained=capture.constrained_by(body),
+                                    continued=continued is not None)
         if stream:
             lease.handed_over = True
             return Response(_stream(state, resp, rollout_id, lease, cancel, meta, wants_lp,
-                                    wants_ids, protocol.stream(request)),
+                                    wants_ids, protocol.stream(request), up_body),
                             mimetype="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         assert data is not None  # read above: not streamed
@@ -152,8 +159,27 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
                                             version_end=policy_version(state.redis))
         if not lease.record([c.to_json() for c in calls]):
             raise _cancelled_error()
+        _keep_turn(state, rollout_id, up_body, data)
     shown = capture.strip_for_agent(data, endpoint, wants_lp, wants_ids)
     return Response(orjson.dumps(protocol.answer(shown, request)), mimetype="application/json")
+
+
+def _keep_turn(state: GatewayState, rollout_id: str, body: dict[str, Any],
+               answer: dict[str, Any]) -> None:
+    """Keep a one-choice chat answer's tokens for the conversation's next turn."""
+    choices = answer.get("choices") or []
+    if state.continuity is None or "messages" not in body or len(choices) != 1:
+        return
+    choice = choices[0]
+    msg = choice.get("message") or {}
+    try:
+        state.continuity.keep(state.redis, rollout_id, body,
+                              {"content": msg.get("content"),
+                               "tool_calls": msg.get("tool_calls")},
+                              answer.get("prompt_token_ids") or [], choice.get("token_ids") or [])
+    except Exception as exc:  # noqa: BLE001 - the next turn is rendered instead
+        log.warning("token continuity: the turn of %s was not kept (%s: %s)", rollout_id,
+                    exc.__class__.__name__, exc)
 
 
 def _overflowed(state: GatewayState, rollout_id: str, err: GatewayError) -> GatewayError:
@@ -171,7 +197,7 @@ def _lines(resp: UpstreamResponse) -> Iterator[str]:
 
 def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease: Lease,
             cancel: Any, meta: dict[str, Any], wants_lp: bool, wants_ids: bool,
-            out: StreamTranslator) -> Iterator[bytes]:
+            out: StreamTranslator, body: dict[str, Any]) -> Iterator[bytes]:
     acc = capture.StreamAccumulator(meta["endpoint"])
     current = meta["version"]
     try:
@@ -196,6 +222,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 if not lease.record([c.to_json() for c in calls]):
                     yield out.error(_cancelled_error(state))
                     return
+                _keep_turn(state, rollout_id, body, acc.response())
                 yield from out.done()
                 continue
             chunk = loads(payload)

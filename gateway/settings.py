@@ -49,6 +49,7 @@ class GatewaySettings:
     default_temperature: float
     sampling: str = "enforce"
     context_check: bool = True    # gateway.context_check: count prompts (gateway/context.py)
+    token_continuity: bool = True  # gateway.token_continuity (gateway/continuity.py)
     tokenizer_path: str = ""      # the served model's tokenizer and chat template
     chat_template: str | None = None  # inference.chat_template: the servers' template file
     max_model_len: int = 0
@@ -73,6 +74,7 @@ class GatewaySettings:
             default_temperature=float(cfg.actor_rollout_ref.rollout.temperature),
             sampling=str(g.sampling),
             context_check=bool(g.get("context_check", True)),
+            token_continuity=bool(g.get("token_continuity", True)),
             tokenizer_path=str(repo_path(str(cfg.actor_rollout_ref.model.path))),
             max_model_len=int(cfg.inference.max_model_len),
             chat_template=str(repo_path(str(cfg.inference.chat_template)))

@@ -39,17 +39,24 @@ class GatewayState:
         self.upstreams = Upstreams(list(settings.upstreams), client=self.redis,
                                    health_every_s=settings.upstream_health_s)
         self.context = None  # the context-length check (gateway.context_check)
-        if settings.context_check:
-            from gateway.context import ContextCheck
+        self.continuity = None  # token continuity (gateway.token_continuity)
+        if settings.context_check or settings.token_continuity:
+            from gateway.context import ContextCheck, served_tokenizer
+            from gateway.continuity import Continuity
 
             try:
-                self.context = ContextCheck(Path(settings.tokenizer_path),
-                                            settings.max_model_len, settings.chat_template)
-            except Exception as exc:  # noqa: BLE001 - the gateway serves without the check
-                log.warning("the context-length check is off: the tokenizer at %s could not "
-                            "be loaded (%s: %s); vLLM's own refusals still get the code "
-                            "context_length_exceeded", settings.tokenizer_path,
-                            exc.__class__.__name__, exc)
+                tokenizer = served_tokenizer(Path(settings.tokenizer_path),
+                                             settings.chat_template)
+            except Exception as exc:  # noqa: BLE001 - the gateway serves without them
+                log.warning("the context-length check and token continuity are off: the "
+                            "tokenizer at %s could not be loaded (%s: %s); vLLM's own "
+                            "refusals still get the code context_length_exceeded",
+                            settings.tokenizer_path, exc.__class__.__name__, exc)
+            else:
+                if settings.context_check:
+                    self.context = ContextCheck(tokenizer, settings.max_model_len)
+                if settings.token_continuity:
+                    self.continuity = Continuity(tokenizer)
         # After a Redis outage: mark the rollouts whose captures the crash lost
         outage_for(settings.redis_url).listeners.append(self._after_outage)
 

@@ -273,6 +273,7 @@ RULES: dict[str, Check] = {
     "controller.on_context_overflow": one_of("fail", "end"),
     "controller.overflow_reward": finite_num,
     "gateway.context_check": boolean,
+    "gateway.token_continuity": boolean,
     "controller.kubernetes.namespace": string,
     "controller.kubernetes.image": string,
     "controller.kubernetes.image_pull_policy": one_of(*PULL_POLICIES),

@@ -54,6 +54,12 @@ def rollout(rollout_id: str) -> str:
     return PREFIX + "rollout:" + rollout_id
 
 
+def rollout_turns(rollout_id: str) -> str:
+    """HASH conversation digest -> JSON token ids (prompt + response) of a call's
+    conversation, written by the gateway for token continuity (``gateway/continuity.py``)."""
+    return PREFIX + "rollout:" + rollout_id + ":turns"
+
+
 def rollout_calls(rollout_id: str) -> str:
     """LIST of JSON CapturedCall, appended by the gateway per model call; read by the trainer."""
     return PREFIX + "rollout:" + rollout_id + ":calls"

@@ -102,6 +102,9 @@ class CapturedCall:
     # computes log-probs, so ``logprobs`` are those of the masked distribution the tokens
     # were drawn from: the importance weights against the unmasked policy stay exact.
     constrained: str | None = None
+    # The prompt was sent as an earlier call's prompt and sampled tokens plus the new
+    # messages rendered (gateway.token_continuity), not as the template's re-rendering.
+    continued: bool = False
 
     @property
     def spans_update(self) -> bool:

@@ -31,7 +31,7 @@ UNTRAINED_TTL_S = 3600
 def _rollout_keys(rollout_ids: list[str]) -> list[str]:
     out: list[str] = []
     for rid in rollout_ids:
-        out += [keys.rollout(rid), keys.rollout_calls(rid)]
+        out += [keys.rollout(rid), keys.rollout_calls(rid), keys.rollout_turns(rid)]
     return out
 
 

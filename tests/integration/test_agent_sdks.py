@@ -54,6 +54,16 @@ def captured(redis_client, rid: str, calls: int | None = None) -> list[CapturedC
     return got
 
 
+def continues(first: CapturedCall, second: CapturedCall) -> None:
+    """Token continuity: the second turn's prompt begins with the first call's prompt and
+    sampled tokens (the tool grammar samples the call's markup in other pieces than the
+    template renders: without continuity the prompts diverge), so the trainer packs both
+    into one row."""
+    assert second.continued and not first.continued
+    head = first.prompt_ids + first.response_ids
+    assert second.prompt_ids[:len(head)] == head
+
+
 def prompt_text(call: CapturedCall) -> str:
     from transformers import AutoTokenizer
 
@@ -85,9 +95,10 @@ def test_openai_chat_with_a_tool_call_and_its_answer(gw, new_rollout, redis_clie
     assert second.choices[0].message.content is not None
     calls = captured(redis_client, rid, 2)
     assert calls[0].constrained == "tool_choice" and calls[1].constrained is None
-    # the second turn's prompt holds the tool call and its result, rendered by the template
+    # the second turn's prompt holds the tool call and its result
     text = prompt_text(calls[1])
     assert "<tool_call>" in text and f"<tool_response>\n{add(**args)}\n</tool_response>" in text
+    continues(calls[0], calls[1])
 
 
 def test_openai_responses_plain_streamed_and_with_a_function_call(gw, new_rollout,
@@ -202,6 +213,7 @@ def test_anthropic_messages_with_a_tool_use_round_trip(gw, new_rollout, redis_cl
     calls = captured(redis_client, rid, 2)
     assert all(c.stream == stream for c in calls)
     assert calls[0].constrained == "tool_choice"
+    continues(calls[0], calls[1])
     assert f"<tool_response>\n{add(**use.input)}\n</tool_response>" in prompt_text(calls[1])
 
 
@@ -279,3 +291,52 @@ def test_a_group_per_sdk_trains_one_step(gw, smollm2_server, celery_workers, tmp
     # each rollout's tool turn, and no other, was sampled under the tool's grammar
     assert m["batch/constrained_calls"] == 2 * len(SDKS)
     assert m["weight_sync/probe_gap"] < float(cfg.trainer.probe_tolerance)
+
+
+def test_the_anthropic_and_responses_clients_ride_through_a_pause(gw, new_rollout,
+                                                                  redis_client):
+    """While the gateway is paused each protocol gets its own retryable error (Messages: 503
+    overloaded_error with retry-after; Responses: OpenAI's 503), which the SDKs retry."""
+    import threading
+    import time
+
+    import anthropic
+    import requests
+    from openai import OpenAI
+
+    from app.state.pause import Pause
+
+    rid, token, base = new_rollout(gw)
+    pause = Pause(redis_client)
+    assert pause.pause() == 0
+    try:
+        raw = requests.post(base + "/messages", headers={"x-api-key": token}, timeout=10,
+                            json={"model": NAME, "max_tokens": 4,
+                                  "messages": [{"role": "user", "content": "hi"}]})
+        assert raw.status_code == 503 and raw.headers["x-should-retry"] == "true"
+        assert raw.json()["error"]["type"] == "overloaded_error"
+        assert "Retry-After" in raw.headers
+        results: dict = {}
+
+        def via_anthropic() -> None:
+            client = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key=token,
+                                         max_retries=20)
+            results["anthropic"] = client.messages.create(
+                model=NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+
+        def via_responses() -> None:
+            client = OpenAI(base_url=base, api_key=token, max_retries=20)
+            results["responses"] = client.responses.create(model=NAME, input="hi",
+                                                           max_output_tokens=4)
+
+        threads = [threading.Thread(target=via_anthropic), threading.Thread(target=via_responses)]
+        for t in threads:
+            t.start()
+        time.sleep(2.0)
+        assert not results  # nothing gets through while paused
+    finally:
+        pause.resume()
+    for t in threads:
+        t.join(60)
+    assert results["anthropic"].content is not None and results["responses"].output
+    captured(redis_client, rid, 2)  # only the two admitted calls

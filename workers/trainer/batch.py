@@ -62,6 +62,7 @@ class BatchStats:
     rowless: list[tuple[str, float]] = field(default_factory=list)
     small_groups: int = 0            # groups left with too few rewards to train on
     constrained_calls: int = 0       # trainable calls sampled under a grammar mask
+    continued_calls: int = 0         # trainable calls whose prompt continued a kept turn
     overlong_calls: int = 0          # trainable calls cut at max_tokens (finish_reason length)
     overlong_masked_calls: int = 0   # of those, left out of the loss (algorithm.overlong.mask)
     penalties: list[float] = field(default_factory=list)  # soft over-long penalty per rollout
@@ -178,6 +179,7 @@ def _rollout_samples(client: redis.Redis, rollout_id: str | None, gid: str, rewa
                           finish_reason=call.finish_reason,
                           constrained=call.constrained is not None))
         stats.constrained_calls += call.constrained is not None
+        stats.continued_calls += call.continued
         if call.spans_update:
             stats.mixed_version_samples += 1
             after = call.tokens_after_switch()

@@ -322,6 +322,7 @@ def step_metrics(stats: BatchStats, version: int, timings: dict[str, float]) -> 
         "batch/rowless_rollouts": len(stats.rowless),
         "batch/small_groups": stats.small_groups,
         "batch/constrained_calls": stats.constrained_calls,
+        "batch/continued_calls": stats.continued_calls,
         "batch/overlong_calls": stats.overlong_calls,
         "batch/overlong_masked_calls": stats.overlong_masked_calls,
         "reward/overlong_penalty_mean": statistics.fmean(stats.penalties)

@@ -1,0 +1,130 @@
+"""Token continuity: a later turn of a conversation is sent to vLLM as the tokens the model
+actually saw and sampled, not as the chat template's re-rendering of them.
+
+The chat template renders the model's earlier answers back into each next prompt. Where
+those tokens differ from the ones sampled (a tool call whose markup a grammar made the
+model write in other pieces, a word sampled in pieces that re-tokenizes as one), the next
+call's prompt no longer begins with the previous call's tokens: the model is conditioned
+on a context it did not produce, and the trainer cannot pack the turns into one row.
+
+So after each call the gateway keeps, per rollout, the call's prompt and response token ids
+under a digest of its conversation (the request's messages plus the answer, normalized the
+way agents echo an answer back: text stripped, tool calls by name and parsed arguments, ids
+ignored). A call whose messages extend a kept conversation (the longest one that matches,
+so parallel chains of one rollout each continue their own) is sent with those ids plus the
+rendering of only its new messages, through vLLM's ``kv_transfer_params.prompt_token_ids``
+(which replaces the rendering; the messages are still read for tool parsing). Anything that
+does not match (an edited history, other tools, an answer that did not end with the
+end-of-turn token, a template that renders an earlier turn differently) is rendered as
+before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any
+
+import orjson
+
+from app.state import keys
+
+log = logging.getLogger(__name__)
+
+TTL_S = 7 * 24 * 3600  # as the rollout's other keys; deleted with its captured calls
+
+
+def _arguments(raw: Any) -> Any:
+    if isinstance(raw, str):
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
+def normalized(message: dict[str, Any]) -> dict[str, Any]:
+    content = message.get("content")
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    out: dict[str, Any] = {"role": message.get("role"),
+                           "content": (content or "").strip() if isinstance(content, str)
+                           or content is None else content}
+    calls = message.get("tool_calls")
+    if calls:
+        out["tool_calls"] = [[(c.get("function") or {}).get("name"),
+                              _arguments((c.get("function") or {}).get("arguments"))]
+                             for c in calls]
+    if message.get("name"):
+        out["name"] = message["name"]
+    return out
+
+
+def digest(messages: list[dict[str, Any]], tools: Any) -> str:
+    data = orjson.dumps([[normalized(m) for m in messages], tools or []],
+                        option=orjson.OPT_SORT_KEYS)
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+class Continuity:
+    """Keeps and reuses each rollout's conversation tokens (Redis, one hash per rollout)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token_id
+        self.eos_id: int | None = int(eos) if eos is not None else None
+        self.eos_text: str = tokenizer.decode([eos]) if eos is not None else ""
+
+    def prompt_ids(self, client: Any, rollout_id: str, body: dict[str, Any]) -> list[int] | None:
+        """The prompt for ``body`` continuing a kept conversation of the rollout, or None
+        (render as usual)."""
+        msgs = body.get("messages") or []
+        ends = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
+        if not ends or self.eos_id is None or body.get("n", 1) != 1 \
+                or body.get("continue_final_message") or body.get("chat_template_kwargs"):
+            return None
+        tools = body.get("tools")
+        ends = ends[::-1]  # the longest kept conversation first
+        kept = client.hmget(keys.rollout_turns(rollout_id), [digest(msgs[:i + 1], tools)
+                                                            for i in ends])
+        for i, raw in zip(ends, kept, strict=True):
+            if raw is None:
+                continue
+            ids = orjson.loads(raw)
+            try:
+                suffix = self._suffix(msgs, i, tools)
+            except Exception as exc:  # noqa: BLE001 - a template that fails here: render
+                log.info("token continuity skipped for %s (%s: %s)", rollout_id,
+                         exc.__class__.__name__, exc)
+                return None
+            return None if suffix is None else ids + suffix
+        return None
+
+    def _suffix(self, msgs: list[dict[str, Any]], last: int, tools: Any) -> list[int] | None:
+        """Token ids of what the template puts after the kept conversation's end-of-turn
+        token (the messages after ``last`` and the generation prompt), or None when the
+        template does not render the kept part as a prefix of the whole."""
+        render = self.tokenizer.apply_chat_template
+        whole = str(render(msgs, tools=tools, add_generation_prompt=True, tokenize=False))
+        head = str(render(msgs[:last + 1], tools=tools, add_generation_prompt=False,
+                          tokenize=False))
+        cut = head.rfind(self.eos_text)
+        if not whole.startswith(head) or cut < 0:
+            return None
+        return list(self.tokenizer.encode(whole[cut + len(self.eos_text):],
+                                          add_special_tokens=False))
+
+    def keep(self, client: Any, rollout_id: str, body: dict[str, Any],
+             answer: dict[str, Any], prompt_ids: list[int], response_ids: list[int]) -> None:
+        """Remember the conversation ``body`` + ``answer`` (an assistant message) as the
+        tokens it was: only an answer that ended with the end-of-turn token continues."""
+        if not response_ids or response_ids[-1] != self.eos_id or body.get("n", 1) != 1:
+            return
+        key = keys.rollout_turns(rollout_id)
+        conversation = [*(body.get("messages") or []), {"role": "assistant", **answer}]
+        pipe = client.pipeline(transaction=False)
+        pipe.hset(key, digest(conversation, body.get("tools")),
+                  orjson.dumps(list(prompt_ids) + list(response_ids)))
+        pipe.expire(key, TTL_S)
+        pipe.execute()

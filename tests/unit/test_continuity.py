@@ -1,0 +1,109 @@
+"""Token continuity on the real tokenizer and chat template (SmolLM2 with its tool-aware
+template) and a real Redis: a later turn continues from the tokens that were sampled, and
+falls back to rendering wherever the conversation is not the one kept."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway.context import served_tokenizer
+from gateway.continuity import Continuity
+from tests.conftest import REPO, SMOLLM2
+
+TEMPLATE = str(REPO / "config" / "templates" / "smollm2-tools.jinja")
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+CALL = {"id": "call-1", "type": "function",
+        "function": {"name": "add", "arguments": '{"a": 3, "b": 4}'}}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    if not (SMOLLM2 / "tokenizer.json").exists():
+        pytest.skip("scripts/setup.sh builds the model")
+    return served_tokenizer(SMOLLM2, TEMPLATE)
+
+
+def sampled_in_pieces(tok, text: str) -> list[int]:
+    """The answer as a grammar makes the model write it: in other pieces than the
+    tokenizer's (here, as vLLM's tool grammar did: each quote a token of its own), so
+    re-rendering it gives other tokens."""
+    ids: list[int] = []
+    for piece in text.replace('"', '\0"\0').split("\0"):
+        ids += tok.encode(piece, add_special_tokens=False)
+    return ids + [tok.eos_token_id]
+
+
+def first_turn(tok, redis_client, rid: str, question: str = "What is 3 + 4?"):
+    body = {"messages": [{"role": "user", "content": question}], "tools": TOOLS}
+    prompt = tok.apply_chat_template(body["messages"], tools=TOOLS, add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    answer = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
+    response = sampled_in_pieces(tok, answer)
+    Continuity(tok).keep(redis_client, rid, body, {"content": "", "tool_calls": [CALL]},
+                         prompt, response)
+    return body, list(prompt), response
+
+
+def second_turn(body, assistant=None, tools=TOOLS):
+    msgs = [*body["messages"], assistant or {"role": "assistant", "content": None,
+                                             "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call-1", "content": "7"}]
+    return {"messages": msgs, "tools": tools}
+
+
+def test_a_later_turn_continues_from_the_sampled_tokens(tok, redis_client):
+    body, prompt, response = first_turn(tok, redis_client, "r1")
+    nxt = second_turn(body)
+    rendered = tok.apply_chat_template(nxt["messages"], tools=TOOLS, add_generation_prompt=True,
+                                       tokenize=True, return_dict=False)
+    assert list(rendered[:len(prompt + response)]) != prompt + response  # re-rendering differs
+    ids = Continuity(tok).prompt_ids(redis_client, "r1", nxt)
+    assert ids is not None and ids[:len(prompt + response)] == prompt + response
+    # the same text as the template's, only the answer's tokens are the sampled ones
+    assert tok.decode(ids) == tok.apply_chat_template(
+        nxt["messages"], tools=TOOLS, add_generation_prompt=True, tokenize=False)
+    assert tok.decode(ids[len(prompt + response):]).startswith("\n<|im_start|>user\n<tool_")
+
+
+def test_the_echo_may_differ_in_ids_spacing_and_argument_formatting(tok, redis_client):
+    body, prompt, response = first_turn(tok, redis_client, "r2")
+    echoed = {"role": "assistant", "content": "", "tool_calls": [{
+        "id": "toolu_other", "type": "function",
+        "function": {"name": "add", "arguments": '{"a":3,"b":4}'}}]}
+    ids = Continuity(tok).prompt_ids(redis_client, "r2", second_turn(body, echoed))
+    assert ids is not None and ids[:len(prompt + response)] == prompt + response
+
+
+@pytest.mark.parametrize("change", ["arguments", "tools", "question"])
+def test_anything_but_the_kept_conversation_is_rendered(tok, redis_client, change):
+    body, _, _ = first_turn(tok, redis_client, "r3")
+    nxt = second_turn(body)
+    if change == "arguments":
+        nxt["messages"][1] = {"role": "assistant", "content": "", "tool_calls": [{
+            "function": {"name": "add", "arguments": '{"a": 3, "b": 5}'}}]}
+    elif change == "tools":
+        nxt["tools"] = [*TOOLS, {"type": "function", "function": {"name": "mul"}}]
+    else:
+        nxt["messages"][0] = {"role": "user", "content": "What is 3 + 5?"}
+    assert Continuity(tok).prompt_ids(redis_client, "r3", nxt) is None
+
+
+def test_an_answer_cut_short_is_not_continued(tok, redis_client):
+    body = {"messages": [{"role": "user", "content": "Say hello."}]}
+    prompt = tok.apply_chat_template(body["messages"], add_generation_prompt=True,
+                                     tokenize=True, return_dict=False)
+    cut = tok.encode("Hello there, how", add_special_tokens=False)  # no end-of-turn token
+    Continuity(tok).keep(redis_client, "r4", body, {"content": "Hello there, how"}, prompt, cut)
+    nxt = {"messages": [*body["messages"], {"role": "assistant", "content": "Hello there, how"},
+                        {"role": "user", "content": "Go on."}]}
+    assert Continuity(tok).prompt_ids(redis_client, "r4", nxt) is None
+
+
+def test_parallel_chains_of_one_rollout_each_continue_their_own(tok, redis_client):
+    a, prompt_a, resp_a = first_turn(tok, redis_client, "r5", "What is 3 + 4?")
+    b, prompt_b, resp_b = first_turn(tok, redis_client, "r5", "Please add 3 and 4.")
+    cont = Continuity(tok)
+    ids_a = cont.prompt_ids(redis_client, "r5", second_turn(a))
+    ids_b = cont.prompt_ids(redis_client, "r5", second_turn(b))
+    assert ids_a[:len(prompt_a + resp_a)] == prompt_a + resp_a
+    assert ids_b[:len(prompt_b + resp_b)] == prompt_b + resp_b
