@@ -7,16 +7,16 @@ model write in other pieces, a word sampled in pieces that re-tokenizes as one),
 call's prompt no longer begins with the previous call's tokens: the model is conditioned
 on a context it did not produce, and the trainer cannot pack the turns into one row.
 
-So after each call the gateway keeps, per rollout, the call's prompt and response token ids
-under a digest of its conversation (the request's messages plus the answer, normalized the
-way agents echo an answer back: text stripped, tool calls by name and parsed arguments, ids
-ignored). A call whose messages extend a kept conversation (the longest one that matches,
-so parallel chains of one rollout each continue their own) is sent with those ids plus the
-rendering of only its new messages, through vLLM's ``kv_transfer_params.prompt_token_ids``
-(which replaces the rendering; the messages are still read for tool parsing). Anything that
-does not match (an edited history, other tools, an answer that did not end with the
-end-of-turn token, a template that renders an earlier turn differently) is rendered as
-before.
+So after each call the gateway keeps, per rollout, a pointer to the captured call (its
+prompt and response token ids) under a digest of its conversation: the request's messages
+plus the answer, normalized the way agents echo an answer back (text stripped, tool calls
+by name and parsed arguments, ids ignored). A call whose messages extend a kept
+conversation (the longest one that matches, so parallel chains of one rollout each continue
+their own) is sent with those ids plus the rendering of only its new messages, through
+vLLM's ``kv_transfer_params.prompt_token_ids`` (which replaces the rendering; the messages
+are still read for tool parsing). Anything that does not match (an edited history, other
+tools, an answer that did not end with the end-of-turn token, a template that renders an
+earlier turn differently) is rendered as before.
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ import orjson
 from app.state import keys
 
 log = logging.getLogger(__name__)
-
-TTL_S = 7 * 24 * 3600  # as the rollout's other keys; deleted with its captured calls
-
 
 def _arguments(raw: Any) -> Any:
     if isinstance(raw, str):
@@ -67,16 +64,51 @@ def digest(messages: list[dict[str, Any]], tools: Any) -> str:
     return hashlib.sha256(data).hexdigest()[:32]
 
 
-class Continuity:
-    """Keeps and reuses each rollout's conversation tokens (Redis, one hash per rollout)."""
+# KEYS: rollout_turns, rollout_calls   ARGV: conversation digests, longest first
+# -> {digest's position in ARGV, the kept tag, the call's JSON} for the first kept one, or nil
+LOOKUP = """
+for i, d in ipairs(ARGV) do
+  local kept = redis.call('HGET', KEYS[1], d)
+  if kept then
+    local sep = string.find(kept, ':', 1, true)
+    local call = redis.call('LINDEX', KEYS[2], tonumber(string.sub(kept, 1, sep - 1)) - 1)
+    if call then return {i, string.sub(kept, sep + 1), call} end
+  end
+end
+return nil
+"""
 
-    def __init__(self, tokenizer: Any) -> None:
+
+def tag(response_ids: list[int]) -> str:
+    """Names a kept call's response: a lookup that finds another call at the kept position
+    (a Redis crash lost calls before it) sees a different tag and renders instead."""
+    return hashlib.sha256(orjson.dumps(response_ids)).hexdigest()[:16]
+
+
+class Continuity:
+    """Keeps and reuses each rollout's conversation tokens. What is kept is a pointer into
+    the rollout's captured calls, written with the call itself (``RECORD_RELEASE``): no
+    token is stored twice and no Redis call is added to a first turn."""
+
+    def __init__(self, tokenizer: Any, client: Any) -> None:
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_id
         self.eos_id: int | None = int(eos) if eos is not None else None
         self.eos_text: str = tokenizer.decode([eos]) if eos is not None else ""
+        self._lookup = client.register_script(LOOKUP)
 
-    def prompt_ids(self, client: Any, rollout_id: str, body: dict[str, Any]) -> list[int] | None:
+    def turn(self, body: dict[str, Any], answer: dict[str, Any],
+             response_ids: list[int]) -> tuple[str, str] | None:
+        """(digest, tag) that keeps the conversation ``body`` + ``answer`` (an assistant
+        message) as the call being recorded; None for an answer that did not end with the
+        end-of-turn token (the template would add one the model did not sample)."""
+        if not response_ids or response_ids[-1] != self.eos_id or body.get("n", 1) != 1 \
+                or "messages" not in body:
+            return None
+        conversation = [*body["messages"], {"role": "assistant", **answer}]
+        return digest(conversation, body.get("tools")), tag(response_ids)
+
+    def prompt_ids(self, rollout_id: str, body: dict[str, Any]) -> list[int] | None:
         """The prompt for ``body`` continuing a kept conversation of the rollout, or None
         (render as usual)."""
         msgs = body.get("messages") or []
@@ -86,20 +118,22 @@ class Continuity:
             return None
         tools = body.get("tools")
         ends = ends[::-1]  # the longest kept conversation first
-        kept = client.hmget(keys.rollout_turns(rollout_id), [digest(msgs[:i + 1], tools)
-                                                            for i in ends])
-        for i, raw in zip(ends, kept, strict=True):
-            if raw is None:
-                continue
-            ids = orjson.loads(raw)
-            try:
-                suffix = self._suffix(msgs, i, tools)
-            except Exception as exc:  # noqa: BLE001 - a template that fails here: render
-                log.info("token continuity skipped for %s (%s: %s)", rollout_id,
-                         exc.__class__.__name__, exc)
-                return None
-            return None if suffix is None else ids + suffix
-        return None
+        found = self._lookup(keys=[keys.rollout_turns(rollout_id), keys.rollout_calls(rollout_id)],
+                             args=[digest(msgs[:i + 1], tools) for i in ends])
+        if not found:
+            return None
+        position, kept_tag, raw = found
+        call = orjson.loads(raw)
+        if tag(call["response_ids"]) != (kept_tag.decode() if isinstance(kept_tag, bytes)
+                                         else kept_tag):
+            return None
+        try:
+            suffix = self._suffix(msgs, ends[int(position) - 1], tools)
+        except Exception as exc:  # noqa: BLE001 - a template that fails here: render
+            log.info("token continuity skipped for %s (%s: %s)", rollout_id,
+                     exc.__class__.__name__, exc)
+            return None
+        return None if suffix is None else call["prompt_ids"] + call["response_ids"] + suffix
 
     def _suffix(self, msgs: list[dict[str, Any]], last: int, tools: Any) -> list[int] | None:
         """Token ids of what the template puts after the kept conversation's end-of-turn
@@ -114,17 +148,3 @@ class Continuity:
             return None
         return list(self.tokenizer.encode(whole[cut + len(self.eos_text):],
                                           add_special_tokens=False))
-
-    def keep(self, client: Any, rollout_id: str, body: dict[str, Any],
-             answer: dict[str, Any], prompt_ids: list[int], response_ids: list[int]) -> None:
-        """Remember the conversation ``body`` + ``answer`` (an assistant message) as the
-        tokens it was: only an answer that ended with the end-of-turn token continues."""
-        if not response_ids or response_ids[-1] != self.eos_id or body.get("n", 1) != 1:
-            return
-        key = keys.rollout_turns(rollout_id)
-        conversation = [*(body.get("messages") or []), {"role": "assistant", **answer}]
-        pipe = client.pipeline(transaction=False)
-        pipe.hset(key, digest(conversation, body.get("tools")),
-                  orjson.dumps(list(prompt_ids) + list(response_ids)))
-        pipe.expire(key, TTL_S)
-        pipe.execute()

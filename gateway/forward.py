@@ -111,7 +111,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
                     "messages" if endpoint == "chat.completions" else "prompt"))
         continued = None
         if endpoint == "chat.completions" and state.continuity is not None:
-            continued = state.continuity.prompt_ids(state.redis, rollout_id, up_body)
+            continued = state.continuity.prompt_ids(rollout_id, up_body)
             if continued is not None:  # vLLM takes these ids instead of rendering
                 up_body["kv_transfer_params"] = {**(up_body.get("kv_transfer_params") or {}),
                                                  "prompt_token_ids": continued}
@@ -157,29 +157,23 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         # a call frozen across a weight update ends on a later version than it started
         calls = capture.calls_from_response(data, **meta,
                                             version_end=policy_version(state.redis))
-        if not lease.record([c.to_json() for c in calls]):
+        if not lease.record([c.to_json() for c in calls], _turn(state, up_body, data)):
             raise _cancelled_error()
-        _keep_turn(state, rollout_id, up_body, data)
     shown = capture.strip_for_agent(data, endpoint, wants_lp, wants_ids)
     return Response(orjson.dumps(protocol.answer(shown, request)), mimetype="application/json")
 
 
-def _keep_turn(state: GatewayState, rollout_id: str, body: dict[str, Any],
-               answer: dict[str, Any]) -> None:
-    """Keep a one-choice chat answer's tokens for the conversation's next turn."""
+def _turn(state: GatewayState, body: dict[str, Any],
+          answer: dict[str, Any]) -> tuple[str, str] | None:
+    """What keeps a one-choice chat answer for its conversation's next turn (token
+    continuity), recorded with the call."""
     choices = answer.get("choices") or []
-    if state.continuity is None or "messages" not in body or len(choices) != 1:
-        return
-    choice = choices[0]
-    msg = choice.get("message") or {}
-    try:
-        state.continuity.keep(state.redis, rollout_id, body,
-                              {"content": msg.get("content"),
-                               "tool_calls": msg.get("tool_calls")},
-                              answer.get("prompt_token_ids") or [], choice.get("token_ids") or [])
-    except Exception as exc:  # noqa: BLE001 - the next turn is rendered instead
-        log.warning("token continuity: the turn of %s was not kept (%s: %s)", rollout_id,
-                    exc.__class__.__name__, exc)
+    if state.continuity is None or len(choices) != 1:
+        return None
+    msg = choices[0].get("message") or {}
+    return state.continuity.turn(body, {"content": msg.get("content"),
+                                        "tool_calls": msg.get("tool_calls")},
+                                 choices[0].get("token_ids") or [])
 
 
 def _overflowed(state: GatewayState, rollout_id: str, err: GatewayError) -> GatewayError:
@@ -219,10 +213,10 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 calls = capture.calls_from_response(acc.response(), stream=True, **meta,
                                                     version_end=current,
                                                     switches=acc.switches)
-                if not lease.record([c.to_json() for c in calls]):
+                if not lease.record([c.to_json() for c in calls],
+                                    _turn(state, body, acc.response())):
                     yield out.error(_cancelled_error(state))
                     return
-                _keep_turn(state, rollout_id, body, acc.response())
                 yield from out.done()
                 continue
             chunk = loads(payload)

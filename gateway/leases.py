@@ -40,14 +40,14 @@ class Lease:
         self.ended = False
         self.handed_over = False   # a streamed answer's generator ends it, not the route
 
-    def record(self, calls: list[str]) -> bool:
+    def record(self, calls: list[str], turn: tuple[str, str] | None = None) -> bool:
         """Store ``calls`` (JSON) and release; False when a drain cancelled the lease (nothing
-        is recorded)."""
+        is recorded). ``turn``: keep the call for token continuity."""
         if self.ended:
             return False
         self.ended = True
         self.leases.discard(self.id)
-        return self.leases.admission.record_and_release(self.id, calls)
+        return self.leases.admission.record_and_release(self.id, calls, turn)
 
     def release(self) -> None:
         if self.ended:

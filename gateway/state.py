@@ -56,7 +56,7 @@ class GatewayState:
                 if settings.context_check:
                     self.context = ContextCheck(tokenizer, settings.max_model_len)
                 if settings.token_continuity:
-                    self.continuity = Continuity(tokenizer)
+                    self.continuity = Continuity(tokenizer, self.admission.r)
         # After a Redis outage: mark the rollouts whose captures the crash lost
         outage_for(settings.redis_url).listeners.append(self._after_outage)
 

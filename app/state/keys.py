@@ -55,8 +55,9 @@ def rollout(rollout_id: str) -> str:
 
 
 def rollout_turns(rollout_id: str) -> str:
-    """HASH conversation digest -> JSON token ids (prompt + response) of a call's
-    conversation, written by the gateway for token continuity (``gateway/continuity.py``)."""
+    """HASH conversation digest -> "<position in rollout_calls>:<tag of its response>": the
+    call whose prompt and response tokens a later turn of that conversation continues from
+    (``gateway/continuity.py``); written with the call (``RECORD_RELEASE``)."""
     return PREFIX + "rollout:" + rollout_id + ":turns"
 
 

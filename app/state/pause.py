@@ -57,16 +57,22 @@ local v = redis.call('GET', KEYS[4])
 return {1, tonumber(v or '0'), rec[3] or ''}
 """
 
-# KEYS: leases, rollout_inflight, cancelled, rollout_calls   ARGV: lease_id, calls...
+# KEYS: leases, rollout_inflight, cancelled, rollout_calls, rollout_turns
+# ARGV: lease_id, turn digest ('' = none), tag of the call's response, calls...
 # -> the rollout's number of calls after recording them (1 with nothing to record), 0 the
 # lease was cancelled by a drain timeout: nothing is recorded. The calls are written before
 # the lease goes, in one step: once a drain sees no leases, every admitted call is in Redis.
-# With no calls it is the plain release.
+# With no calls it is the plain release. A turn kept for token continuity points at the
+# (one) call just recorded: "<its position in rollout_calls>:<tag>".
 RECORD_RELEASE = """
 local cancelled = redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1
 local length = 1
-if not cancelled and #ARGV > 1 then
-  length = redis.call('RPUSH', KEYS[4], unpack(ARGV, 2))
+if not cancelled and #ARGV > 3 then
+  length = redis.call('RPUSH', KEYS[4], unpack(ARGV, 4))
+  if ARGV[2] ~= '' then
+    redis.call('HSET', KEYS[5], ARGV[2], length .. ':' .. ARGV[3])
+    redis.call('EXPIRE', KEYS[5], 604800)
+  end
 end
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
   local n = redis.call('DECR', KEYS[2])
@@ -214,14 +220,17 @@ class Admission:
         return (AdmitStatus(int(status)), lease_id, int(version),
                 float(own) if own is not None else None)
 
-    def record_and_release(self, lease_id: str, calls: list[str]) -> bool:
+    def record_and_release(self, lease_id: str, calls: list[str],
+                           turn: tuple[str, str] | None = None) -> bool:
         """Append the captured calls (JSON) to the rollout and release the lease, atomically;
-        False (nothing recorded) when a drain timeout cancelled the lease."""
+        False (nothing recorded) when a drain timeout cancelled the lease. ``turn``: (digest,
+        tag) of a one-call conversation kept for token continuity (``gateway/continuity.py``)."""
         rollout_id = lease_id.split("|", 1)[0]
+        digest, tag = turn if turn is not None and len(calls) == 1 else ("", "")
         length = int(self._record_release(
             keys=[keys.leases(), keys.rollout_inflight(rollout_id), keys.cancelled(),
-                  keys.rollout_calls(rollout_id)],
-            args=[lease_id, *calls]))
+                  keys.rollout_calls(rollout_id), keys.rollout_turns(rollout_id)],
+            args=[lease_id, digest, tag, *calls]))
         if length and calls:
             now = time.time()
             self._recent.append((now, rollout_id, length))

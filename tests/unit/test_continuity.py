@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from app.state.pause import Admission
+from app.state.records import CapturedCall
 from gateway.context import served_tokenizer
 from gateway.continuity import Continuity
 from tests.conftest import REPO, SMOLLM2
@@ -33,14 +35,23 @@ def sampled_in_pieces(tok, text: str) -> list[int]:
     return ids + [tok.eos_token_id]
 
 
+def record(tok, redis_client, rid: str, body: dict, answer: dict, prompt: list[int],
+           response: list[int]) -> None:
+    """The gateway's capture write, with the turn kept as the gateway keeps it."""
+    call = CapturedCall(list(prompt), list(response), [-0.1] * len(response), "stop", 1, 1.0,
+                        "u", 0.0, 0.0, "chat.completions")
+    turn = Continuity(tok, redis_client).turn(body, answer, list(response))
+    assert Admission(redis_client).record_and_release(f"{rid}|lease", [call.to_json()], turn)
+
+
 def first_turn(tok, redis_client, rid: str, question: str = "What is 3 + 4?"):
     body = {"messages": [{"role": "user", "content": question}], "tools": TOOLS}
     prompt = tok.apply_chat_template(body["messages"], tools=TOOLS, add_generation_prompt=True,
                                      tokenize=True, return_dict=False)
     answer = '<tool_call>\n{"name": "add", "arguments": {"a": 3, "b": 4}}\n</tool_call>'
     response = sampled_in_pieces(tok, answer)
-    Continuity(tok).keep(redis_client, rid, body, {"content": "", "tool_calls": [CALL]},
-                         prompt, response)
+    record(tok, redis_client, rid, body, {"content": "", "tool_calls": [CALL]}, prompt,
+           response)
     return body, list(prompt), response
 
 
@@ -57,7 +68,7 @@ def test_a_later_turn_continues_from_the_sampled_tokens(tok, redis_client):
     rendered = tok.apply_chat_template(nxt["messages"], tools=TOOLS, add_generation_prompt=True,
                                        tokenize=True, return_dict=False)
     assert list(rendered[:len(prompt + response)]) != prompt + response  # re-rendering differs
-    ids = Continuity(tok).prompt_ids(redis_client, "r1", nxt)
+    ids = Continuity(tok, redis_client).prompt_ids("r1", nxt)
     assert ids is not None and ids[:len(prompt + response)] == prompt + response
     # the same text as the template's, only the answer's tokens are the sampled ones
     assert tok.decode(ids) == tok.apply_chat_template(
@@ -70,7 +81,7 @@ def test_the_echo_may_differ_in_ids_spacing_and_argument_formatting(tok, redis_c
     echoed = {"role": "assistant", "content": "", "tool_calls": [{
         "id": "toolu_other", "type": "function",
         "function": {"name": "add", "arguments": '{"a":3,"b":4}'}}]}
-    ids = Continuity(tok).prompt_ids(redis_client, "r2", second_turn(body, echoed))
+    ids = Continuity(tok, redis_client).prompt_ids("r2", second_turn(body, echoed))
     assert ids is not None and ids[:len(prompt + response)] == prompt + response
 
 
@@ -85,7 +96,7 @@ def test_anything_but_the_kept_conversation_is_rendered(tok, redis_client, chang
         nxt["tools"] = [*TOOLS, {"type": "function", "function": {"name": "mul"}}]
     else:
         nxt["messages"][0] = {"role": "user", "content": "What is 3 + 5?"}
-    assert Continuity(tok).prompt_ids(redis_client, "r3", nxt) is None
+    assert Continuity(tok, redis_client).prompt_ids("r3", nxt) is None
 
 
 def test_an_answer_cut_short_is_not_continued(tok, redis_client):
@@ -93,17 +104,29 @@ def test_an_answer_cut_short_is_not_continued(tok, redis_client):
     prompt = tok.apply_chat_template(body["messages"], add_generation_prompt=True,
                                      tokenize=True, return_dict=False)
     cut = tok.encode("Hello there, how", add_special_tokens=False)  # no end-of-turn token
-    Continuity(tok).keep(redis_client, "r4", body, {"content": "Hello there, how"}, prompt, cut)
+    assert Continuity(tok, redis_client).turn(body, {"content": "Hello there, how"}, cut) is None
+    record(tok, redis_client, "r4", body, {"content": "Hello there, how"}, prompt, cut)
     nxt = {"messages": [*body["messages"], {"role": "assistant", "content": "Hello there, how"},
                         {"role": "user", "content": "Go on."}]}
-    assert Continuity(tok).prompt_ids(redis_client, "r4", nxt) is None
+    assert Continuity(tok, redis_client).prompt_ids("r4", nxt) is None
 
 
 def test_parallel_chains_of_one_rollout_each_continue_their_own(tok, redis_client):
     a, prompt_a, resp_a = first_turn(tok, redis_client, "r5", "What is 3 + 4?")
     b, prompt_b, resp_b = first_turn(tok, redis_client, "r5", "Please add 3 and 4.")
-    cont = Continuity(tok)
-    ids_a = cont.prompt_ids(redis_client, "r5", second_turn(a))
-    ids_b = cont.prompt_ids(redis_client, "r5", second_turn(b))
+    cont = Continuity(tok, redis_client)
+    ids_a = cont.prompt_ids("r5", second_turn(a))
+    ids_b = cont.prompt_ids("r5", second_turn(b))
     assert ids_a[:len(prompt_a + resp_a)] == prompt_a + resp_a
     assert ids_b[:len(prompt_b + resp_b)] == prompt_b + resp_b
+
+
+def test_a_kept_turn_whose_call_was_lost_is_rendered(tok, redis_client):
+    """A Redis crash that lost calls moves what sits at the kept position: the tag tells."""
+    from app.state import keys
+
+    body, _, _ = first_turn(tok, redis_client, "r6")
+    other = CapturedCall([1, 2], [3, tok.eos_token_id], [-0.1, -0.1], "stop", 1, 1.0, "u", 0.0,
+                         0.0, "chat.completions")
+    redis_client.lset(keys.rollout_calls("r6"), 0, other.to_json())
+    assert Continuity(tok, redis_client).prompt_ids("r6", second_turn(body)) is None
