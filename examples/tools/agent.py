@@ -6,8 +6,10 @@ itself, and vLLM then constrains the call and its arguments to the schema), runs
 lets the model answer with the tool's result in the conversation.
 
 Reward: half for calling the tool with the question's numbers, half for a final answer
-whose first number is the sum. ``sample["sdk"]`` (or the ``sdk`` setting) picks the
-client; nothing here knows about carryover beyond the base URL and key it is given.
+whose first number is the sum. ``max_tokens`` leaves room for the JSON whitespace a small
+model writes inside a call (the grammar allows it): a call cut short is not run.
+``sample["sdk"]`` (or the ``sdk`` setting) picks the client; nothing here knows about
+carryover beyond the base URL and key it is given.
 """
 
 from __future__ import annotations
@@ -55,6 +57,8 @@ def with_openai_chat(llm: Any, q: str, retries: int, max_tokens: int) -> Episode
     first = client.chat.completions.create(
         model=llm.model, messages=messages, tools=tools, max_tokens=max_tokens,
         tool_choice={"type": "function", "function": {"name": "add"}})
+    if not first.choices[0].message.tool_calls:
+        return {}, None  # no call (cut at max_tokens): no reward for it
     call = first.choices[0].message.tool_calls[0]
     args = json.loads(call.function.arguments)
     messages += [first.choices[0].message.model_dump(exclude_none=True),
@@ -73,7 +77,9 @@ def with_openai_responses(llm: Any, q: str, retries: int, max_tokens: int) -> Ep
     first = client.responses.create(model=llm.model, instructions=SYSTEM, input=q,
                                     tools=tools, max_output_tokens=max_tokens,
                                     tool_choice={"type": "function", "name": "add"})
-    call = next(item for item in first.output if item.type == "function_call")
+    call = next((item for item in first.output if item.type == "function_call"), None)
+    if call is None:
+        return {}, None
     args = json.loads(call.arguments)
     final = client.responses.create(
         model=llm.model, instructions=SYSTEM, tools=tools, tool_choice="none",
@@ -131,7 +137,9 @@ def with_anthropic(llm: Any, q: str, retries: int, max_tokens: int) -> Episode:
     first = client.messages.create(model=llm.model, system=SYSTEM, messages=messages,
                                    tools=tools, max_tokens=max_tokens,
                                    tool_choice={"type": "tool", "name": "add"})
-    use = next(block for block in first.content if block.type == "tool_use")
+    use = next((block for block in first.content if block.type == "tool_use"), None)
+    if use is None:
+        return {}, None
     messages += [{"role": "assistant", "content": [b.model_dump() for b in first.content]},
                  {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
                                                "content": add(**use.input)}]}]
@@ -156,9 +164,12 @@ def with_langchain(llm: Any, q: str, retries: int, max_tokens: int) -> Episode:
     history: list[Any] = [SystemMessage(SYSTEM), HumanMessage(q)]
     first = chat.bind_tools([add_numbers], tool_choice="add_numbers",
                             strict=True).invoke(history)
+    if not first.tool_calls:
+        return {}, None
     call = first.tool_calls[0]
     history += [first, ToolMessage(add_numbers.invoke(call["args"]), tool_call_id=call["id"])]
-    final = chat.invoke(history)
+    # the same tools in the prompt: the answer turn continues the tool turn's tokens
+    final = chat.bind_tools([add_numbers], tool_choice="none", strict=True).invoke(history)
     return dict(call["args"]), str(final.content)
 
 
@@ -168,7 +179,7 @@ SDKS: dict[str, Callable[[Any, str, int, int], Episode]] = {
     "langchain": with_langchain}
 
 
-def run(sample: dict, llm: Any, *, sdk: str = "openai-chat", max_tokens: int = 40,
+def run(sample: dict, llm: Any, *, sdk: str = "openai-chat", max_tokens: int = 96,
         **_: Any) -> float:
     name = str(sample.get("sdk", sdk))
     if name not in SDKS:

@@ -83,7 +83,7 @@ def test_openai_chat_with_a_tool_call_and_its_answer(gw, new_rollout, redis_clie
                                                "parameters": ADD_SCHEMA, "strict": True}}]
     messages: list = [{"role": "user", "content": QUESTION}]
     first = client.chat.completions.create(
-        model=NAME, messages=messages, tools=tools, max_tokens=40,
+        model=NAME, messages=messages, tools=tools, max_tokens=96,
         tool_choice={"type": "function", "function": {"name": "add"}})
     call = first.choices[0].message.tool_calls[0]
     args = json.loads(call.function.arguments)
@@ -122,7 +122,7 @@ def test_openai_responses_plain_streamed_and_with_a_function_call(gw, new_rollou
               "parameters": ADD_SCHEMA, "strict": True}]
     first = client.responses.create(model=NAME, input=QUESTION, tools=tools,
                                     tool_choice={"type": "function", "name": "add"},
-                                    max_output_tokens=40)
+                                    max_output_tokens=96)
     fc = next(item for item in first.output if item.type == "function_call")
     args = json.loads(fc.arguments)
     second = client.responses.create(
@@ -169,7 +169,7 @@ def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool(gw, new_rollou
     # the tool's output back for the answer
     agent = Agent(name="adder", instructions="Add the numbers with the tool.", model=model,
                   tools=[add_digits], model_settings=ModelSettings(
-                      tool_choice="required", max_tokens=60))
+                      tool_choice="required", max_tokens=96))
     try:
         asyncio.run(Runner.run(agent, QUESTION, max_turns=3))
     except (MaxTurnsExceeded, ModelBehaviorError):
@@ -199,7 +199,7 @@ def test_anthropic_messages_with_a_tool_use_round_trip(gw, new_rollout, redis_cl
             assert any(e.type == "content_block_delta" for e in s)
             return s.get_final_message()
 
-    first = create(max_tokens=40, system="You add numbers.", tools=tools,
+    first = create(max_tokens=96, system="You add numbers.", tools=tools,
                    tool_choice={"type": "tool", "name": "add"})
     assert first.stop_reason == "tool_use"
     use = next(b for b in first.content if b.type == "tool_use")
@@ -229,7 +229,7 @@ def test_langchain_chat_openai_with_a_tool(gw, new_rollout, redis_client):
         """Add two digits."""
         return add(a, b)
 
-    llm = ChatOpenAI(model=NAME, base_url=base, api_key=token, max_tokens=40, max_retries=2)
+    llm = ChatOpenAI(model=NAME, base_url=base, api_key=token, max_tokens=96, max_retries=2)
     history = [HumanMessage(QUESTION)]
     first = llm.bind_tools([add_digits], tool_choice="add_digits", strict=True).invoke(history)
     call = first.tool_calls[0]
