@@ -114,16 +114,22 @@ def with_openai_agents(llm: Any, q: str, retries: int, max_tokens: int) -> Episo
         used.update(a=a, b=b)
         return add(a, b)
 
-    model = OpenAIResponsesModel(model=llm.model, openai_client=AsyncOpenAI(
-        base_url=llm.base_url, api_key=llm.api_key, max_retries=retries))
-    # the first turn must call the tool; the SDK then resets tool_choice to auto
-    agent = Agent(name="adder", instructions=SYSTEM, model=model, tools=[add_numbers],
-                  model_settings=ModelSettings(tool_choice="required", max_tokens=max_tokens))
-    try:
-        result = asyncio.run(Runner.run(agent, q, max_turns=3))
-    except (MaxTurnsExceeded, ModelBehaviorError):
-        return used, None  # the model called the tool again, or ran past max_tokens
-    return used, str(result.final_output)
+    async def episode() -> str | None:
+        client = AsyncOpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=retries)
+        try:
+            # the first turn must call the tool; the SDK then resets tool_choice to auto
+            agent = Agent(name="adder", instructions=SYSTEM, tools=[add_numbers],
+                          model=OpenAIResponsesModel(model=llm.model, openai_client=client),
+                          model_settings=ModelSettings(tool_choice="required",
+                                                       max_tokens=max_tokens))
+            result = await Runner.run(agent, q, max_turns=3)
+            return str(result.final_output)
+        except (MaxTurnsExceeded, ModelBehaviorError):
+            return None  # the model called the tool again, or ran past max_tokens
+        finally:
+            await client.close()  # inside the loop that opened it
+
+    return used, asyncio.run(episode())
 
 
 def with_anthropic(llm: Any, q: str, retries: int, max_tokens: int) -> Episode:

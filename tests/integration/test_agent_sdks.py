@@ -163,17 +163,22 @@ def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool(gw, new_rollou
         used.append((a, b))
         return add(a, b)
 
-    model = OpenAIResponsesModel(model=NAME, openai_client=AsyncOpenAI(
-        base_url=base, api_key=token, max_retries=2))
-    # the first turn must call the tool; the SDK then resets tool_choice to auto and sends
-    # the tool's output back for the answer
-    agent = Agent(name="adder", instructions="Add the numbers with the tool.", model=model,
-                  tools=[add_digits], model_settings=ModelSettings(
-                      tool_choice="required", max_tokens=96))
-    try:
-        asyncio.run(Runner.run(agent, QUESTION, max_turns=3))
-    except (MaxTurnsExceeded, ModelBehaviorError):
-        pass  # a 135M model may call the tool again, or run past max_tokens (incomplete)
+    async def episode() -> None:
+        client = AsyncOpenAI(base_url=base, api_key=token, max_retries=2)
+        # the first turn must call the tool; the SDK then resets tool_choice to auto and
+        # sends the tool's output back for the answer
+        agent = Agent(name="adder", instructions="Add the numbers with the tool.",
+                      model=OpenAIResponsesModel(model=NAME, openai_client=client),
+                      tools=[add_digits], model_settings=ModelSettings(
+                          tool_choice="required", max_tokens=96))
+        try:
+            await Runner.run(agent, QUESTION, max_turns=3)
+        except (MaxTurnsExceeded, ModelBehaviorError):
+            pass  # a 135M model may call the tool again, or run past max_tokens
+        finally:
+            await client.close()
+
+    asyncio.run(episode())
     assert used, "the SDK ran the tool the model called"
     calls = captured(redis_client, rid)
     assert len(calls) >= 2 and calls[0].constrained == "tool_choice"

@@ -129,6 +129,16 @@ def test_checkpoint_cost_bench_json():
     assert modes["sync"]["write_s_median"] > 0 and modes["background"]["write_s_median"] > 0
 
 
+def test_rerender_bench_json():
+    r = run_bench("bench.rerender", "--rollouts", "1", "--kinds", "openai-chat")
+    assert r["benchmark"] == "rerender"
+    kinds = r["kinds"]["openai-chat"]
+    assert set(kinds) == {"continuity", "rendered"}
+    for row in kinds.values():
+        assert row["rollouts"] == 1 and row["calls"] >= 1
+    assert kinds["continuity"]["packed_calls"] >= kinds["rendered"]["packed_calls"]
+
+
 def test_drain_modes_bench_json():
     r = run_bench("bench.drain_modes", "--quick")
     assert r["benchmark"] == "drain_modes"
