@@ -48,6 +48,21 @@ class Protocol:
 OPENAI = Protocol()
 
 
+def function_tool(tool: dict[str, Any], schema_key: str) -> dict[str, Any]:
+    """A chat-completions function tool from another protocol's (its JSON schema under
+    ``schema_key``); ``strict`` asks vLLM to hold the arguments to the schema."""
+    fn = {"name": tool["name"], "parameters": tool.get(schema_key) or {"type": "object"}}
+    for name in ("description", "strict"):
+        if tool.get(name) is not None:
+            fn[name] = tool[name]
+    return {"type": "function", "function": fn}
+
+
+def named_function(name: str) -> dict[str, Any]:
+    """The chat-completions ``tool_choice`` that forces the function ``name``."""
+    return {"type": "function", "function": {"name": name}}
+
+
 def text_of(content: Any, where: str) -> str:
     """A string, or a list of text parts ({"type": "text" | "input_text" | "output_text",
     "text": ...}), as one string."""

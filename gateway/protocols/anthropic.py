@@ -26,7 +26,13 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError, bad_request
-from gateway.protocols import Protocol, StreamTranslator, text_of
+from gateway.protocols import (
+    Protocol,
+    StreamTranslator,
+    function_tool,
+    named_function,
+    text_of,
+)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 REFUSED_FIELDS = ("mcp_servers", "container")
@@ -40,11 +46,7 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
     if kind not in (None, "custom"):
         raise bad_request(f"tools[{i}]: server tool {kind!r} is not supported by this gateway "
                           f"(custom tools with an input_schema only)", param=f"tools[{i}].type")
-    fn = {"name": tool["name"], "parameters": tool.get("input_schema") or {"type": "object"}}
-    for name in ("description", "strict"):
-        if tool.get(name) is not None:
-            fn[name] = tool[name]
-    return {"type": "function", "function": fn}
+    return function_tool(tool, "input_schema")
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -58,7 +60,7 @@ def _tool_choice(choice: Any) -> Any:
     if kind == "none":
         return "none"
     if kind == "tool" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        return named_function(choice["name"])
     raise bad_request("tool_choice must be {'type': 'auto' | 'any' | 'none'} or "
                       "{'type': 'tool', 'name': ...}", param="tool_choice")
 

@@ -26,7 +26,13 @@ from typing import Any
 import orjson
 
 from gateway.errors import GatewayError, bad_request
-from gateway.protocols import Protocol, StreamTranslator, text_of
+from gateway.protocols import (
+    Protocol,
+    StreamTranslator,
+    function_tool,
+    named_function,
+    text_of,
+)
 
 REFUSED_FIELDS = {
     "previous_response_id": "the gateway keeps no responses: send the whole input",
@@ -41,11 +47,7 @@ def _tool(tool: Any, i: int) -> dict[str, Any]:
     if kind != "function" or not isinstance(tool.get("name"), str):
         raise bad_request(f"tools[{i}]: tool type {kind!r} is not supported by this gateway "
                           f"(function tools only)", param=f"tools[{i}].type")
-    fn = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
-    for name in ("description", "strict"):
-        if tool.get(name) is not None:
-            fn[name] = tool[name]
-    return {"type": "function", "function": fn}
+    return function_tool(tool, "parameters")
 
 
 def _tool_choice(choice: Any) -> Any:
@@ -53,7 +55,7 @@ def _tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, dict) and choice.get("type") == "function" \
             and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
+        return named_function(choice["name"])
     raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
                       "{'type': 'function', 'name': ...}", param="tool_choice")
 

@@ -11,7 +11,6 @@ constrained in the capture.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 
@@ -141,49 +140,21 @@ def test_openai_responses_plain_streamed_and_with_a_function_call(gw, new_rollou
 
 def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool(gw, new_rollout,
                                                                   redis_client):
-    from agents import (
-        Agent,
-        MaxTurnsExceeded,
-        ModelBehaviorError,
-        ModelSettings,
-        OpenAIResponsesModel,
-        Runner,
-        function_tool,
-        set_tracing_disabled,
-    )
-    from openai import AsyncOpenAI
+    """examples/tools/agent.py's Agents SDK episode: the first turn must call the tool; the
+    SDK then resets tool_choice to auto and sends the tool's output back for the answer."""
+    from types import SimpleNamespace
 
-    set_tracing_disabled(True)  # nothing is exported
+    from examples.tools.agent import question, with_openai_agents
+
     rid, token, base = new_rollout(gw)
-    used: list[tuple[int, int]] = []
-
-    @function_tool
-    def add_digits(a: int, b: int) -> str:
-        """Add two digits."""
-        used.append((a, b))
-        return add(a, b)
-
-    async def episode() -> None:
-        client = AsyncOpenAI(base_url=base, api_key=token, max_retries=2)
-        # the first turn must call the tool; the SDK then resets tool_choice to auto and
-        # sends the tool's output back for the answer
-        agent = Agent(name="adder", instructions="Add the numbers with the tool.",
-                      model=OpenAIResponsesModel(model=NAME, openai_client=client),
-                      tools=[add_digits], model_settings=ModelSettings(
-                          tool_choice="required", max_tokens=96))
-        try:
-            await Runner.run(agent, QUESTION, max_turns=3)
-        except (MaxTurnsExceeded, ModelBehaviorError):
-            pass  # a 135M model may call the tool again, or run past max_tokens
-        finally:
-            await client.close()
-
-    asyncio.run(episode())
-    assert used, "the SDK ran the tool the model called"
+    llm = SimpleNamespace(base_url=base, api_key=token, model=NAME)
+    used, _ = with_openai_agents(llm, question(3, 4), 2, 96)
+    assert set(used) == {"a", "b"}, "the SDK ran the tool the model called"
     calls = captured(redis_client, rid)
     assert len(calls) >= 2 and calls[0].constrained == "tool_choice"
     # the SDK's second request carried the function_call and its output
-    assert f"<tool_response>\n{add(*used[0])}\n</tool_response>" in prompt_text(calls[1])
+    assert f"<tool_response>\n{add(**used)}\n</tool_response>" in prompt_text(calls[1])
+    continues(calls[0], calls[1])
 
 
 @pytest.mark.parametrize("stream", [False, True])
