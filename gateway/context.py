@@ -131,11 +131,16 @@ class ContextCheck:
         return max(len(p) if isinstance(p, list) else len(self.tokenizer.encode(p))
                    for p in prompt)
 
-    def check(self, body: dict[str, Any], endpoint: str) -> tuple[int, int] | None:
+    def check(self, body: dict[str, Any], endpoint: str,
+              prompt_ids: list[int] | None = None) -> tuple[int, int] | None:
         """``None`` when the call fits, else (prompt tokens, max_tokens). ``body`` is the
-        upstream body (its ``max_tokens`` filled in)."""
+        upstream body (its ``max_tokens`` filled in); ``prompt_ids``: the prompt already
+        known as token ids (token continuity), counted instead of rendering."""
         # vLLM's chat endpoint takes max_completion_tokens first
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 0)
+        if prompt_ids is not None:
+            return None if len(prompt_ids) + max_tokens <= self.max_model_len \
+                else (len(prompt_ids), max_tokens)
         if endpoint == "chat.completions" and self.surely_fits(body, max_tokens):
             return None  # most calls: no rendering, no tokenizing
         if endpoint == "completions" and isinstance(body["prompt"], str) \

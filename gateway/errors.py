@@ -51,11 +51,11 @@ def register_error_handlers(app: Flask) -> None:
         else:
             resp = jsonify(exc.body())
         resp.status_code = exc.status
-        if exc.retry_after is not None:
+        if exc.retry_after is None:
+            if exc.status < 500:  # a 5xx keeps the SDKs' own rules (they retry it)
+                resp.headers["x-should-retry"] = "false"
+        else:
             resp.headers["x-should-retry"] = "true"
-        elif exc.status < 500:  # a 5xx keeps the SDKs' own rules (they retry it)
-            resp.headers["x-should-retry"] = "false"
-        if exc.retry_after is not None:
             resp.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
             resp.headers["Retry-After-Ms"] = str(int(exc.retry_after * 1000))
         return resp

@@ -103,18 +103,19 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         wants_lp, wants_ids = capture.agent_wants(body, endpoint)
         up_body = capture.prepare_upstream_body(body, endpoint, s.model, s.default_max_tokens,
                                                 temperature)
+        continued = None
+        if endpoint == "chat.completions" and state.continuity is not None:
+            continued = state.continuity.prompt_ids(rollout_id, up_body)
         if state.context is not None:
-            over = state.context.check(up_body, endpoint)
+            # a continued prompt is counted as the ids vLLM gets, not rendered once more
+            over = state.context.check(up_body, endpoint, continued)
             if over is not None:
                 raise _overflowed(state, rollout_id, overflow_error(
                     *over, state.context.max_model_len,
                     "messages" if endpoint == "chat.completions" else "prompt"))
-        continued = None
-        if endpoint == "chat.completions" and state.continuity is not None:
-            continued = state.continuity.prompt_ids(rollout_id, up_body)
-            if continued is not None:  # vLLM takes these ids instead of rendering
-                up_body["kv_transfer_params"] = {**(up_body.get("kv_transfer_params") or {}),
-                                                 "prompt_token_ids": continued}
+        if continued is not None:  # vLLM takes these ids instead of rendering
+            up_body["kv_transfer_params"] = {**(up_body.get("kv_transfer_params") or {}),
+                                             "prompt_token_ids": continued}
         stream = bool(body.get("stream"))
         cancel = state.leases.add(lease_id)
         started = time.time()

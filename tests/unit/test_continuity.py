@@ -130,3 +130,14 @@ def test_a_kept_turn_whose_call_was_lost_is_rendered(tok, redis_client):
                          0.0, "chat.completions")
     redis_client.lset(keys.rollout_calls("r6"), 0, other.to_json())
     assert Continuity(tok, redis_client).prompt_ids("r6", second_turn(body)) is None
+
+
+def test_a_continued_prompt_is_counted_as_its_ids(tok):
+    """The context check counts the ids vLLM will get, not a rendering of the messages."""
+    from gateway.context import ContextCheck
+
+    check = ContextCheck(tok, 64)
+    long = {"messages": [{"role": "user", "content": "word " * 200}], "max_tokens": 8}
+    assert check.check(long, "chat.completions") is not None  # rendered: too long
+    assert check.check(long, "chat.completions", list(range(50))) is None
+    assert check.check(long, "chat.completions", list(range(60))) == (60, 8)
