@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config.loader import REPO_ROOT, repo_path
+from app.config.settings import InferenceSettings
 from app.state.connection import resolve_redis_url
 
 ADMIN_TOKEN_FILE = REPO_ROOT / "var" / "admin-token"
@@ -53,6 +54,7 @@ class GatewaySettings:
     tokenizer_path: str = ""      # the served model's tokenizer and chat template
     chat_template: str | None = None  # inference.chat_template: the servers' template file
     max_model_len: int = 0
+    sleep_check: bool = False     # the servers sleep around updates: skip one left asleep
 
     @classmethod
     def from_config(cls, cfg: Any) -> GatewaySettings:
@@ -79,4 +81,5 @@ class GatewaySettings:
             max_model_len=int(cfg.inference.max_model_len),
             chat_template=str(repo_path(str(cfg.inference.chat_template)))
             if cfg.inference.get("chat_template") else None,
+            sleep_check=InferenceSettings.from_config(cfg).sleep_mode,
         )

@@ -8,16 +8,24 @@ Each gateway process also checks every server's ``/health`` every ``health_every
 that does not answer 200 is skipped until it does again, so a dead engine behind a live HTTP
 server, or a server that went away between calls, costs no agent a failed call.
 
-A server whose connection failed may have restarted with its initial weights, so it is also
-added to the shared ``upstreams_stale`` set in Redis, and every gateway process routes around
-the members of that set (re-read at most every ``stale_refresh_s``) until the trainer's
-upstream keeper has loaded the current weights into it again.
+A server whose connection failed, or that answers a proxy's 502 or 504 after it was healthy
+(an ingress or proxy in front of a restarting server), may come back with its initial
+weights, so it is also added to the shared ``upstreams_stale`` set in Redis, and every
+gateway process routes around the members of that set (re-read at most every
+``stale_refresh_s``) until the trainer's upstream keeper has loaded the current weights into
+it again.
+
+Where the servers sleep around updates (``sleep_check``), the check also asks each healthy
+one ``/is_sleeping``: an engine asleep while no pause is held was left so by a trainer that
+died mid-update (vLLM can crash serving a request asleep), and is skipped until it is woken
+(the keeper does that).
 """
 
 from __future__ import annotations
 
 import hashlib
 import http.client
+import json
 import logging
 import threading
 import time
@@ -144,15 +152,14 @@ class _ConnectionPool:
                 return
         conn.close()
 
-    def get_health(self, timeout_s: float) -> int:
-        """Status of ``GET /health`` on a fresh connection (a check must not take, or
-        spoil, a connection the calls use)."""
+    def fetch(self, path: str, timeout_s: float) -> tuple[int, bytes]:
+        """Status and body of ``GET path`` on a fresh connection (a check must not take,
+        or spoil, a connection the calls use)."""
         conn = self._new(timeout_s)
         try:
-            conn.request("GET", "/health")
+            conn.request("GET", path)
             resp = conn.getresponse()
-            resp.read()
-            return resp.status
+            return resp.status, resp.read()
         finally:
             conn.close()
 
@@ -187,7 +194,7 @@ class _ConnectionPool:
 class Upstreams:
     def __init__(self, urls: list[str], cooldown_s: float = 5.0, pool_size: int = 64,
                  client: redis.Redis | None = None, stale_refresh_s: float = 0.5,
-                 health_every_s: float = 0.0) -> None:
+                 health_every_s: float = 0.0, sleep_check: bool = False) -> None:
         if not urls:
             raise ValueError("at least one inference URL is needed (inference.urls)")
         self.urls = [u.rstrip("/") for u in urls]
@@ -196,6 +203,8 @@ class Upstreams:
         self._unhealthy: set[str] = set()
         self._failures: dict[str, int] = {}
         self._seen_healthy: set[str] = set()
+        self._asleep: set[str] = set()   # left asleep with no pause held
+        self.sleep_check = sleep_check
         self.health_every_s = health_every_s
         self.client = client
         self.stale_refresh_s = stale_refresh_s
@@ -233,28 +242,33 @@ class Upstreams:
 
     def _usable(self, url: str, now: float, stale: set[str]) -> bool:
         return (self._down_until.get(url, 0.0) <= now and url not in stale
-                and url not in self._unhealthy)
+                and url not in self._unhealthy and url not in self._asleep)
 
     def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
         """GET every server's ``/health``; -> {url: passed}. A server is skipped after two
         failed checks in a row (one slow answer under load is not an outage) or at once when
         it refuses the connection; it is used again as soon as a check passes. A server that
-        passed before and now refuses also goes into the stale set (it may come back with
-        its initial weights); one that has not come up yet does not."""
+        passed before and now refuses, or answers as a proxy with no server behind it
+        (502, 504), also goes into the stale set (it may come back with its initial
+        weights); one that has not come up yet does not. A 503 is vLLM's own answer for a
+        dead engine, not a restart: skipped, not stale."""
         results = {}
         for url in self.urls:
             refused = False
             try:
-                status: int | str = self._pools[url].get_health(timeout_s)
+                status: int | str = self._pools[url].fetch("/health", timeout_s)[0]
             except (ConnectionRefusedError, ConnectionResetError) as exc:
                 status, refused = exc.__class__.__name__, True
             except (OSError, http.client.HTTPException) as exc:
                 status = exc.__class__.__name__
             passed = status == 200
             results[url] = passed
+            if passed and self.sleep_check:
+                self._check_sleep(url, timeout_s)
             with self._lock:
                 was_unhealthy = url in self._unhealthy
-                went_away = refused and url in self._seen_healthy
+                went_away = url in self._seen_healthy and (
+                    refused or status in (502, 504))
                 self._failures[url] = 0 if passed else self._failures.get(url, 0) + 1
                 if passed:
                     self._seen_healthy.add(url)
@@ -271,6 +285,26 @@ class Upstreams:
             if went_away:  # not a server still starting up: it may come back fresh
                 self.mark_down(url, restarted=True)
         return results
+
+    def _check_sleep(self, url: str, timeout_s: float) -> None:
+        try:
+            status, body = self._pools[url].fetch("/is_sleeping", timeout_s)
+            asleep = status == 200 and json.loads(body).get("is_sleeping") is True
+            paused = self.client is not None and bool(self.client.exists(keys.paused()))
+        except (OSError, http.client.HTTPException, ValueError, redis.RedisError):
+            return  # no answer: the health check decides
+        orphan = asleep and not paused  # asleep during a pause is the update's own sleep
+        with self._lock:
+            was = url in self._asleep
+            if orphan:
+                self._asleep.add(url)
+            elif not asleep:
+                self._asleep.discard(url)
+        if orphan and not was:
+            log.warning("inference server %s is asleep with no pause held (a trainer died "
+                        "mid-update?); skipped until it is woken", url)
+        elif was and not asleep:
+            log.warning("inference server %s is awake again", url)
 
     def _check_forever(self) -> None:
         while True:

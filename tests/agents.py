@@ -59,3 +59,30 @@ def scripted(sample: dict, llm: Any, *, redis_url: str, **_: Any) -> Any:
     if reward == "nan":
         return float("nan")
     return reward
+
+
+def arith_graded(sample: dict, llm: Any, **_: Any) -> float:
+    """examples.arith's two-turn conversation (a wrong first answer gets a second turn) with
+    partial credit, so that a group's rewards rarely all agree: a test that needs a gradient
+    in every update does not wait on the few groups of a sparse reward. A near miss earns
+    more than a far one, and an answer with no number (cut at max_tokens, mostly) a little
+    for being short."""
+    from examples.arith.agent import first_number, question
+
+    client = openai.OpenAI(base_url=llm.base_url, api_key=llm.api_key, max_retries=20,
+                           timeout=120, http_client=_HTTP)
+    a, b = int(sample["a"]), int(sample["b"])
+    messages = [{"role": "user", "content": question(a, b)}]
+    best = 0.0
+    for turn in range(2):
+        answer = client.chat.completions.create(
+            model=llm.model, messages=messages).choices[0].message.content or ""
+        got = first_number(answer)
+        if got == a + b:
+            return 1.0 if turn == 0 else 0.5
+        credit = 0.1 + 0.15 / (1 + abs(got - (a + b))) if got is not None \
+            else 0.05 / (1 + len(answer.strip()))
+        best = max(best, credit)
+        messages += [{"role": "assistant", "content": answer},
+                     {"role": "user", "content": "That is not right. " + question(a, b)}]
+    return best

@@ -42,6 +42,7 @@ class InferenceSettings:
     dtype: str             # what the server computes in (auto: the checkpoint's)
     sleep_mode: bool       # the servers were started with --enable-sleep-mode
     sleep_level: int
+    data_parallel_size: int  # engine replicas inside each server: each is probed
 
     @classmethod
     def from_config(cls, cfg: Any) -> InferenceSettings:
@@ -50,7 +51,8 @@ class InferenceSettings:
         return cls(urls=tuple(str(u) for u in inf.urls),
                    served_model_name=str(inf.served_model_name), device=device,
                    dtype=str(inf.dtype), sleep_mode=sleep_mode(cfg, device),
-                   sleep_level=int(inf.sleep_level))
+                   sleep_level=int(inf.sleep_level),
+                   data_parallel_size=int(inf.data_parallel_size) if device == "cuda" else 1)
 
 
 def drain_mode(cfg: Any) -> DrainMode:

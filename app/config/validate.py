@@ -417,6 +417,14 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             f"controller.retry_max_wait_s: value {wait} must be at least gateway.drain_timeout_s"
             f" + trainer.heartbeat_s ({drain + beat}): agents would give up during an ordinary "
             "pause")
+    reload_s = _get(cfg, "trainer.reload_timeout_s")
+    start_s = _get(cfg, "inference.startup_timeout_s")
+    if ok("trainer.reload_timeout_s", "inference.startup_timeout_s") and reload_s < start_s:
+        problems.append(
+            f"trainer.reload_timeout_s: value {reload_s} must be at least "
+            f"inference.startup_timeout_s ({start_s}): a server that restarts during a step "
+            "takes up to that long to answer again, and the step would fail (the gateway "
+            "paused meanwhile) before it is back")
     return problems
 
 

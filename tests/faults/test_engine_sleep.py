@@ -1,10 +1,16 @@
-"""Sleep and wake around a collocated update are checked: an engine that does not go to sleep
-fails the step before the update starts, with the gateway resumed and nothing changed."""
+"""The collocated cycle against a stand-in engine that sleeps, pauses and loads as vLLM does:
+sleep and wake are checked (an engine that does not go to sleep fails the step before the
+update, with the gateway resumed and nothing changed), the memory goes back in verl's order,
+a load that outlasts its timeout is not resumed, an engine a killed trainer left asleep is
+woken and not routed to meanwhile, and a server that restarted unseen is reloaded."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import requests
@@ -14,8 +20,12 @@ from app.config import load_config
 from app.state import keys
 from app.state.pause import Pause
 from app.state.records import CapturedCall, GroupRecord, SiblingResult
+from gateway.upstream import Upstreams
 from tests.conftest import standin_gateway
+from tests.faults.test_worker_kills import wait_for
 from workers.trainer import service, weights
+from workers.trainer.keeper import UpstreamKeeper
+from workers.trainer.settings import TrainerSettings
 
 
 @pytest.fixture(scope="module")
@@ -40,20 +50,22 @@ def test_sleep_and_wake_are_checked(upstream):
     behave(upstream, "ok")
 
 
-def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
-        upstream, redis_client, tmp_path):
-    behave(upstream, "ignored")
-    cfg = load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
-                             f"inference.urls=[{upstream}]", "inference.device=cuda",
-                             "trainer.device=cpu", "trainer.pause_during_update=true",
-                             f"trainer.weights_dir={tmp_path / 'w'}",
-                             f"trainer.checkpoint_dir={tmp_path / 'c'}",
-                             "actor_rollout_ref.rollout.n=2"])
-    run_id = "sleepless"
+def _collocated_cfg(upstream: str, tmp_path, *overrides: str):
+    # a CPU trainer driving a "GPU" server that sleeps around the update
+    return load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
+                              f"inference.urls=[{upstream}]", "inference.device=cuda",
+                              "trainer.device=cpu", "trainer.pause_during_update=true",
+                              f"trainer.weights_dir={tmp_path / 'w'}",
+                              f"trainer.checkpoint_dir={tmp_path / 'c'}",
+                              "actor_rollout_ref.rollout.n=2", *overrides])
+
+
+def _prepared_run(redis_client, run_id: str, cfg, step: int = 0) -> None:
+    """A run whose step ``step`` has one complete group of two rollouts to train."""
     redis_client.hset(keys.run(run_id), mapping={
         "run_id": run_id, "config": json.dumps(OmegaConf.to_container(cfg))})
-    gid = f"{run_id}-g0"
-    redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, run_id, 0, n=2).to_hash())
+    gid = f"{run_id}-g{step}"
+    redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, run_id, step, n=2).to_hash())
     for i, reward in enumerate((1.0, 0.0)):
         rid = f"{gid}.{i}.x"
         redis_client.hset(keys.group_results(gid), str(i),
@@ -61,7 +73,18 @@ def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
         redis_client.rpush(keys.rollout_calls(rid), CapturedCall(
             [1, 3, 4], [5, 6, 2], [-3.0, -3.1, -3.2], "stop", 0, 1.0, "u", 0, 0,
             "chat.completions").to_json())
-    redis_client.rpush(keys.run_step_groups(run_id, 0), gid)
+    redis_client.rpush(keys.run_step_groups(run_id, step), gid)
+
+
+def events(url: str) -> list[str]:
+    return requests.get(url + "/standin/events", timeout=5).json()
+
+
+def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
+        upstream, redis_client, tmp_path):
+    behave(upstream, "ignored")
+    run_id = "sleepless"
+    _prepared_run(redis_client, run_id, _collocated_cfg(upstream, tmp_path))
     redis_client.set(keys.policy_version(), 7)
     service._resident = service.Resident(run_id, _untouchable(), weights.PROBE_IDS,
                                          published=True)
@@ -72,6 +95,66 @@ def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
     assert redis_client.get(keys.run_step_result(run_id, 0)) is None
     service._resident = None
     behave(upstream, "ok")
+
+
+@pytest.fixture
+def real_trainer():
+    yield
+    if service._resident is not None:
+        service._resident.close()
+    service._resident = None
+
+
+def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, real_trainer):
+    """A collocated step through verl's engine: the engine sleeps, the update, the export,
+    then the weights wake alone, the load, the trainer gives its memory back on every rank,
+    and only then the KV cache wakes; each rank's memory is recorded at each point."""
+    requests.post(upstream + "/standin/sleep", json={"mode": "ok", "asleep": False,
+                                                     "clear_events": True}, timeout=5)
+    run_id = "wake-order"
+    # the stand-in scores every probe token -1: a tolerance that admits it
+    cfg = _collocated_cfg(upstream, tmp_path, "trainer.probe_tolerance=100")
+    _prepared_run(redis_client, run_id, cfg)
+    # the servers already hold this trainer's weights (no first load of them)
+    service.resident_trainer(run_id, cfg, TrainerSettings.from_config(cfg)).published = True
+    m = service.train_step(redis_client, run_id, 0)
+    assert events(upstream) == ["sleep", "wake_up:weights", "collective_rpc:reload_weights",
+                                "reset_prefix_cache", "wake_up:kv_cache"]
+    assert requests.get(upstream + "/is_sleeping", timeout=5).json()["is_sleeping"] is False
+    stages = [k for k in m if k.startswith("memory/trainer_rank0_")
+              and k.endswith("_allocated_gb")]
+    assert stages == [f"memory/trainer_rank0_{s}_allocated_gb" for s in (
+        "after_update", "before_weights_wake", "before_kv_cache_wake")]
+    # the tiny model's fp32 weights, gradients and Adam state: held through the step
+    assert all(m[k] > 0 for k in stages)
+    # the server keeps the version it loaded (the upstream keeper reads it back)
+    assert requests.get(upstream + "/weight_info", timeout=5).json()["weight_version"] == \
+        str(m["policy/version"])
+
+
+def test_a_load_slower_than_its_timeout_is_not_resumed(upstream, redis_client, tmp_path,
+                                                       real_trainer):
+    """``trainer.reload_timeout_s`` bounds each load; an engine whose load did not report
+    success stays paused and stale (the keeper restores it), and the step fails."""
+    requests.post(upstream + "/standin/sleep", json={"clear_events": True}, timeout=5)
+    run_id = "slow-load"
+    cfg = _collocated_cfg(upstream, tmp_path, "trainer.probe_tolerance=100",
+                          "trainer.pause_during_update=false", "gateway.drain_mode=keep",
+                          "trainer.reload_timeout_s=1.5", "inference.startup_timeout_s=1")
+    _prepared_run(redis_client, run_id, cfg)
+    service.resident_trainer(run_id, cfg, TrainerSettings.from_config(cfg)).published = True
+    requests.post(upstream + "/standin/reload", json={"delay_s": 3}, timeout=5)
+    try:
+        with pytest.raises(weights.WeightSyncError, match="did not answer within 2 s"):
+            service.train_step(redis_client, run_id, 0)
+        assert requests.get(upstream + "/is_paused", timeout=5).json()["is_paused"] is True
+        assert redis_client.sismember(keys.upstreams_stale(), upstream)
+        assert "resume" not in events(upstream)
+        assert not Pause(redis_client).is_paused()  # the gateway is resumed all the same
+    finally:
+        requests.post(upstream + "/standin/reload", json={"delay_s": 0}, timeout=5)
+        weights.resume_engines([upstream])
+        redis_client.srem(keys.upstreams_stale(), upstream)
 
 
 def _untouchable():
@@ -85,3 +168,79 @@ def _untouchable():
             raise AssertionError("the update ran although the engine did not sleep")
 
     return Trainer()
+
+
+_KILLED_TRAINER = """
+import sys, redis
+from app.state.pause import Pause
+from workers.trainer import weights
+client = redis.Redis.from_url(sys.argv[1], decode_responses=True)
+Pause(client).pause(pause_ttl_s=2)  # a lease the trainer would keep extending
+weights.sleep_engines([sys.argv[2]], 1)
+print("asleep", flush=True)
+import time; time.sleep(600)
+"""
+
+
+def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_client, tmp_path):
+    """A trainer SIGKILLed between sleep and wake skips its ``finally``: the engine stays
+    asleep behind a healthy /health. Once its pause lease runs out the gateway does not
+    route to it, and the next trainer task (or the keeper's tick) wakes it."""
+    behave(upstream, "ok")
+    kw = redis_client.connection_pool.connection_kwargs
+    redis_url = f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, redis_url, upstream],
+                            stdout=subprocess.PIPE, env=os.environ)
+    try:
+        assert proc.stdout.readline().strip() == b"asleep"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    gateway = Upstreams([upstream], client=redis_client, sleep_check=True)
+    keeper = UpstreamKeeper(redis_client, [upstream], "m", 0.1, sleep_check=True)
+    settings = TrainerSettings.from_config(_collocated_cfg(upstream, tmp_path))
+
+    def asleep() -> bool:
+        return requests.get(upstream + "/is_sleeping", timeout=5).json()["is_sleeping"]
+
+    # while the dead trainer's pause lives, the sleep is an update's own: left alone
+    assert Pause(redis_client).is_paused()
+    assert keeper.tick() == [] and service.wake_orphans(redis_client, settings) == []
+    gateway.check_health(timeout_s=2)
+    assert asleep() and gateway.pick("r") == upstream
+    wait_for(lambda: not Pause(redis_client).is_paused(), 10, "the dead trainer's pause to end")
+    gateway.check_health(timeout_s=2)
+    assert gateway.pick("r") is None   # asleep with no pause held: no call goes to it
+    assert service.wake_orphans(redis_client, settings) == [upstream]   # the next task
+    assert not asleep()
+    gateway.check_health(timeout_s=2)
+    assert gateway.pick("r") == upstream
+    # the keeper's tick does the same between tasks
+    requests.post(upstream + "/standin/sleep", json={"asleep": True}, timeout=5)
+    keeper.tick()
+    assert not asleep()
+
+
+def test_the_keeper_reloads_a_server_that_restarted_unseen(upstream, redis_client, tmp_path):
+    """Behind a load balancer a restarted server never looks down: it answers /health and
+    serves its initial weights. It says so in /weight_info ("default", not the version it
+    was given), and the keeper reloads it."""
+    requests.post(upstream + "/standin/sleep", json={"clear_events": True}, timeout=5)
+    ids = weights.PROBE_IDS
+    (tmp_path / "v3").mkdir()
+    redis_client.hset(keys.policy_published(), mapping={
+        "version": 3, "path": str(tmp_path / "v3"), "model": "m",
+        # the stand-in scores every probe token -1
+        "probe": json.dumps([-1.0] * (len(ids) - 1)), "probe_ids": json.dumps(ids)})
+    keeper = UpstreamKeeper(redis_client, [upstream], "m", 0.01)
+    try:
+        requests.post(upstream + "/update_weight_version", json={"new_version": "3"}, timeout=5)
+        assert keeper.tick() == []   # it holds the published version
+        requests.post(upstream + "/update_weight_version", json={"new_version": "default"},
+                      timeout=5)   # what a restart leaves
+        assert keeper.tick() == [upstream]
+        assert events(upstream) == ["collective_rpc:reload_weights", "reset_prefix_cache"]
+        assert weights.loaded_version(upstream) == "3"
+        assert not redis_client.sismember(keys.upstreams_stale(), upstream)
+    finally:
+        redis_client.delete(keys.policy_published())

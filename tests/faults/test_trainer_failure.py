@@ -23,7 +23,8 @@ def test_gateway_resumed_after_failure_mid_update(redis_client, tmp_path):
                              f"inference.urls=[http://127.0.0.1:{dead}]",
                              f"trainer.weights_dir={tmp_path / 'w'}",
                              f"trainer.checkpoint_dir={tmp_path / 'c'}",
-                             "trainer.reload_timeout_s=2", "trainer.upstream_check_s=0.5",
+                             "trainer.reload_timeout_s=2", "inference.startup_timeout_s=2",
+                             "trainer.upstream_check_s=0.5",
                              "actor_rollout_ref.rollout.n=2"])
     from omegaconf import OmegaConf
 

@@ -184,3 +184,40 @@ def test_the_keeper_never_loads_another_models_weights(redis_client):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_server_whose_proxy_answers_502_is_marked_stale(redis_client):
+    """In front of a restarting server, a proxy answers 502 (or 504): the server may come
+    back with its initial weights, so it is stale for every gateway until the keeper has
+    reloaded it. vLLM's own 503 (a dead engine) only skips it."""
+    status = {"code": 200}
+
+    class Proxy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+            self.send_response(status["code"])
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Proxy)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ups = Upstreams([url], client=redis_client)
+        assert ups.check_health(timeout_s=1) == {url: True}
+        status["code"] = 503
+        ups.check_health(timeout_s=1)
+        assert not redis_client.sismember(keys.upstreams_stale(), url)
+        status["code"] = 502
+        ups.check_health(timeout_s=1)
+        assert redis_client.sismember(keys.upstreams_stale(), url)
+        status["code"] = 200
+        ups.check_health(timeout_s=1)
+        assert ups.pick("r1") is None   # healthy again, but not until it is reloaded
+    finally:
+        server.shutdown()
+        server.server_close()
+        redis_client.srem(keys.upstreams_stale(), url)

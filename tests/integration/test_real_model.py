@@ -1,6 +1,6 @@
 """A real pretrained instruct model through the whole stack: SmolLM2-135M-Instruct (49,152
 tokens, tied embeddings, ChatML template, EOS <|im_end|>) served by vLLM CPU in bf16, the
-arithmetic chat agent through the gateway, verl's FSDP2 engine, the bf16 export, the reload
+arithmetic chat conversation through the gateway, verl's FSDP2 engine, the bf16 export, the reload
 and the probe, and an evaluation before and during training."""
 
 from __future__ import annotations
@@ -89,8 +89,12 @@ def test_three_steps_of_the_real_model_through_every_part(smol, tmp_path):
         # and the probe must see the new weights, not the previous ones
         "actor_rollout_ref.actor.lr=5e-4",
         # dynamic sampling: only groups whose rewards differ are trained, so every update
-        # has a gradient (a group of equal rewards has none)
+        # has a gradient (a group of equal rewards has none); arith's reward is sparse for
+        # this model (most groups all 0), partial credit makes most groups informative,
+        # and a step that still starves fails naming its figures instead of waiting on
         "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.max_num_gen_batches=20",
+        "controller.agent=tests.agents:arith_graded",
         f"data.val_files={val}", "trainer.test_freq=2", "agent.tool_median_s=0.05",
         f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
         "logging.console=false", f"trainer.weights_dir={tmp_path / 'weights'}",

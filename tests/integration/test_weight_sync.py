@@ -34,9 +34,11 @@ def test_reload_applies_and_a_stale_engine_is_caught(vllm_service, cfg, tmp_path
         weights.verify_sync(url, name, after, before, 1e-4)
 
     path = weights.save_weights(trainer.model, tmp_path, 2, keep=2)
-    weights.reload_weights(url, path)
+    weights.reload_weights(url, path, version=2)
+    # the server keeps the version it was given (the upstream keeper reads it back)
+    assert weights.loaded_version(url) == "2"
     m = weights.verify_sync(url, name, after, before, 1e-4)
     assert m["weight_sync/probe_gap"] < 1e-4
     assert m["weight_sync/probe_gap_to_previous"] > 1e-2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v000001", "v000002"]
-    weights.reload_weights(url, MODEL)  # leave the engine on the base model
+    weights.reload_weights(url, MODEL, version=0)  # leave the engine on the base model

@@ -155,6 +155,8 @@ INVALID = [
     (["agentlightning.async_rollout.enabled=yes please"],
      "agentlightning.async_rollout.enabled: value 'yes please' must be true or false"),
     (["trainer.device=tpu"], "trainer.device: value 'tpu' must be one of 'auto', 'cpu', 'cuda'"),
+    (["trainer.reload_timeout_s=60"],
+     "trainer.reload_timeout_s: value 60 must be at least inference.startup_timeout_s (180)"),
     (["data=3"], "data: is a section, not a value"),
     (["data.train_batch_size"], "data.train_batch_size: override must look like a.b.c=value"),
 ]

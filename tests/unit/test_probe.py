@@ -17,9 +17,28 @@ MODEL = REPO_ROOT / "var" / "models" / "tiny-qwen2"
 def test_a_nan_probe_gap_fails_the_sync(monkeypatch):
     ids = weights.PROBE_IDS
     monkeypatch.setattr(weights, "engine_probe_logprobs",
-                        lambda url, name, ids: [float("nan")] * (len(ids) - 1))
+                        lambda url, name, ids, dp_rank=None: [float("nan")] * (len(ids) - 1))
     with pytest.raises(weights.WeightSyncError, match="non-finite"):
         weights.verify_sync("http://x", "m", [-1.0] * (len(ids) - 1), None, 0.01, ids)
+
+
+def test_every_data_parallel_replica_is_probed(monkeypatch):
+    """Each replica of a data-parallel server holds its own copy of the weights, and the
+    server's balancer sends one probe to one of them: each is asked by name."""
+    ids = weights.PROBE_IDS
+    asked = []
+
+    def probe(url, name, ids, dp_rank=None):
+        asked.append(dp_rank)
+        return [-1.0 if dp_rank != 2 else -3.0] * (len(ids) - 1)  # replica 2 kept old weights
+
+    monkeypatch.setattr(weights, "engine_probe_logprobs", probe)
+    expected = [-1.0] * (len(ids) - 1)
+    assert weights.verify_sync("http://x", "m", expected, None, 0.01, ids, dp_size=2) == \
+        {"weight_sync/probe_gap": 0.0}
+    assert asked == [0, 1]
+    with pytest.raises(weights.WeightSyncError, match="data-parallel replica 2"):
+        weights.verify_sync("http://x", "m", expected, None, 0.01, ids, dp_size=4)
 
 
 def test_bf16_probe_leaves_the_fp32_weights_unrounded():

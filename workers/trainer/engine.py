@@ -66,6 +66,11 @@ def _split(vb: VerlBatch, ranks: int) -> list[tuple[VerlBatch]]:
     return [(vb.select(list(range(r * per, (r + 1) * per))),) for r in range(ranks)]
 
 
+def _memory_metrics(stage: str, per_rank: list[dict[str, float]]) -> dict[str, float]:
+    return {f"memory/trainer_rank{r}_{stage}_{k}": v
+            for r, m in enumerate(per_rank) for k, v in m.items()}
+
+
 class EngineTrainer:
     """verl's FSDP2 ``TrainingWorker`` (and a forward-only reference with a KL loss),
     resident across updates."""
@@ -207,6 +212,16 @@ class EngineTrainer:
     def export_weights(self, path: Path, dtype: str) -> None:
         """``path/model.safetensors`` in ``dtype`` from the engine's per-tensor iterator."""
         self.ranks.call("export", [(str(path), dtype)] * self.size)
+
+    def memory(self, stage: str) -> dict[str, float]:
+        """Every rank's accelerator memory now, as metrics named for ``stage``."""
+        return _memory_metrics(stage, self.ranks.call("memory"))
+
+    def release_memory(self, stage: str, offload: bool) -> dict[str, float]:
+        """Every rank gives its cached accelerator memory back (``offload``: and parks what
+        ``fsdp_config`` offloads); returns when all have (the call is a barrier), with each
+        rank's memory after, as metrics named for ``stage``."""
+        return _memory_metrics(stage, self.ranks.call("release_memory", offload=offload))
 
     def save(self, path: Path) -> None:
         self.ranks.call("save", [(str(path),)] * self.size)

@@ -7,6 +7,13 @@ routes around it and agents get retryable 503s if none is left); once a stale se
 again, the keeper loads the last published weights into it, proves them with the probe, and
 only then removes it from the set. It shares a lock with the trainer's own publish, so a
 reload never interleaves with a weight update.
+
+Each load also records its policy version inside the server (vLLM's
+``/update_weight_version``), and the keeper reads it back (``/weight_info``): a server that
+restarted without the keeper seeing it down (behind a load balancer that answered for it)
+says "default" again, and is reloaded like any stale one. Where the engines sleep around
+updates, the keeper also wakes one left asleep with no pause held (a trainer that died
+between sleep and wake skipped its own ``finally``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import redis
 import requests
 
 from app.state import keys
+from app.state.pause import Pause
 from workers.trainer import weights
 
 log = logging.getLogger(__name__)
@@ -31,18 +39,22 @@ publish_lock = threading.Lock()
 
 class UpstreamKeeper:
     def __init__(self, client: redis.Redis, urls: list[str], model_name: str,
-                 tolerance: float, every_s: float = 1.0) -> None:
+                 tolerance: float, every_s: float = 1.0, reload_timeout_s: float = 600.0,
+                 dp_size: int = 1, sleep_check: bool = False) -> None:
         self.client = client
-        self.urls = [u.rstrip("/") for u in urls]
-        self.model_name = model_name
-        self.tolerance = tolerance
         self.every_s = every_s
+        self.configure(urls, model_name, tolerance, reload_timeout_s, dp_size, sleep_check)
 
-    def configure(self, urls: list[str], model_name: str, tolerance: float) -> None:
+    def configure(self, urls: list[str], model_name: str, tolerance: float,
+                  reload_timeout_s: float = 600.0, dp_size: int = 1,
+                  sleep_check: bool = False) -> None:
         """Follow the running run's config (it may name other servers than the worker's)."""
         self.urls = [u.rstrip("/") for u in urls]
         self.model_name = model_name
         self.tolerance = tolerance
+        self.reload_timeout_s = reload_timeout_s
+        self.dp_size = dp_size
+        self.sleep_check = sleep_check
 
     def start(self) -> None:
         # A daemon for the life of the trainer worker process.
@@ -64,8 +76,21 @@ class UpstreamKeeper:
             return False
 
     def tick(self) -> list[str]:
-        """One pass; returns the servers it restored."""
+        """One pass; returns the servers it restored. Skipped while this process's step
+        holds the servers (pause to resume) or any pause is held: the step owns them."""
+        if not publish_lock.acquire(blocking=False):
+            return []
+        try:
+            return self._tick()
+        finally:
+            publish_lock.release()
+
+    def _tick(self) -> list[str]:
         stale = self.client.smembers(keys.upstreams_stale())
+        published = self.client.hgetall(keys.policy_published())
+        version = int(published["version"]) if published and \
+            published.get("model") == self.model_name else None
+        owned = Pause(self.client).is_paused()
         restored = []
         for url in list(self.urls):
             if not self.healthy(url):
@@ -73,30 +98,45 @@ class UpstreamKeeper:
                     self.client.sadd(keys.upstreams_stale(), url)
                     log.warning("inference server %s is down; rollouts are routed around it "
                                 "until it is back and holds the current weights", url)
-            elif url in stale:
-                self.restore(url)
+                continue
+            if owned:
+                continue
+            if url not in stale and version is not None:
+                held = weights.loaded_version(url)
+                if weights.behind(held, version):
+                    log.warning("inference server %s holds weights %r, not policy version %d "
+                                "(it restarted unseen, as behind a load balancer, or missed "
+                                "a load): reloading it", url, held, version)
+                    self.client.sadd(keys.upstreams_stale(), url)
+                    stale.add(url)
+            if url in stale:
+                self.restore(url, published)
                 restored.append(url)
+            elif self.sleep_check:
+                weights.wake_orphans([url])
         return restored
 
-    def restore(self, url: str) -> None:
-        with publish_lock:
-            if not self.client.sismember(keys.upstreams_stale(), url):
-                return  # a step's publish reached it first
-            published = self.client.hgetall(keys.policy_published())
-            if published and published.get("model") != self.model_name:
-                # another model's weights (a run of another config on this Redis): they
-                # cannot load into this server; the next run's start publishes its own
-                log.warning("inference server %s is back; the last published weights are of "
-                            "model %r, not %r (%s): not loaded, it serves its initial model",
-                            url, published.get("model"), self.model_name, published["path"])
-                self.client.srem(keys.upstreams_stale(), url)
-                return
-            if published:
-                weights.reload_weights(url, Path(published["path"]))
-                weights.verify_sync(url, self.model_name, json.loads(published["probe"]),
-                                    None, self.tolerance,
-                                    json.loads(published.get("probe_ids", "null")))
+    def restore(self, url: str, published: dict[str, str]) -> None:
+        """Put the last published weights into ``url`` (called with ``publish_lock``
+        held): woken if asleep, loaded, resumed if a failed step left it paused, then
+        proved by the probe; only then is it taken out of the stale set."""
+        if published and published.get("model") != self.model_name:
+            # another model's weights (a run of another config on this Redis): they
+            # cannot load into this server; the next run's start publishes its own
+            log.warning("inference server %s is back; the last published weights are of "
+                        "model %r, not %r (%s): not loaded, it serves its initial model",
+                        url, published.get("model"), self.model_name, published["path"])
             self.client.srem(keys.upstreams_stale(), url)
+            return
+        if published:
+            weights.wake_if_asleep(url)
+            weights.reload_weights(url, Path(published["path"]), self.reload_timeout_s,
+                                   version=int(published["version"]))
+            weights.resume_if_paused(url)
+            weights.verify_sync(url, self.model_name, json.loads(published["probe"]),
+                                None, self.tolerance,
+                                json.loads(published.get("probe_ids", "null")), self.dp_size)
+        self.client.srem(keys.upstreams_stale(), url)
         if published:
             log.warning("inference server %s is back: loaded and verified policy version %s "
                         "(%s)", url, published["version"], published["path"])

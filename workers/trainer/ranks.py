@@ -173,9 +173,47 @@ class RankEngine:
     def load(self, path: str) -> None:
         self.actor.load_checkpoint(path, del_local_after_load=False)
 
+    def memory(self) -> dict[str, float]:
+        """This rank's accelerator memory in GB: what torch allocated and what its caching
+        allocator reserves (on CPU: the bytes of the parameters, gradients and optimizer
+        state the engine holds, for both)."""
+        if self.spec.device != "cpu" and torch.cuda.is_available():
+            return {"allocated_gb": torch.cuda.memory_allocated() / 1e9,
+                    "reserved_gb": torch.cuda.memory_reserved() / 1e9}
+        engine = self.actor.engine
+        tensors = [p for p in engine.module.parameters()]
+        tensors += [p.grad for p in tensors if p.grad is not None]
+        if engine.optimizer is not None:
+            tensors += [v for state in engine.optimizer.state.values() for v in state.values()
+                        if isinstance(v, torch.Tensor)]
+        held = sum(_local(t).numel() * t.element_size() for t in tensors) / 1e9
+        return {"allocated_gb": held, "reserved_gb": held}
+
+    def release_memory(self, offload: bool) -> dict[str, float]:
+        """Give accelerator memory back before an engine wakes beside this rank: with
+        ``offload``, the parameters and optimizer state that ``fsdp_config`` parks in host
+        memory go there now (verl's train mode loads them again for the next update); then
+        the caching allocator's blocks go back to the driver. -> :meth:`memory` after."""
+        import gc
+
+        engine = self.actor.engine
+        if offload and (engine.is_param_offload_enabled or engine.is_optimizer_offload_enabled):
+            engine.to("cpu", model=engine.is_param_offload_enabled,
+                      optimizer=engine.is_optimizer_offload_enabled, grad=False)
+        gc.collect()
+        if self.spec.device != "cpu" and torch.cuda.is_available():
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        return self.memory()
+
     def master_dtype(self) -> str:
         p = next(self.actor.engine.module.parameters())
         return str(p.dtype).replace("torch.", "")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (what it holds), or the tensor."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 class LocalRanks:

@@ -52,8 +52,7 @@ from workers.trainer.liveness import Beats
 from workers.trainer.settings import TrainerSettings
 from workers.trainer.verl_batch import to_verl_batch
 
-__all__ = ["Resident", "StepError", "init_run", "require_pause", "switch_weights",
-           "train_step"]
+__all__ = ["Resident", "StepError", "init_run", "publish", "require_pause", "train_step"]
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +104,8 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Reside
     keeper = running_keeper()
     if keeper is not None:
         inf = settings.inference
-        keeper.configure(list(inf.urls), inf.served_model_name, settings.probe_tolerance)
+        keeper.configure(list(inf.urls), inf.served_model_name, settings.probe_tolerance,
+                         settings.reload_timeout_s, inf.data_parallel_size, inf.sleep_mode)
     _resident = resident
     return resident
 
@@ -118,8 +118,19 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> Metrics:
         return dict(json.loads(done))
     cfg = run_config(client, run_id)
     settings = TrainerSettings.from_config(cfg)
+    wake_orphans(client, settings)
     with Beats(client, keys.trainer_heartbeat(run_id, str(step)), settings.heartbeat_s) as beats:
         return _train_step(client, run_id, step, cfg, settings, beats)
+
+
+def wake_orphans(client: redis.Redis, settings: TrainerSettings) -> list[str]:
+    """At the start of every trainer task: wake the engines a dead trainer left asleep
+    (SIGKILL, OOM or an NCCL fault between sleep and wake skips its ``finally``), unless a
+    live pause holds them (its step wakes them itself)."""
+    inf = settings.inference
+    if not inf.sleep_mode or Pause(client).is_paused():
+        return []
+    return weights.wake_orphans(list(inf.urls))
 
 
 def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
@@ -152,7 +163,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
             update(resident, samples, stats, step, metrics, timings)
             timings["update"] = time.monotonic() - t  # the engines' sleep included
         require_pause(pause, "loading the new weights")
-        published = publish(client, settings, resident, timings, asleep, held)
+        published = publish(client, settings, resident, timings, metrics, asleep, held)
         verify(client, settings, resident, published, resident.probe_prev, metrics, timings)
     version = published.version
     metrics.update(step_metrics(stats, version, timings))
@@ -257,25 +268,47 @@ class Published:
 
 
 def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
-            timings: dict[str, float], asleep: weights.Held = weights.NOTHING_HELD,
+            timings: dict[str, float], metrics: Metrics,
+            asleep: weights.Held = weights.NOTHING_HELD,
             held: weights.Held = weights.NOTHING_HELD) -> Published:
-    """Save the trainer's weights as the next version, wake the engines in ``asleep``, load
-    the weights into every reachable server, bump the policy version and resume the
-    engines in ``held``."""
+    """Save the trainer's weights as the next version, load them into every reachable
+    server, bump the policy version and resume the engines in ``held``.
+
+    Engines in ``asleep`` (a collocated update) get their memory back in the order of verl's
+    colocated weight update: the export (the engines still asleep), the trainer empties its
+    allocator's cache, each engine wakes its weights only, the load, the trainer parks what
+    ``fsdp_config`` offloads and empties the cache again on every rank (the call returns when
+    all have: a barrier), and only then the engines wake their KV cache. Each rank's memory
+    at each of these points is a metric (``memory/trainer_rank<r>_<stage>_*``)."""
     inf = settings.inference
+    trainer = resident.trainer
+    if asleep.urls:
+        metrics.update(trainer.memory("after_update"))
     version = int(client.get(keys.policy_version()) or 0) + 1
     t = time.monotonic()
     dtype = str(weights.engine_dtype(inf.dtype, settings.model_path)).replace("torch.", "")
     path = weights.publish_version(
         settings.weights_dir, version, settings.keep_weight_versions,
-        lambda tmp: resident.trainer.export_weights(tmp, dtype))
+        lambda tmp: trainer.export_weights(tmp, dtype))
     timings["save"] = time.monotonic() - t
 
     t = time.monotonic()
-    asleep.release()
-    loaded = switch_weights(client, list(inf.urls), path, version, held,
-                            settings.reload_timeout_s, settings.upstream_check_s)
+    if asleep.urls:
+        metrics.update(trainer.release_memory("before_weights_wake", offload=False))
+        asleep.wake(["weights"])
+    loaded = _reload_reachable(client, list(inf.urls), path, version, settings.reload_timeout_s,
+                               settings.upstream_check_s, held)
+    if asleep.urls:
+        metrics.update(trainer.release_memory("before_kv_cache_wake", offload=True))
+        asleep.release(tags=["kv_cache"])
     timings["reload"] = time.monotonic() - t
+    # The version is set while the engines are still paused, and they resume twice
+    # ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new version by
+    # the first token a frozen call samples on the new weights, and places the switch there.
+    client.set(keys.policy_version(), version)
+    if held.urls:
+        time.sleep(2 * POLICY_VERSION_MAX_AGE_S)
+        held.release()
     return Published(version, path, loaded)
 
 
@@ -294,7 +327,8 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     expected = resident.trainer.probe_log_probs(ids)
     for url in published.loaded:
         metrics.update(weights.verify_sync(url, settings.inference.served_model_name,
-                                           expected, previous, settings.probe_tolerance, ids))
+                                           expected, previous, settings.probe_tolerance, ids,
+                                           settings.inference.data_parallel_size))
     client.srem(keys.upstreams_stale(), *[u.rstrip("/") for u in published.loaded])
     resident.probe_prev = expected
     resident.published = True
@@ -362,37 +396,28 @@ def save_if_due(client: redis.Redis, settings: TrainerSettings, resident: Reside
 
 # --- weight loading -------------------------------------------------------------------
 
-def switch_weights(client: redis.Redis, urls: list[str], path: Path, version: int,
-                   held: weights.Held, wait_s: float, every_s: float) -> list[str]:
-    """Load ``path`` into every reachable server, make ``version`` the policy version, then
-    resume the engines in ``held`` (checked). Returns the servers loaded.
-
-    The version is set while the engines are still paused, and they resume twice
-    ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new version by
-    the first token a frozen call samples on the new weights, and places the switch there."""
-    loaded = _reload_reachable(client, urls, path, version, wait_s, every_s,
-                               held.frozen_calls)
-    client.set(keys.policy_version(), version)
-    if held.urls:
-        time.sleep(2 * POLICY_VERSION_MAX_AGE_S)
-        held.release()
-    return loaded
-
-
 def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version: int,
-                      wait_s: float, every_s: float, frozen_calls: bool) -> list[str]:
+                      wait_s: float, every_s: float, held: weights.Held) -> list[str]:
     """Load ``path`` into every server that answers; returns those. A server that is down
     is marked stale (the upstream keeper loads it when it is back, the gateway routes around
     it meanwhile). With none reachable, keep trying for ``wait_s`` (the gateway stays
     paused: a restarted server must hold the current weights before agents reach it).
-    ``frozen_calls``: requests wait frozen in the engines (their KV is dropped too)."""
+
+    A load that fails or outlasts ``wait_s`` (``trainer.reload_timeout_s``) may have left
+    part of the new weights in the engine: that server is marked stale too, and is left
+    out of ``held``, so it is not resumed on them. ``held.frozen_calls``: requests wait
+    frozen in the engines (their KV is dropped too)."""
     deadline = time.monotonic() + wait_s
     errors: dict[str, str] = {}
+    failed: dict[str, str] = {}
     while True:
         loaded = []
         for url in urls:
+            if url in failed:
+                continue
             try:
-                weights.reload_weights(url, path, frozen_calls=frozen_calls)
+                weights.reload_weights(url, path, timeout=wait_s,
+                                       frozen_calls=held.frozen_calls, version=version)
                 loaded.append(url)
             except requests.ConnectionError as exc:
                 client.sadd(keys.upstreams_stale(), url.rstrip("/"))
@@ -400,13 +425,24 @@ def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version:
                     log.warning("inference server %s is unreachable; it gets version %d when "
                                 "it is back", url, version)
                 errors[url] = f"{exc.__class__.__name__}: {exc}"
+            except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
+                client.sadd(keys.upstreams_stale(), url.rstrip("/"))
+                held.forget(url)
+                failed[url] = f"{exc.__class__.__name__}: {exc}"
+                log.error("inference server %s did not load version %d: %s; it is not "
+                          "resumed, and serves nobody until the upstream keeper has loaded "
+                          "the current weights into it", url, version, failed[url])
         if loaded:
             return loaded
+        if len(failed) == len(urls):
+            raise weights.WeightSyncError(
+                f"no inference server loaded version {version}: "
+                + "; ".join(f"{u} ({e})" for u, e in {**errors, **failed}.items()))
         if time.monotonic() >= deadline:
             raise weights.WeightSyncError(
                 f"no inference server could be reached to load version {version} within "
                 f"{wait_s:.0f} s (Connection refused or lost): "
-                + "; ".join(f"{u} ({e})" for u, e in errors.items()))
+                + "; ".join(f"{u} ({e})" for u, e in {**errors, **failed}.items()))
         time.sleep(every_s)
 
 
@@ -421,7 +457,7 @@ def _serve_resident(client: redis.Redis, settings: TrainerSettings, resident: Re
     with paused(pause, settings, beats, timings):
         pause.drain(settings.drain_timeout_s)
         require_pause(pause, "loading the weights")
-        published = publish(client, settings, resident, timings)
+        published = publish(client, settings, resident, timings, metrics)
         # what the servers held before is unknown: no "closer to new than old" check
         verify(client, settings, resident, published, None, metrics, timings)
     return published.version
@@ -452,6 +488,7 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
     global _resident
     cfg = run_config(client, run_id)
     settings = TrainerSettings.from_config(cfg)
+    wake_orphans(client, settings)
     if _resident is not None:
         _resident.close()
     _resident = None

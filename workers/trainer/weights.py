@@ -62,17 +62,39 @@ def save_weights(model: torch.nn.Module, root: Path, version: int, keep: int) ->
     return publish_version(root, version, keep, write)
 
 
-def reload_weights(url: str, path: Path, timeout: float = 120.0,
-                   frozen_calls: bool = False) -> None:
-    """Load ``path`` into the server at ``url`` and reset its prefix cache. With
-    ``frozen_calls`` (the engine is paused with calls frozen in it) the reset also drops the
-    KV cache those calls hold, so they recompute it under the new weights when they resume:
-    every token sampled after the switch reads a prefix computed by the weights that sample
-    it."""
+def loaded_version(url: str, timeout: float = 5.0) -> str | None:
+    """The weight version the server says it holds (vLLM's ``/weight_info``: "default"
+    until a load names one, and again after a restart); None if it does not say."""
+    try:
+        resp = requests.get(url.rstrip("/") + "/weight_info", timeout=timeout)
+        return str(resp.json()["weight_version"]) if resp.status_code == 200 else None
+    except (requests.RequestException, ValueError, KeyError):
+        return None
+
+
+def behind(held: str | None, version: int) -> bool:
+    """A server holding ``held`` lacks policy ``version`` (it restarted, or missed a
+    load); one that does not report its version is not judged."""
+    return held is not None and not (held.isdigit() and int(held) >= version)
+
+
+def reload_weights(url: str, path: Path, timeout: float = 600.0,
+                   frozen_calls: bool = False, version: int | None = None) -> None:
+    """Load ``path`` into the server at ``url`` and reset its prefix cache; the load must
+    answer within ``timeout`` (``trainer.reload_timeout_s``: a 7B load from disk takes
+    minutes). With ``frozen_calls`` (the engine is paused with calls frozen in it) the reset
+    also drops the KV cache those calls hold, so they recompute it under the new weights
+    when they resume: every token sampled after the switch reads a prefix computed by the
+    weights that sample it."""
     url = url.rstrip("/")
-    resp = requests.post(url + "/collective_rpc", json={
-        "method": "reload_weights", "kwargs": {"weights_path": str(path.resolve())}},
-        timeout=timeout)
+    try:
+        resp = requests.post(url + "/collective_rpc", json={
+            "method": "reload_weights", "kwargs": {"weights_path": str(path.resolve())}},
+            timeout=timeout)
+    except requests.Timeout as exc:
+        raise WeightSyncError(f"{url}: reload_weights did not answer within {timeout:.0f} s "
+                              "(trainer.reload_timeout_s); the engine may hold part of the "
+                              "new weights") from exc
     if resp.status_code != 200:
         raise WeightSyncError(f"{url}: reload_weights answered {resp.status_code}: "
                               f"{resp.text[:300]}")
@@ -82,16 +104,25 @@ def reload_weights(url: str, path: Path, timeout: float = 120.0,
     for _ in range(50):
         body = requests.post(url + "/reset_prefix_cache", params=params, timeout=timeout).json()
         if body.get("success") is True:
-            return
+            break
         time.sleep(0.1)
-    raise WeightSyncError(f"{url}: /reset_prefix_cache kept answering success=false")
+    else:
+        raise WeightSyncError(f"{url}: /reset_prefix_cache kept answering success=false")
+    if version is not None:
+        # the server keeps the version it holds: the upstream keeper reads it back, and a
+        # server that restarted (behind a load balancer, unseen) says "default" again
+        requests.post(url + "/update_weight_version", json={"new_version": str(version)},
+                      timeout=timeout)
 
 
-def engine_probe_logprobs(url: str, model_name: str, ids: list[int], timeout: float = 60.0
-                          ) -> list[float]:
+def engine_probe_logprobs(url: str, model_name: str, ids: list[int], timeout: float = 60.0,
+                          dp_rank: int | None = None) -> list[float]:
+    """``dp_rank``: the data-parallel replica to ask (vLLM's ``X-data-parallel-rank``
+    header); None lets the server's balancer pick one."""
+    headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
     resp = requests.post(url.rstrip("/") + "/v1/completions", json={
         "model": model_name, "prompt": ids, "max_tokens": 1, "temperature": 0,
-        "prompt_logprobs": 0}, timeout=timeout)
+        "prompt_logprobs": 0}, timeout=timeout, headers=headers)
     resp.raise_for_status()
     plp = resp.json()["choices"][0]["prompt_logprobs"]
     out = []
@@ -136,8 +167,27 @@ def mean_gap(a: list[float], b: list[float]) -> float:
 
 def verify_sync(url: str, model_name: str, expected: list[float],
                 previous: list[float] | None, tolerance: float,
-                ids: list[int] | None = None) -> dict[str, float]:
-    got = engine_probe_logprobs(url, model_name, ids or PROBE_IDS)
+                ids: list[int] | None = None, dp_size: int = 1) -> dict[str, float]:
+    """Probe the server (every one of its ``dp_size`` data-parallel replicas: each holds
+    its own copy of the weights, and the balancer would reach only one) against the
+    trainer's ``expected`` log-probs; raises ``WeightSyncError`` naming the replica that
+    fails. -> the gap metrics (the worst replica's)."""
+    if dp_size <= 1:
+        return _verify_one(url, model_name, expected, previous, tolerance, ids, None)
+    worst: dict[str, float] = {}
+    for rank in range(dp_size):
+        m = _verify_one(url, model_name, expected, previous, tolerance, ids, rank)
+        worst = {k: max(v, worst.get(k, v)) if k == "weight_sync/probe_gap"
+                 else min(v, worst.get(k, v)) for k, v in m.items()}
+    return worst
+
+
+def _verify_one(url: str, model_name: str, expected: list[float],
+                previous: list[float] | None, tolerance: float, ids: list[int] | None,
+                dp_rank: int | None) -> dict[str, float]:
+    got = engine_probe_logprobs(url, model_name, ids or PROBE_IDS, dp_rank=dp_rank)
+    if dp_rank is not None:
+        url = f"{url} (data-parallel replica {dp_rank})"
     gap = mean_gap(got, expected)
     if not math.isfinite(gap):
         raise WeightSyncError(f"{url}: the probe gap is {gap} (non-finite log-probs from the "
@@ -238,14 +288,37 @@ class Held:
         self.timeout = timeout
         self.frozen_calls = frozen_calls   # requests wait frozen inside these engines
 
-    def release(self, check: bool = True) -> None:
-        """Take every engine out of the state; with ``check``, one that stays in it is an
+    def forget(self, url: str) -> None:
+        """Leave ``url`` as it is on release: an engine whose weight load failed must not
+        resume serving (it is marked stale; the upstream keeper restores it)."""
+        self.urls = [u for u in self.urls if u != url.rstrip("/")]
+
+    def wake(self, tags: list[str]) -> None:
+        """Wake only ``tags`` of every sleeping engine (vLLM's ``/wake_up?tags=``: weights
+        before the load, the KV cache after the trainer gave its memory back). The engines
+        stay held: a failure later still wakes them fully on the way out."""
+        c = self.change
+        for url in self.urls:
+            try:
+                resp = requests.post(url + c.undo_route, params={"tags": tags},
+                                     timeout=self.timeout)
+            except requests.RequestException as exc:
+                raise c.error(f"{url}: {c.undo_route}?tags={','.join(tags)} failed: "
+                              f"{exc}") from exc
+            if resp.status_code != 200:
+                raise c.error(f"{url}: {c.undo_route}?tags={','.join(tags)} answered "
+                              f"{resp.status_code}: {resp.text[:200]}")
+
+    def release(self, check: bool = True, tags: list[str] | None = None) -> None:
+        """Take every engine out of the state (with ``tags``, the sleep's last tags: the
+        engine must then be fully awake); with ``check``, one that stays in it is an
         error."""
         urls, self.urls = self.urls, []
         c = self.change
+        params = {"tags": tags} if tags else None
         for url in urls:
             try:
-                resp = requests.post(url + c.undo_route, timeout=self.timeout)
+                resp = requests.post(url + c.undo_route, params=params, timeout=self.timeout)
                 state = _state(url, c, self.timeout)
             except (requests.RequestException, ValueError) as exc:
                 if check:
@@ -317,3 +390,35 @@ def sleep_engines(urls: list[str], level: int, timeout: float = 120.0) -> Held:
 
 def wake_engines(urls: list[str], timeout: float = 120.0, check: bool = True) -> None:
     Held(SLEEP, [u.rstrip("/") for u in urls], timeout).release(check)
+
+
+def _undo_if(url: str, change: EngineChange, timeout: float) -> bool:
+    """Take one engine out of ``change``'s state if it reports being in it (checked);
+    -> whether it was. A server without the route (no dev mode, no sleep mode) is not."""
+    url = url.rstrip("/")
+    try:
+        if _state(url, change, timeout) is not True:
+            return False
+    except (requests.RequestException, ValueError):
+        return False
+    Held(change, [url], timeout).release(check=True)
+    return True
+
+
+def wake_if_asleep(url: str, timeout: float = 120.0) -> bool:
+    """Wake an engine left asleep (its trainer died between sleep and wake)."""
+    return _undo_if(url, SLEEP, timeout)
+
+
+def resume_if_paused(url: str, timeout: float = 120.0) -> bool:
+    """Resume an engine left paused (a step whose load failed did not resume it)."""
+    return _undo_if(url, PAUSE, timeout)
+
+
+def wake_orphans(urls: list[str], timeout: float = 120.0) -> list[str]:
+    """Wake every engine left asleep; call only while no pause is held. -> those woken."""
+    woken = [u for u in urls if wake_if_asleep(u, timeout)]
+    for url in woken:
+        log.warning("inference server %s was asleep with no pause held (a trainer died "
+                    "between sleep and wake): woken", url)
+    return woken
