@@ -1,5 +1,6 @@
 """verl's Ray worker group as the engine's ranks: two CPU ranks under Ray take the same step
-as one in-process rank (the path multi-GPU and multi-node updates take)."""
+as one in-process rank (the path multi-GPU and multi-node updates take), and a worker's
+second run gets the ranks the first one held."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 from app.config import load_config
 from app.config.loader import REPO_ROOT
 from tests.unit.test_engine import assert_same_step, step_of
+from workers.trainer import service
 from workers.trainer.engine import EngineTrainer, launcher
+from workers.trainer.settings import TrainerSettings
 
 pytestmark = pytest.mark.slow
 MODEL = str(REPO_ROOT / "var" / "models" / "tiny-qwen2")
@@ -22,14 +25,28 @@ def test_launcher_choice():
     assert launcher(load_config(None, ["trainer.launcher=ray"]), "cpu") == "ray"
 
 
-def test_two_ray_ranks_take_the_same_step_as_one_local_rank():
+@pytest.mark.timeout(600)  # the old ranks' placement group kept: the second run waits on
+def test_two_runs_in_one_worker_on_two_ray_ranks_take_the_same_step_as_one_local_rank(
+        tmp_path):
+    """A trainer worker takes one run, then another: the first run's rank actors and their
+    placement group are given back (Ray here has exactly the two CPUs the ranks reserve),
+    and the second run's two ranks take the same step as one in-process rank."""
     import ray
 
     local = step_of(EngineTrainer(load_config(None, BASE), MODEL))
+    cfg = load_config(None, [*BASE, "trainer.launcher=ray", "trainer.n_gpus_per_node=2",
+                             f"trainer.checkpoint_dir={tmp_path}"])
+    settings = TrainerSettings.from_config(cfg)
+    ray.init(num_cpus=2, include_dashboard=False)
     try:
-        on_ray = EngineTrainer(load_config(None, [*BASE, "trainer.launcher=ray",
-                                                  "trainer.n_gpus_per_node=2"]), MODEL)
-        assert on_ray.size == 2
-        assert_same_step(local, step_of(on_ray))
+        first = service.resident_trainer("ray-run-1", cfg, settings)
+        assert first.trainer.size == 2
+        second = service.resident_trainer("ray-run-2", cfg, settings)  # closes the first
+        assert second is not first and second.trainer.size == 2
+        service._resident = None
+        assert_same_step(local, step_of(second.trainer))
     finally:
+        if service._resident is not None:
+            service._resident.close()
+            service._resident = None
         ray.shutdown()

@@ -230,7 +230,19 @@ class LocalRanks:
         return [getattr(self.engine, method)(*args, **kwargs)]
 
     def close(self) -> None:
-        return None
+        del self.engine
+        _free_accelerator()
+
+
+def _free_accelerator() -> None:
+    """Drop what a closed engine left: the garbage holding its tensors, then the caching
+    allocator's blocks (a next run in this process, or a woken inference engine, gets
+    them)."""
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _rank_main(rank: int, world: int, port: int, spec: EngineSpec, conn: Any) -> None:
@@ -327,6 +339,7 @@ class RayRanks:
         pool = RayResourcePool([per_node] * nnodes, use_gpu=use_gpu,
                                name_prefix="carryover_trainer", max_colocate_count=1)
         actor = RayClassWithInitArgs(cls=ray.remote(_ray_rank_class()), spec=spec)
+        self.pool = pool
         self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=actor,
                                     device_name=spec.device)
         self.size = nnodes * per_node
@@ -337,7 +350,21 @@ class RayRanks:
                                            per_rank if per_rank else [()] * n, [kwargs] * n)
 
     def close(self) -> None:
-        return None  # the actors live as long as this controller process
+        """Kill the rank actors and give their placement group back: its bundles (every
+        GPU of the update) would otherwise stay reserved, and the next run in this worker
+        would wait for them forever."""
+        import ray
+        from ray.util import remove_placement_group
+
+        for worker in self.group.workers:
+            try:
+                ray.kill(worker)
+            except Exception as exc:  # noqa: BLE001 - an actor already dead is fine
+                log.warning("could not kill a trainer rank actor: %s", exc)
+        for pg in self.pool.pgs or []:
+            remove_placement_group(pg)
+        self.pool.pgs = None
+        _free_accelerator()
 
 
 def _ray_rank_class() -> type:

@@ -489,12 +489,14 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
     cfg = run_config(client, run_id)
     settings = TrainerSettings.from_config(cfg)
     wake_orphans(client, settings)
-    if _resident is not None:
-        _resident.close()
-    _resident = None
-    resident = resident_trainer(run_id, cfg, settings)
     metrics: Metrics = {}
+    # the build is inside the heartbeat: a 7B engine or a checkpoint restore takes minutes,
+    # and the driver must see a trainer at work, not "no trainer worker took the task"
     with Beats(client, keys.trainer_heartbeat(run_id, "init"), settings.heartbeat_s) as beats:
+        if _resident is not None:
+            _resident.close()
+        _resident = None
+        resident = resident_trainer(run_id, cfg, settings)
         version = _serve_resident(client, settings, resident, beats, metrics)
     metrics["policy/version"] = version
     metrics["resumed_from_step"] = resident.restored_step
