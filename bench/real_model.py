@@ -49,7 +49,8 @@ def tree_rss_bytes(pid: int) -> int:
     return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
 
 
-def generation(url: str, calls: int, concurrency: int, max_tokens: int) -> dict[str, float]:
+def generation(url: str, calls: int, concurrency: int, max_tokens: int, api_key: str
+               ) -> dict[str, float]:
     import requests
 
     from examples.arith.agent import question
@@ -57,8 +58,9 @@ def generation(url: str, calls: int, concurrency: int, max_tokens: int) -> dict[
     def one(i: int) -> int:
         body = {"model": NAME, "max_tokens": max_tokens, "temperature": 1.0,
                 "messages": [{"role": "user", "content": question(i % 10, (3 * i) % 10)}]}
-        return requests.post(url + "/v1/chat/completions", json=body,
-                             timeout=600).json()["usage"]["completion_tokens"]
+        return requests.post(url + "/v1/chat/completions", json=body, timeout=600,
+                             headers={"Authorization": f"Bearer {api_key}"},
+                             ).json()["usage"]["completion_tokens"]
 
     start = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
@@ -107,6 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     os.environ.setdefault("WANDB_MODE", "disabled")
     from app.config import load_config
+    from app.config.secrets import inference_api_key
     from workers.trainer import weights
     from workers.trainer.engine import EngineTrainer
     from workers.trainer.verl_batch import to_verl_batch
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         # every core, as the matmul rate it is compared with (the example gives the update
         # one core, the engine the other)
         f"trainer.cpu_threads={args.threads}"])
+    weights.use_api_key(inference_api_key(cfg))
     built = json.loads((MODEL / "carryover-build.json").read_text())
     out: dict = {"model": NAME, "parameters": int(built["parameters"]),
                  "inference_dtype": str(cfg.inference.dtype)}
@@ -144,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ids = weights.probe_ids(MODEL)
     with inference_server(cfg, tmp / "vllm.log") as (url, proc):
-        out["generation"] = generation(url, args.calls, args.concurrency, args.response)
+        out["generation"] = generation(url, args.calls, args.concurrency, args.response,
+                                       inference_api_key(cfg))
         cycles = []
         previous = trainer.probe_log_probs(ids)
         for version in range(1, args.cycles + 1):

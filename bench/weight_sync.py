@@ -39,6 +39,7 @@ def main(argv: list[str] | None = None) -> int:
         f"redis.port={free_port()}", f"redis.dir={tmp / 'redis'}",
         f"inference.port={inf_port}", f"inference.urls=[http://127.0.0.1:{inf_port}]"])
     from app.config import service_config
+    from app.config.secrets import inference_api_key
     from app.services.supervisor import Supervisor
     from app.state.connection import connect, resolve_redis_url
     from app.state.pause import Pause
@@ -49,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     from workers.trainer.verl_batch import to_verl_batch
 
     cfg = service_config()
+    weights.use_api_key(inference_api_key(cfg))
     phases: dict[str, dict[str, list[float]]] = {"engine": {}, "reference": {}}
 
     def timed(path: str, name: str, fn, *a, **kw):

@@ -2,34 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import secrets
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from app.config.loader import REPO_ROOT, repo_path
+from app.config.loader import repo_path
+from app.config.secrets import admin_token, inference_api_key
 from app.config.settings import InferenceSettings
 from app.state.connection import resolve_redis_url
-
-ADMIN_TOKEN_FILE = REPO_ROOT / "var" / "admin-token"
-
-
-def admin_token(cfg: Any) -> str:
-    """Config value > $CARRYOVER_ADMIN_TOKEN > a token generated once into var/admin-token
-    (mode 0600), shared by the gateway and the trainer on this machine."""
-    token = cfg.gateway.admin_token or os.environ.get("CARRYOVER_ADMIN_TOKEN")
-    if token:
-        return token
-    path = Path(ADMIN_TOKEN_FILE)
-    if path.exists():
-        return path.read_text().strip()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token)
-    return token
 
 
 @dataclass(frozen=True)
@@ -55,6 +34,7 @@ class GatewaySettings:
     chat_template: str | None = None  # inference.chat_template: the servers' template file
     max_model_len: int = 0
     sleep_check: bool = False     # the servers sleep around updates: skip one left asleep
+    inference_api_key: str = ""   # sent to the servers; agents never see it
 
     @classmethod
     def from_config(cls, cfg: Any) -> GatewaySettings:
@@ -82,4 +62,5 @@ class GatewaySettings:
             chat_template=str(repo_path(str(cfg.inference.chat_template)))
             if cfg.inference.get("chat_template") else None,
             sleep_check=InferenceSettings.from_config(cfg).sleep_mode,
+            inference_api_key=inference_api_key(cfg),
         )

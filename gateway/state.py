@@ -38,7 +38,8 @@ class GatewayState:
         self.leases = LocalLeases(self.admission, refresh_every_s=settings.lease_ttl_s / 3)
         self.upstreams = Upstreams(list(settings.upstreams), client=self.redis,
                                    health_every_s=settings.upstream_health_s,
-                                   sleep_check=settings.sleep_check)
+                                   sleep_check=settings.sleep_check,
+                                   api_key=settings.inference_api_key)
         self.context = None  # the context-length check (gateway.context_check)
         self.continuity = None  # token continuity (gateway.token_continuity)
         if settings.context_check or settings.token_continuity:

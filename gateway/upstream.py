@@ -125,8 +125,9 @@ class _ConnectionPool:
     ``post`` instead). urllib3 does both, and on loopback each send and poll costs the
     gateway about as much as the work it does for the call."""
 
-    def __init__(self, url: str, maxsize: int) -> None:
+    def __init__(self, url: str, maxsize: int, api_key: str = "") -> None:
         u = urlsplit(url)
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.https = u.scheme == "https"
         self.host = u.hostname or "127.0.0.1"
         self.port = u.port or (443 if self.https else 80)
@@ -164,7 +165,8 @@ class _ConnectionPool:
             conn.close()
 
     def post(self, path: str, body: bytes, timeout_s: float) -> UpstreamResponse:
-        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body)),
+                   **self.auth}
         while True:
             conn, reused = self.get()
             ok = False
@@ -194,7 +196,8 @@ class _ConnectionPool:
 class Upstreams:
     def __init__(self, urls: list[str], cooldown_s: float = 5.0, pool_size: int = 64,
                  client: redis.Redis | None = None, stale_refresh_s: float = 0.5,
-                 health_every_s: float = 0.0, sleep_check: bool = False) -> None:
+                 health_every_s: float = 0.0, sleep_check: bool = False,
+                 api_key: str = "") -> None:
         if not urls:
             raise ValueError("at least one inference URL is needed (inference.urls)")
         self.urls = [u.rstrip("/") for u in urls]
@@ -212,7 +215,8 @@ class Upstreams:
         self._stale_read_at = float("-inf")
         self._lock = threading.Lock()
         # No retries here (the agent retries on our 503), no proxy lookups.
-        self._pools = {u: _ConnectionPool(u, pool_size) for u in self.urls}
+        # ``api_key``: the servers' key (vLLM's --api-key), sent on every call
+        self._pools = {u: _ConnectionPool(u, pool_size, api_key) for u in self.urls}
         if health_every_s > 0:
             threading.Thread(target=self._check_forever, name="upstream-health",
                              daemon=True).start()

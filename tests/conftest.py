@@ -51,6 +51,17 @@ os.environ.pop("CARRYOVER_CONFIG", None)
 os.environ["CARRYOVER_OVERRIDES"] = json.dumps(stack_overrides(_TMP))
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ["CARRYOVER_ADMIN_TOKEN"] = "test-admin-token"
+# the key the test servers demand on /v1 (the gateway and the trainer send it)
+os.environ["CARRYOVER_INFERENCE_API_KEY"] = "test-inference-key"
+INFERENCE_AUTH = {"Authorization": "Bearer test-inference-key"}
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _inference_api_key():
+    """The weight-sync calls tests make in this process carry the servers' key too."""
+    from workers.trainer import weights
+
+    weights.use_api_key(os.environ["CARRYOVER_INFERENCE_API_KEY"])
 
 
 def _interrupt(signum: int, frame: object) -> None:

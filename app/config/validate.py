@@ -236,6 +236,8 @@ RULES: dict[str, Check] = {
     "inference.tool_strict_level": one_of("auto", "function", "parameter"),
     "inference.urls": url_list,
     "inference.host": string,
+    "inference.api_key": optional(string),
+    "inference.dev_routes_guard": optional(string),
     "inference.port": port,
     "inference.served_model_name": string,
     "inference.dtype": one_of(*DTYPES),
@@ -417,6 +419,17 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             f"controller.retry_max_wait_s: value {wait} must be at least gateway.drain_timeout_s"
             f" + trainer.heartbeat_s ({drain + beat}): agents would give up during an ordinary "
             "pause")
+    host = _get(cfg, "inference.host")
+    if ok("inference.host", "inference.dev_routes_guard") and not _loopback(host) \
+            and not _get(cfg, "inference.dev_routes_guard"):
+        problems.append(
+            f"inference.host: value {host!r} opens the inference server beyond this machine, "
+            "and with it vLLM's dev routes, which no API key guards: /collective_rpc loads "
+            "weights from any path, /sleep and /pause stop generation, the weight-transfer "
+            "routes replace the weights. Bind to 127.0.0.1, or set "
+            "inference.dev_routes_guard to how they are kept from all but the trainer (a "
+            "network policy admitting only the gateway and trainer hosts; "
+            "docs/operations.md, Security)")
     reload_s = _get(cfg, "trainer.reload_timeout_s")
     start_s = _get(cfg, "inference.startup_timeout_s")
     if ok("trainer.reload_timeout_s", "inference.startup_timeout_s") and reload_s < start_s:
@@ -426,6 +439,17 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             "takes up to that long to answer again, and the step would fail (the gateway "
             "paused meanwhile) before it is back")
     return problems
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to any interface
 
 
 def validate(cfg: dict[str, Any]) -> list[str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from app.config.loader import REPO_ROOT, repo_path
+from app.config.secrets import inference_api_key
 from app.config.settings import sleep_mode
 from app.services.device import resolve as resolve_device
 from app.state.connection import is_external
@@ -99,7 +100,10 @@ def inference_command(cfg: Any) -> Command:
     if eager:
         argv.append("--enforce-eager")
     # Dev mode exposes /collective_rpc (weight reload), /reset_prefix_cache and sleep/wake.
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    # The key guards /v1 (agents reach the model through the gateway only); in the
+    # environment, not the command line, where any user's `ps` would show it.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+           "VLLM_API_KEY": inference_api_key(cfg)}
     if device == "cuda":
         argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization),
                  "--tensor-parallel-size", str(inf.tensor_parallel_size),

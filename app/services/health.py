@@ -11,6 +11,7 @@ from typing import Any
 
 import requests
 
+from app.config.secrets import inference_api_key
 from app.state.connection import connect, redact, resolve_redis_url
 
 WORKER_QUEUES = ("rollout", "groups", "trainer")
@@ -43,7 +44,8 @@ def check_inference(cfg: Any, timeout: float = 2.0) -> list[PartStatus]:
         url = url.rstrip("/")
         try:
             requests.get(url + "/health", timeout=timeout).raise_for_status()
-            models = requests.get(url + "/v1/models", timeout=timeout).json()
+            models = requests.get(url + "/v1/models", timeout=timeout, headers={
+                "Authorization": f"Bearer {inference_api_key(cfg)}"}).json()
             names = [m["id"] for m in models.get("data", [])]
             version = requests.get(url + "/version", timeout=timeout).json().get("version", "")
             expected = cfg.inference.served_model_name

@@ -1,5 +1,6 @@
 """Security defaults: loopback binds, JSON-only Celery, Redis password end to end, agent and
-admin tokens kept apart and never written to logs."""
+admin tokens kept apart and never written to logs, the inference servers' /v1 behind a key,
+and no server beyond loopback without its dev routes guarded."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ import redis
 import requests
 
 from app.config import load_config
+from app.config.errors import ConfigError
 from app.services.commands import command_for
 from app.state import keys
 from app.state.connection import connect, resolve_redis_url
-from tests.conftest import REPO, free_port, standin_gateway
+from tests.conftest import INFERENCE_AUTH, REPO, free_port, standin_gateway
 
 
 def test_every_service_binds_to_loopback_by_default():
@@ -117,3 +119,31 @@ def test_tokens_never_reach_the_logs(redis_client, tmp_root, new_rollout):
         assert admin not in text, f"admin token in {path}"
     # Redis holds only the token's hash
     assert token not in json.dumps(redis_client.hgetall(keys.rollout(rid)))
+
+
+def test_the_inference_servers_openai_routes_need_their_key(vllm_service, cfg):
+    """/v1 on the inference server asks for the key the gateway and the trainer send:
+    an agent that found the server's port cannot bypass the gateway's leases, capture and
+    sampling rules."""
+    body = {"model": cfg.inference.served_model_name, "prompt": "abc", "max_tokens": 1}
+    bare = requests.post(vllm_service + "/v1/completions", json=body, timeout=30)
+    assert bare.status_code == 401, bare.text
+    keyed = requests.post(vllm_service + "/v1/completions", json=body, timeout=30,
+                          headers=INFERENCE_AUTH)
+    assert keyed.status_code == 200, keyed.text
+    # the key travels in the server's environment, never on its command line (ps shows it)
+    command = command_for(cfg, "inference")
+    assert command.env["VLLM_API_KEY"] == "test-inference-key"
+    assert "test-inference-key" not in " ".join(command.argv)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "inference.internal"])
+def test_an_inference_server_beyond_loopback_needs_its_dev_routes_guarded(host):
+    with pytest.raises(ConfigError, match="inference.host: value .* dev routes, which no API "
+                                          "key guards"):
+        load_config(None, [f"inference.host={host}"])
+    cfg = load_config(None, [f"inference.host={host}",
+                             "inference.dev_routes_guard=a network policy admits the trainer only"])
+    assert cfg.inference.host == host
+    for loopback in ("127.0.0.1", "localhost", "::1"):
+        load_config(None, [f"inference.host={loopback}"])

@@ -11,7 +11,7 @@ import statistics
 import pytest
 import requests
 
-from tests.conftest import REPO, model_server
+from tests.conftest import INFERENCE_AUTH, REPO, model_server
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def greedy_config_server(tmp_path_factory):
 def test_the_models_generation_config_does_not_apply(greedy_config_server):
     answer = requests.post(f"{greedy_config_server}/v1/completions", json={
         "model": "topk1", "prompt": "reverse abc", "max_tokens": 24, "temperature": 1.0,
-        "logprobs": 0, "ignore_eos": True}, timeout=60).json()
+        "logprobs": 0, "ignore_eos": True}, timeout=60, headers=INFERENCE_AUTH).json()
     logprobs = answer["choices"][0]["logprobs"]["token_logprobs"]
     assert len(logprobs) == 24
     # The random tiny model's next-token distribution is near uniform over 27 tokens

@@ -15,10 +15,10 @@ from app.config import load_config
 from app.driver.loop import train
 from app.state import keys
 from app.state.records import CapturedCall
+from tests.conftest import INFERENCE_AUTH, gateway_process
 from tests.conftest import SMOLLM2 as MODEL
 from tests.conftest import SMOLLM2_NAME as NAME
 from tests.conftest import SMOLLM2_SERVING as SERVING
-from tests.conftest import gateway_process
 
 pytestmark = pytest.mark.slow
 
@@ -38,7 +38,8 @@ def test_a_chat_turn_ends_at_the_end_of_turn_token(smol):
     url, _ = smol
     answer = requests.post(f"{url}/v1/chat/completions", json={
         "model": NAME, "messages": [{"role": "user", "content": "Say hello."}],
-        "max_tokens": 64, "temperature": 0, "return_token_ids": True}, timeout=120).json()
+        "max_tokens": 64, "temperature": 0, "return_token_ids": True}, timeout=120,
+        headers=INFERENCE_AUTH).json()
     choice = answer["choices"][0]
     # the converted tokenizer named <|im_start|> (id 1) as EOS: a turn would run on into
     # the next one instead of stopping at <|im_end|> (id 2)

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import requests
 
-from tests.conftest import REPO, stack_overrides
+from tests.conftest import INFERENCE_AUTH, REPO, stack_overrides
 
 BIN = Path(sys.executable).parent
 
@@ -77,7 +77,8 @@ def test_honcho_brings_up_every_role_and_stops_cleanly(tmp_path):
         url = url.strip("[]")
         resp = requests.post(url + "/v1/chat/completions", json={
             "model": "tiny-qwen2", "messages": [{"role": "user", "content": "abc"}],
-            "max_tokens": 4, "logprobs": True, "return_token_ids": True}, timeout=60).json()
+            "max_tokens": 4, "logprobs": True, "return_token_ids": True}, timeout=60,
+            headers=INFERENCE_AUTH).json()
         choice = resp["choices"][0]
         assert resp["prompt_token_ids"] and len(choice["token_ids"]) >= 1
         assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])

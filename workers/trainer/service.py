@@ -38,6 +38,7 @@ from typing import Any
 import redis
 import requests
 
+from app.config.secrets import inference_api_key
 from app.state import keys, retention
 from app.state.cached_reads import POLICY_VERSION_MAX_AGE_S
 from app.state.pause import Pause
@@ -118,6 +119,7 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> Metrics:
         return dict(json.loads(done))
     cfg = run_config(client, run_id)
     settings = TrainerSettings.from_config(cfg)
+    weights.use_api_key(inference_api_key(cfg))
     wake_orphans(client, settings)
     with Beats(client, keys.trainer_heartbeat(run_id, str(step)), settings.heartbeat_s) as beats:
         return _train_step(client, run_id, step, cfg, settings, beats)
@@ -488,6 +490,7 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
     global _resident
     cfg = run_config(client, run_id)
     settings = TrainerSettings.from_config(cfg)
+    weights.use_api_key(inference_api_key(cfg))
     wake_orphans(client, settings)
     metrics: Metrics = {}
     # the build is inside the heartbeat: a 7B engine or a checkpoint restore takes minutes,

@@ -78,8 +78,11 @@ def _start_upstream_keeper(sender: Any = None, **_: Any) -> None:
     if "trainer" not in (celery_app.amqp.queues.consume_from or {}):
         return  # a rollout or groups worker
     from app.config import service_config
+    from app.config.secrets import inference_api_key
+    from workers.trainer import weights
     from workers.trainer.keeper import start_keeper
 
     cfg = service_config()
+    weights.use_api_key(inference_api_key(cfg))
     start_keeper(task_redis(), list(cfg.inference.urls), cfg.inference.served_model_name,
                  float(cfg.trainer.probe_tolerance), float(cfg.trainer.upstream_check_s))

@@ -30,6 +30,16 @@ PROBE_IDS = [1, 17, 15, 7, 14, 21, 3, 4, 5, 2, 21, 1, 3, 15, 15, 9, 15, 16, 3, 1
              5, 4, 3, 2]
 
 
+# One session for every call to the servers: it carries their API key (``use_api_key``;
+# only /v1 asks for it, but a proxy in front may guard every route).
+_http = requests.Session()
+
+
+def use_api_key(key: str) -> None:
+    """Send ``key`` (``inference.api_key``: app.config.secrets) on every call to a server."""
+    _http.headers["Authorization"] = f"Bearer {key}"
+
+
 class WeightSyncError(RuntimeError):
     pass
 
@@ -66,7 +76,7 @@ def loaded_version(url: str, timeout: float = 5.0) -> str | None:
     """The weight version the server says it holds (vLLM's ``/weight_info``: "default"
     until a load names one, and again after a restart); None if it does not say."""
     try:
-        resp = requests.get(url.rstrip("/") + "/weight_info", timeout=timeout)
+        resp = _http.get(url.rstrip("/") + "/weight_info", timeout=timeout)
         return str(resp.json()["weight_version"]) if resp.status_code == 200 else None
     except (requests.RequestException, ValueError, KeyError):
         return None
@@ -88,7 +98,7 @@ def reload_weights(url: str, path: Path, timeout: float = 600.0,
     weights that sample it."""
     url = url.rstrip("/")
     try:
-        resp = requests.post(url + "/collective_rpc", json={
+        resp = _http.post(url + "/collective_rpc", json={
             "method": "reload_weights", "kwargs": {"weights_path": str(path.resolve())}},
             timeout=timeout)
     except requests.Timeout as exc:
@@ -102,7 +112,7 @@ def reload_weights(url: str, path: Path, timeout: float = 600.0,
     # briefly, then fail loudly: a stale prefix cache means off-policy log-probs.
     params = {"reset_running_requests": "true"} if frozen_calls else None
     for _ in range(50):
-        body = requests.post(url + "/reset_prefix_cache", params=params, timeout=timeout).json()
+        body = _http.post(url + "/reset_prefix_cache", params=params, timeout=timeout).json()
         if body.get("success") is True:
             break
         time.sleep(0.1)
@@ -111,7 +121,7 @@ def reload_weights(url: str, path: Path, timeout: float = 600.0,
     if version is not None:
         # the server keeps the version it holds: the upstream keeper reads it back, and a
         # server that restarted (behind a load balancer, unseen) says "default" again
-        requests.post(url + "/update_weight_version", json={"new_version": str(version)},
+        _http.post(url + "/update_weight_version", json={"new_version": str(version)},
                       timeout=timeout)
 
 
@@ -120,7 +130,7 @@ def engine_probe_logprobs(url: str, model_name: str, ids: list[int], timeout: fl
     """``dp_rank``: the data-parallel replica to ask (vLLM's ``X-data-parallel-rank``
     header); None lets the server's balancer pick one."""
     headers = {"X-data-parallel-rank": str(dp_rank)} if dp_rank is not None else None
-    resp = requests.post(url.rstrip("/") + "/v1/completions", json={
+    resp = _http.post(url.rstrip("/") + "/v1/completions", json={
         "model": model_name, "prompt": ids, "max_tokens": 1, "temperature": 0,
         "prompt_logprobs": 0}, timeout=timeout, headers=headers)
     resp.raise_for_status()
@@ -272,7 +282,7 @@ SLEEP = EngineChange(
 
 
 def _state(url: str, change: EngineChange, timeout: float) -> object:
-    resp = requests.get(url + change.state_route, timeout=timeout)
+    resp = _http.get(url + change.state_route, timeout=timeout)
     return resp.json().get(change.state_key) if resp.status_code == 200 else None
 
 
@@ -300,7 +310,7 @@ class Held:
         c = self.change
         for url in self.urls:
             try:
-                resp = requests.post(url + c.undo_route, params={"tags": tags},
+                resp = _http.post(url + c.undo_route, params={"tags": tags},
                                      timeout=self.timeout)
             except requests.RequestException as exc:
                 raise c.error(f"{url}: {c.undo_route}?tags={','.join(tags)} failed: "
@@ -318,7 +328,7 @@ class Held:
         params = {"tags": tags} if tags else None
         for url in urls:
             try:
-                resp = requests.post(url + c.undo_route, params=params, timeout=self.timeout)
+                resp = _http.post(url + c.undo_route, params=params, timeout=self.timeout)
                 state = _state(url, c, self.timeout)
             except (requests.RequestException, ValueError) as exc:
                 if check:
@@ -351,7 +361,7 @@ def change_engines(urls: list[str], change: EngineChange, params: dict[str, obje
         resp: requests.Response | None
         state: object
         try:
-            resp = requests.post(url + change.route, params=params, timeout=timeout)
+            resp = _http.post(url + change.route, params=params, timeout=timeout)
             state = _state(url, change, timeout) if resp.status_code == 200 else None
         except (requests.RequestException, ValueError) as exc:
             if isinstance(exc, requests.ConnectionError) and change.skip_unreachable:
