@@ -1,16 +1,28 @@
 """A prepared GPU check of the update on verl's FSDP2 engine, through the trainer's own path.
 
-Builds a Qwen2.5-0.5B-shaped model (random weights, tied embeddings, saved in bf16) locally,
-then runs ``--steps`` PPO updates through ``EngineTrainer`` in bf16 compute with fp32 master
-weights, micro-batches and gradient checkpointing, on synthetic groups whose rollout
-log-probs are the engine's own (so the importance weights start near 1). Prints JSON: trained
-tokens/s, peak accelerator memory, the log-prob gap between the engine and a plain Hugging
-Face forward of the same weights, and the skipped (non-finite) steps.
+Builds a Qwen2.5-0.5B-shaped model (tied embeddings, saved in bf16) locally and gives it
+peaked logits with a few quick SFT steps on patterned synthetic text (random weights have
+near-uniform logits, against which a bf16 log-prob gap means nothing). Then ``--steps`` PPO
+updates through ``EngineTrainer`` in bf16 compute with fp32 master weights, micro-batches
+and gradient checkpointing, on synthetic groups whose rollout log-probs are the engine's own
+(so the importance weights start near 1); ``--kl`` adds the reference (verl's forward-only
+engine on GPU) and its KL loss, ``--dynamic-bsz`` cuts micro-batches by tokens. After the
+updates: one export of the weights in the server's dtype, read back with safetensors and
+compared with the trainer's own, and the trainer's half of the collocated hand-over (memory
+after the update, after ``empty_cache``, after the offload ``--offload`` configures).
+
+Prints JSON: trained tokens/s, memory at each stage, the log-prob gap between the engine and
+a plain Hugging Face forward of the same weights, skipped (non-finite) steps, the export
+check. Thresholds fail the run (exit 1, one line per failed figure on stderr): the log-prob
+gap (``--max-gap``), any skipped step, an export that differs, memory not returned by the
+offload (``--min-offload-gib``, GPU) and tokens/s (``--min-tokens-per-s``).
 
 Nothing is downloaded. ``--tiny`` is the CPU-sized variant CI runs (same code path).
 
 Usage: python -m bench.gpu_trainer [--tiny] [--steps 5] [--groups 16] [--n 4]
-       [--prompt-len 256] [--response-len 256] [--micro 4] [--out DIR]
+       [--prompt-len 256] [--response-len 256] [--micro 4] [--kl] [--dynamic-bsz]
+       [--offload] [--sft-steps N] [--max-gap 0.05] [--min-tokens-per-s 0]
+       [--min-offload-gib 0] [--out DIR]
 """
 
 from __future__ import annotations
@@ -33,15 +45,77 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             rope_theta=10000.0)
 
 
-def build_model(out: Path, shape: dict, seed: int = 0) -> None:
+def patterned(rng: random.Random, vocab: int, length: int) -> list[int]:
+    """A sequence a model learns to predict in a few steps: a random start, then a fixed
+    stride (mod the vocabulary, above the special ids)."""
+    start, stride = rng.randrange(3, vocab), rng.choice((1, 2, 3, 5))
+    return [1] + [3 + (start + stride * i) % (vocab - 3) for i in range(length - 1)]
+
+
+def build_model(out: Path, shape: dict, sft_steps: int, device: str, seed: int = 0
+                ) -> dict[str, float]:
+    """The model, SFT-ed for ``sft_steps`` on patterned text (fp32, AdamW), saved in bf16.
+    -> the SFT's first and last loss."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
                          pad_token_id=0, rms_norm_eps=1e-6, torch_dtype="bfloat16", **shape)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(str(out), safe_serialization=True)
+    model = Qwen2ForCausalLM(config).to(device)
+    rng = random.Random(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(sft_steps):
+        ids = torch.tensor([patterned(rng, shape["vocab_size"], 64) for _ in range(8)],
+                           device=device)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    model.to(torch.bfloat16).save_pretrained(str(out), safe_serialization=True)
+    return {"first": losses[0], "last": losses[-1]} if losses else {}
+
+
+def export_check(trainer, tmp: Path, dtype: str) -> dict[str, float]:
+    """One export in the server's dtype, read back with safetensors: every tensor equal to
+    the trainer's own weights cast to that dtype."""
+    import torch
+    from safetensors.torch import load_file
+
+    t = time.monotonic()
+    trainer.export_weights(tmp, dtype)
+    export_s = time.monotonic() - t
+    saved = load_file(str(tmp / "model.safetensors"))
+    own = trainer.full_weights("float32")
+    target = getattr(torch, dtype)
+    differ = [k for k in own if k not in saved
+              or not torch.equal(saved[k], own[k].to(target))]
+    return {"tensors": len(saved), "differing_tensors": len(differ) + len(set(saved) - set(own)),
+            "bytes": (tmp / "model.safetensors").stat().st_size, "export_s": export_s}
+
+
+def thresholds(result: dict, args: argparse.Namespace) -> list[str]:
+    """The figures that fail the check, one line each."""
+    failed = []
+    gap = result["logprob_gap_engine_vs_hf"]["mean"]
+    if not gap < args.max_gap:
+        failed.append(f"logprob_gap_engine_vs_hf.mean {gap:.4f} is not below --max-gap "
+                      f"{args.max_gap}")
+    if result["skipped_steps"]:
+        failed.append(f"skipped_steps {result['skipped_steps']:.0f}: a non-finite gradient")
+    if result["export"]["differing_tensors"]:
+        failed.append(f"export: {result['export']['differing_tensors']} tensors differ from "
+                      "the trainer's weights")
+    if result["trained_tokens_per_s"] < args.min_tokens_per_s:
+        failed.append(f"trained_tokens_per_s {result['trained_tokens_per_s']:.0f} is below "
+                      f"--min-tokens-per-s {args.min_tokens_per_s}")
+    returned = result["memory_returned_by_offload_gib"]
+    if returned < args.min_offload_gib:
+        failed.append(f"memory_returned_by_offload_gib {returned:.2f} is below "
+                      f"--min-offload-gib {args.min_offload_gib}")
+    return failed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,10 +127,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--response-len", type=int, default=256)
     ap.add_argument("--micro", type=int, default=4, help="ppo_micro_batch_size_per_gpu")
+    ap.add_argument("--kl", action="store_true", help="the reference and its KL loss")
+    ap.add_argument("--dynamic-bsz", action="store_true", help="micro-batches by tokens")
+    ap.add_argument("--offload", action="store_true",
+                    help="fsdp_config param_offload and optimizer_offload")
+    ap.add_argument("--sft-steps", type=int, default=None,
+                    help="to give the model peaked logits (default 150 with --tiny, else 40)")
+    ap.add_argument("--max-gap", type=float, default=0.05,
+                    help="fail above this mean |engine - HF| log-prob gap (bf16 compute)")
+    ap.add_argument("--min-tokens-per-s", type=float, default=0.0)
+    ap.add_argument("--min-offload-gib", type=float, default=0.0,
+                    help="fail if the offload returns less accelerator memory (GPU)")
     ap.add_argument("--out", default=None, help="where the model is built (default: a temp dir)")
     args = ap.parse_args(argv)
     if args.tiny:
         args.groups, args.n, args.prompt_len, args.response_len = 4, 4, 24, 16
+    if args.sft_steps is None:
+        args.sft_steps = 150 if args.tiny else 40
 
     import torch
 
@@ -70,15 +157,24 @@ def main(argv: list[str] | None = None) -> int:
     shape = TINY if args.tiny else QWEN25_05B
     out = Path(args.out or tempfile.mkdtemp(prefix="carryover-gpu-")) / "qwen2.5-shaped"
     t = time.monotonic()
+    sft: dict[str, float] = {}
     if not (out / "config.json").exists():
-        build_model(out, shape)
+        sft = build_model(out, shape, args.sft_steps, device)
     build_s = time.monotonic() - t
 
+    actor = "actor_rollout_ref.actor."
+    tokens_per_row = args.prompt_len + args.response_len
     cfg = load_config(None, [
-        f"trainer.device={device}", "actor_rollout_ref.actor.lr=1e-6",
-        "actor_rollout_ref.actor.fsdp_config.param_dtype=bfloat16",
-        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={args.micro}",
-        "actor_rollout_ref.actor.enable_gradient_checkpointing=true",
+        f"trainer.device={device}", f"{actor}lr=1e-6",
+        f"{actor}fsdp_config.param_dtype=bfloat16",
+        f"{actor}ppo_micro_batch_size_per_gpu={args.micro}",
+        f"{actor}enable_gradient_checkpointing=true",
+        f"{actor}use_kl_loss={str(args.kl).lower()}",
+        f"{actor}use_dynamic_bsz={str(args.dynamic_bsz).lower()}",
+        # room for the micro-batch's rows by tokens, so the two cuts are comparable
+        f"{actor}ppo_max_token_len_per_gpu={args.micro * tokens_per_row}",
+        f"{actor}fsdp_config.param_offload={str(args.offload).lower()}",
+        f"{actor}fsdp_config.optimizer_offload={str(args.offload).lower()}",
         f"trainer.total_steps={args.steps}"])
     t = time.monotonic()
     trainer = EngineTrainer(cfg, str(out))
@@ -88,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     vocab = shape["vocab_size"]
     samples = []
     for g in range(args.groups):
-        prompt = [1] + [rng.randrange(3, vocab) for _ in range(args.prompt_len - 1)]
+        # patterned text, as the model was tuned on: its log-probs are peaked, not uniform
+        prompt = patterned(rng, vocab, args.prompt_len)
         for _ in range(args.n):
-            resp = [rng.randrange(3, vocab) for _ in range(args.response_len)]
+            resp = patterned(rng, vocab, args.response_len + 1)[1:]
             samples.append(Sample(prompt, resp, [0.0] * len(resp), rng.random(), f"g{g}",
                                   1.0, 0))
     vb = to_verl_batch(samples, trainer.pad_id)
@@ -114,17 +211,25 @@ def main(argv: list[str] | None = None) -> int:
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times, skipped = [], 0.0
+    times, skipped, kl = [], 0.0, []
     tokens = float(vb.response_mask.sum())
     for step in range(args.steps):
         t = time.monotonic()
         m = trainer.update(vb, step)
         times.append(time.monotonic() - t)
         skipped += m["actor/skipped_steps"]
+        kl += [v for k, v in m.items() if k.split("/")[-1] == "kl_loss"]
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     timed = times[1:] or times  # the first update pays for warm-up
     master = trainer.ranks.call("master_dtype")[0]
+    # the trainer's half of the collocated hand-over, as a step runs it
+    memory = trainer.memory("after_update")
+    exported = export_check(trainer, out.parent / "export", "bfloat16")
+    memory.update(trainer.release_memory("before_weights_wake", offload=False))
+    memory.update(trainer.release_memory("before_kv_cache_wake", offload=True))
     trainer.close()
+    before = memory["memory/trainer_rank0_before_weights_wake_allocated_gb"]
+    after = memory["memory/trainer_rank0_before_kv_cache_wake_allocated_gb"]
 
     result = {
         "benchmark": "gpu_trainer", "device": device,
@@ -134,17 +239,27 @@ def main(argv: list[str] | None = None) -> int:
         "parameters": n_params,
         "rows": len(vb), "trained_tokens_per_update": tokens, "steps": args.steps,
         "micro_batch_size_per_gpu": args.micro, "gradient_checkpointing": True,
+        "use_kl_loss": args.kl, "kl_loss": kl, "use_dynamic_bsz": args.dynamic_bsz,
+        "offload": args.offload, "sft_loss": sft,
         "compute_dtype": "bfloat16", "master_dtype": master,
         "update_seconds": times,
         "trained_tokens_per_s": tokens / statistics.median(timed),
         "peak_memory_gib": peak,
+        "memory_gb": {k.removeprefix("memory/trainer_rank0_"): v for k, v in memory.items()},
+        "memory_returned_by_offload_gib": (before - after) * 1e9 / 2**30
+        if device == "cuda" else 0.0,
+        "export": exported,
         "logprob_gap_engine_vs_hf": {"mean": float(gap.mean()), "max": float(gap.max())},
         "skipped_steps": skipped,
         "build_model_s": build_s, "build_engine_s": engine_build_s,
         "verl_platform": os.environ.get("VERL_PLATFORM", "auto"),
     }
+    failed = thresholds(result, args)
+    result["failed"] = failed
     print(json.dumps(result, indent=1))
-    return 0
+    for line in failed:
+        print(f"gpu_trainer: FAILED {line}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

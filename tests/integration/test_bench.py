@@ -110,13 +110,27 @@ def test_scale_bench_json():
 
 
 def test_gpu_trainer_bench_tiny_json(tmp_path):
-    r = run_bench("bench.gpu_trainer", "--tiny", "--steps", "3", "--out", str(tmp_path))
-    assert r["benchmark"] == "gpu_trainer" and r["device"] == "cpu"
+    r = run_bench("bench.gpu_trainer", "--tiny", "--kl", "--dynamic-bsz", "--steps", "3",
+                  "--out", str(tmp_path))
+    assert r["benchmark"] == "gpu_trainer" and r["device"] == "cpu" and r["failed"] == []
     assert r["master_dtype"] == "float32" and r["compute_dtype"] == "bfloat16"
     assert len(r["update_seconds"]) == 3 and r["trained_tokens_per_s"] > 0
     assert r["skipped_steps"] == 0
+    # the SFT gave the model peaked logits (a uniform one scores ln 512 = 6.24 nats)
+    assert r["sft_loss"]["last"] < r["sft_loss"]["first"] - 1
     # bf16 compute against an fp32 forward of the same weights: close, not equal
-    assert 0 < r["logprob_gap_engine_vs_hf"]["mean"] < 0.1
+    assert 0 < r["logprob_gap_engine_vs_hf"]["mean"] < 0.05
+    # the reference path: no KL before the first step moved the actor, some after
+    assert len(r["kl_loss"]) == 3 and r["kl_loss"][0] == 0 and r["kl_loss"][-1] > 0
+    assert r["export"]["tensors"] > 0 and r["export"]["differing_tensors"] == 0
+    assert set(r["memory_gb"]) >= {"after_update_allocated_gb",
+                                   "before_kv_cache_wake_allocated_gb"}
+    # a threshold the figures miss fails the run, naming the figure
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_trainer", "--tiny", "--steps", "1",
+                          "--max-gap", "1e-6", "--out", str(tmp_path)], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 1
+    assert "FAILED logprob_gap_engine_vs_hf.mean" in out.stderr
 
 
 def test_checkpoint_cost_bench_json():
