@@ -76,7 +76,11 @@ ensure_venv() {  # ensure_venv DIR INSTALL_FUNCTION STAMP_INPUTS...
     return
   fi
   say "building $dir for $DEVICE (a few minutes the first time)"
-  [[ -x $dir/bin/python ]] || "$PYTHON" -m venv "$dir"
+  # a venv whose creation was interrupted has a python but no pip: made again
+  if [[ ! -x $dir/bin/python || ! -x $dir/bin/pip ]]; then
+    rm -rf "$dir"
+    "$PYTHON" -m venv "$dir"
+  fi
   "$fn" "$dir"
   echo "$want" > "$dir/.carryover-stamp"
 }
