@@ -307,6 +307,7 @@ RULES: dict[str, Check] = {
     "trainer.save_freq": positive_int,
     "trainer.checkpoint_in_background": boolean,
     "trainer.weights_dir": string,
+    "trainer.weights_in_memory": one_of("auto", False),
     "trainer.keep_weight_versions": positive_int,
     "trainer.checkpoint_dir": string,
     "trainer.probe_tolerance": positive_num,

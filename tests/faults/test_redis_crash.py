@@ -129,7 +129,8 @@ def test_redis_killed_at_three_points_of_a_step(tmp_path):
             # weights are on disk, the version not bumped yet. The window is tens of
             # milliseconds; a look that comes after the bump tries the next step.
             wait_for("step 4", lambda: steps_done() >= 5, train, 240)
-            weights_dir = Path(cfg.trainer.weights_dir)
+            # where the trainer exports (weights_dir, or shared memory: weights_in_memory)
+            weights_dir = Path(client.hget(keys.policy_published(), "path")).parent
             for _ in range(steps - 5):
                 version = int(client.get(keys.policy_version()) or 0)
                 new = weights_dir / f"v{version + 1:06d}"

@@ -213,6 +213,10 @@ class EngineTrainer:
         """``path/model.safetensors`` in ``dtype`` from the engine's per-tensor iterator."""
         self.ranks.call("export", [(str(path), dtype)] * self.size)
 
+    def parameter_count(self) -> int:
+        """The model's parameters (a tied head counted once)."""
+        return int(self.ranks.call("parameter_count")[0])
+
     def memory(self, stage: str) -> dict[str, float]:
         """Every rank's accelerator memory now, as metrics named for ``stage``."""
         return _memory_metrics(stage, self.ranks.call("memory"))

@@ -173,6 +173,10 @@ class RankEngine:
     def load(self, path: str) -> None:
         self.actor.load_checkpoint(path, del_local_after_load=False)
 
+    def parameter_count(self) -> int:
+        # a DTensor's numel is the full tensor's: the same on every rank
+        return sum(p.numel() for p in self.actor.engine.module.parameters())
+
     def memory(self) -> dict[str, float]:
         """This rank's accelerator memory in GB: what torch allocated and what its caching
         allocator reserves (on CPU: the bytes of the parameters, gradients and optimizer

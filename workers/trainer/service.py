@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import statistics
 import time
 from collections.abc import Iterator
@@ -71,17 +72,29 @@ class Resident:
     restored_step: int | None = None       # the checkpoint this process started from
     published: bool = False                # the servers hold this process's weights
     saves: checkpoint.BackgroundSaves = field(default_factory=checkpoint.BackgroundSaves)
+    export_root: Path | None = None        # where this process's exports go (decided once)
 
     def close(self) -> None:
-        """Finish a checkpoint still being written, then free the engine."""
+        """Finish a checkpoint still being written, then free the engine and the exports
+        this process kept in shared memory (host memory, not disk: the checkpoints hold
+        the weights)."""
         try:
             self.saves.close()
         except checkpoint.CheckpointError as exc:
             log.error("%s", exc)
         self.trainer.close()
+        if self.export_root is not None and weights.in_shared_memory(self.export_root):
+            shutil.rmtree(self.export_root, ignore_errors=True)
 
 
 _resident: Resident | None = None
+
+
+def close_resident() -> None:
+    global _resident
+    if _resident is not None:
+        _resident.close()
+    _resident = None
 
 
 def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Resident:
@@ -288,9 +301,16 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
         metrics.update(trainer.memory("after_update"))
     version = int(client.get(keys.policy_version()) or 0) + 1
     t = time.monotonic()
-    dtype = str(weights.engine_dtype(inf.dtype, settings.model_path)).replace("torch.", "")
+    engine_dtype = weights.engine_dtype(inf.dtype, settings.model_path)
+    dtype = str(engine_dtype).replace("torch.", "")
+    if resident.export_root is None:
+        size = trainer.parameter_count() * engine_dtype.itemsize
+        resident.export_root = weights.export_root(
+            settings.weights_dir, settings.weights_in_memory, list(inf.urls), size,
+            settings.keep_weight_versions)
+        log.info("weight exports of %.2f GB go to %s", size / 1e9, resident.export_root)
     path = weights.publish_version(
-        settings.weights_dir, version, settings.keep_weight_versions,
+        resident.export_root, version, settings.keep_weight_versions,
         lambda tmp: trainer.export_weights(tmp, dtype))
     timings["save"] = time.monotonic() - t
 

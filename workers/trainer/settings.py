@@ -16,6 +16,7 @@ from workers.trainer.batch import Overlong
 class TrainerSettings:
     model_path: Path
     weights_dir: Path
+    weights_in_memory: bool     # auto: /dev/shm when it fits and every server is local
     checkpoint_dir: Path
     keep_weight_versions: int
     heartbeat_s: float          # the pause's lease: extended every beat, gone a TTL after
@@ -43,6 +44,7 @@ class TrainerSettings:
         return cls(
             model_path=repo_path(str(cfg.actor_rollout_ref.model.path)),
             weights_dir=repo_path(str(tr.weights_dir)),
+            weights_in_memory=tr.weights_in_memory == "auto",
             checkpoint_dir=repo_path(str(tr.checkpoint_dir)),
             keep_weight_versions=int(tr.keep_weight_versions),
             heartbeat_s=float(tr.heartbeat_s),

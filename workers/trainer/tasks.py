@@ -13,7 +13,7 @@ import json
 import logging
 from typing import Any
 
-from celery.signals import worker_ready
+from celery.signals import worker_ready, worker_shutdown
 
 from app.celery_app import celery_app, task_redis
 from app.state import keys
@@ -86,3 +86,12 @@ def _start_upstream_keeper(sender: Any = None, **_: Any) -> None:
     weights.use_api_key(inference_api_key(cfg))
     start_keeper(task_redis(), list(cfg.inference.urls), cfg.inference.served_model_name,
                  float(cfg.trainer.probe_tolerance), float(cfg.trainer.upstream_check_s))
+
+
+@worker_shutdown.connect
+def _close_resident(sender: Any = None, **_: Any) -> None:
+    """A worker that stops (warm shutdown) finishes its checkpoint write and frees what its
+    run held, its exports in shared memory among them."""
+    from workers.trainer.service import close_resident
+
+    close_resident()

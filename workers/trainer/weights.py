@@ -9,6 +9,7 @@ probe compares the engine's log-probs with the trainer's: a reload that silently
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import shutil
@@ -59,6 +60,50 @@ def publish_version(root: Path, version: int, keep: int, write: Callable[[Path],
     for old in versions[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+SHM = Path("/dev/shm")
+
+
+def export_root(weights_dir: Path, in_memory: bool, urls: list[str], export_bytes: int,
+                keep: int, shm: Path = SHM) -> Path:
+    """Where the exports go: a folder in shared memory (``trainer.weights_in_memory``
+    auto) when every server is on this host and ``shm`` has room for ``keep`` + 1 exports
+    of ``export_bytes`` (the versions kept, and the one being written), else
+    ``weights_dir``. A server on another host cannot read this host's memory."""
+    from urllib.parse import urlsplit
+
+    local = all((urlsplit(u).hostname or "") in ("127.0.0.1", "localhost", "::1")
+                for u in urls)
+    if not (in_memory and local and shm.is_dir()):
+        return weights_dir
+    _prune_orphans(shm)
+    # one folder per weights_dir: two deployments on one host never share versions
+    owner = str(weights_dir.resolve())
+    root = shm / f"carryover-weights-{hashlib.blake2b(owner.encode(), digest_size=6).hexdigest()}"
+    held = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
+    if shutil.disk_usage(shm).free + held < (keep + 1) * export_bytes:
+        return weights_dir
+    root.mkdir(exist_ok=True)
+    (root / "owner").write_text(owner)
+    return root
+
+
+def _prune_orphans(shm: Path) -> None:
+    """Memory is not disk: a folder whose deployment's weights_dir is gone (a test's, a
+    deleted checkout's) is removed."""
+    for folder in shm.glob("carryover-weights-*"):
+        owner = folder / "owner"
+        try:
+            gone = owner.is_file() and not Path(owner.read_text()).exists()
+        except OSError:
+            continue
+        if gone:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def in_shared_memory(root: Path, shm: Path = SHM) -> bool:
+    return root.parent == shm and root.name.startswith("carryover-weights-")
 
 
 def save_weights(model: torch.nn.Module, root: Path, version: int, keep: int) -> Path:
