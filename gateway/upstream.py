@@ -271,8 +271,9 @@ class Upstreams:
                 self._check_sleep(url, timeout_s)
             with self._lock:
                 was_unhealthy = url in self._unhealthy
+                # a proxy's 502/504 twice in a row (once may be a hiccup of the proxy)
                 went_away = url in self._seen_healthy and (
-                    refused or status in (502, 504))
+                    refused or (status in (502, 504) and self._failures.get(url, 0) >= 1))
                 self._failures[url] = 0 if passed else self._failures.get(url, 0) + 1
                 if passed:
                     self._seen_healthy.add(url)

@@ -26,12 +26,18 @@ def shared_secret(value: str | None, env: str, file: Path) -> str:
         return path.read_text().strip()
     path.parent.mkdir(parents=True, exist_ok=True)
     token = secrets.token_urlsafe(32)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:  # another process wrote it first: use theirs
-        return path.read_text().strip()
+    # written whole under another name, then linked into place: a process starting at the
+    # same moment sees no file or the whole token, never an empty one
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(token)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:  # another process linked its own first: use theirs
+        token = path.read_text().strip()
+    finally:
+        tmp.unlink()
     return token
 
 

@@ -132,14 +132,18 @@ def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, r
         str(m["policy/version"])
 
 
+@pytest.mark.parametrize("placement", ["keep", "collocated"])
 def test_a_load_slower_than_its_timeout_is_not_resumed(upstream, redis_client, tmp_path,
-                                                       real_trainer):
+                                                       real_trainer, placement):
     """``trainer.reload_timeout_s`` bounds each load; an engine whose load did not report
-    success stays paused and stale (the keeper restores it), and the step fails."""
-    requests.post(upstream + "/standin/sleep", json={"clear_events": True}, timeout=5)
-    run_id = "slow-load"
-    cfg = _collocated_cfg(upstream, tmp_path, "trainer.probe_tolerance=100",
-                          "trainer.pause_during_update=false", "gateway.drain_mode=keep",
+    success stays paused (``keep``) or is woken but not trusted (collocated, asleep through
+    the update), and is stale either way (the keeper restores it); the step fails."""
+    requests.post(upstream + "/standin/sleep", json={"mode": "ok", "asleep": False,
+                                                     "clear_events": True}, timeout=5)
+    run_id = f"slow-load-{placement}"
+    mode = ["trainer.pause_during_update=false", "gateway.drain_mode=keep"] \
+        if placement == "keep" else []
+    cfg = _collocated_cfg(upstream, tmp_path, "trainer.probe_tolerance=100", *mode,
                           "trainer.reload_timeout_s=1.5", "inference.startup_timeout_s=1")
     _prepared_run(redis_client, run_id, cfg)
     service.resident_trainer(run_id, cfg, TrainerSettings.from_config(cfg)).published = True
@@ -147,10 +151,14 @@ def test_a_load_slower_than_its_timeout_is_not_resumed(upstream, redis_client, t
     try:
         with pytest.raises(weights.WeightSyncError, match="did not answer within 2 s"):
             service.train_step(redis_client, run_id, 0)
-        assert requests.get(upstream + "/is_paused", timeout=5).json()["is_paused"] is True
-        assert redis_client.sismember(keys.upstreams_stale(), upstream)
+        paused = requests.get(upstream + "/is_paused", timeout=5).json()["is_paused"]
+        assert paused is (placement == "keep")
         assert "resume" not in events(upstream)
+        # never left asleep, even when its load failed
+        assert requests.get(upstream + "/is_sleeping", timeout=5).json()["is_sleeping"] is False
+        assert redis_client.sismember(keys.upstreams_stale(), upstream)
         assert not Pause(redis_client).is_paused()  # the gateway is resumed all the same
+        assert redis_client.get(keys.policy_version()) in (None, "0")  # not bumped
     finally:
         requests.post(upstream + "/standin/reload", json={"delay_s": 0}, timeout=5)
         weights.resume_engines([upstream])
@@ -175,7 +183,7 @@ import sys, redis
 from app.state.pause import Pause
 from workers.trainer import weights
 client = redis.Redis.from_url(sys.argv[1], decode_responses=True)
-Pause(client).pause(pause_ttl_s=2)  # a lease the trainer would keep extending
+Pause(client).pause(pause_ttl_s=float(sys.argv[3]))  # a lease the trainer would extend
 weights.sleep_engines([sys.argv[2]], 1)
 print("asleep", flush=True)
 import time; time.sleep(600)
@@ -185,40 +193,51 @@ import time; time.sleep(600)
 def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_client, tmp_path):
     """A trainer SIGKILLed between sleep and wake skips its ``finally``: the engine stays
     asleep behind a healthy /health. Once its pause lease runs out the gateway does not
-    route to it, and the next trainer task (or the keeper's tick) wakes it."""
+    route to it, and the next trainer task (or the keeper's tick) wakes it and has the
+    current weights loaded (asleep, a level-2 engine dropped them)."""
     behave(upstream, "ok")
+    gateway = Upstreams([upstream], client=redis_client, sleep_check=True, stale_refresh_s=0)
+    keeper = UpstreamKeeper(redis_client, [upstream], "m", 0.1, sleep_check=True)
+    settings = TrainerSettings.from_config(_collocated_cfg(upstream, tmp_path))
     kw = redis_client.connection_pool.connection_kwargs
     redis_url = f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, redis_url, upstream],
-                            stdout=subprocess.PIPE, env=os.environ)
+    lease_s = 10.0  # long enough for the checks below on a slow machine
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, redis_url, upstream,
+                             str(lease_s)], stdout=subprocess.PIPE, env=os.environ)
     try:
         assert proc.stdout.readline().strip() == b"asleep"
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-    gateway = Upstreams([upstream], client=redis_client, sleep_check=True)
-    keeper = UpstreamKeeper(redis_client, [upstream], "m", 0.1, sleep_check=True)
-    settings = TrainerSettings.from_config(_collocated_cfg(upstream, tmp_path))
 
     def asleep() -> bool:
         return requests.get(upstream + "/is_sleeping", timeout=5).json()["is_sleeping"]
 
-    # while the dead trainer's pause lives, the sleep is an update's own: left alone
-    assert Pause(redis_client).is_paused()
-    assert keeper.tick() == [] and service.wake_orphans(redis_client, settings) == []
-    gateway.check_health(timeout_s=2)
-    assert asleep() and gateway.pick("r") == upstream
-    wait_for(lambda: not Pause(redis_client).is_paused(), 10, "the dead trainer's pause to end")
-    gateway.check_health(timeout_s=2)
-    assert gateway.pick("r") is None   # asleep with no pause held: no call goes to it
-    assert service.wake_orphans(redis_client, settings) == [upstream]   # the next task
-    assert not asleep()
-    gateway.check_health(timeout_s=2)
-    assert gateway.pick("r") == upstream
-    # the keeper's tick does the same between tasks
-    requests.post(upstream + "/standin/sleep", json={"asleep": True}, timeout=5)
-    keeper.tick()
-    assert not asleep()
+    try:
+        # while the dead trainer's pause lives, the sleep is an update's own: left alone
+        assert Pause(redis_client).is_paused()
+        assert keeper.tick() == [] and service.wake_orphans(redis_client, settings) == []
+        gateway.check_health(timeout_s=2)
+        assert asleep() and gateway.pick("r") == upstream
+        wait_for(lambda: not Pause(redis_client).is_paused(), 3 * lease_s,
+                 "the dead trainer's pause to end")
+        gateway.check_health(timeout_s=2)
+        assert gateway.pick("r") is None   # asleep with no pause held: no call goes to it
+        assert service.wake_orphans(redis_client, settings) == [upstream]   # the next task
+        assert not asleep()
+        # woken, it is stale until the keeper has loaded the current weights (none are
+        # published here: it is only taken back)
+        assert redis_client.sismember(keys.upstreams_stale(), upstream)
+        assert keeper.tick() == [upstream]
+        gateway.check_health(timeout_s=2)
+        assert gateway.pick("r") == upstream
+        # the keeper's tick finds one left asleep between tasks too
+        requests.post(upstream + "/standin/sleep", json={"asleep": True}, timeout=5)
+        assert keeper.tick() == [upstream]
+        assert not asleep() and not redis_client.sismember(keys.upstreams_stale(), upstream)
+    finally:
+        redis_client.srem(keys.upstreams_stale(), upstream)
+        requests.post(upstream + "/standin/sleep", json={"asleep": False}, timeout=5)
 
 
 def test_the_keeper_reloads_a_server_that_restarted_unseen(upstream, redis_client, tmp_path):

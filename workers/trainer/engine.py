@@ -213,6 +213,11 @@ class EngineTrainer:
         """``path/model.safetensors`` in ``dtype`` from the engine's per-tensor iterator."""
         self.ranks.call("export", [(str(path), dtype)] * self.size)
 
+    @property
+    def exports_here(self) -> bool:
+        """Rank 0, which writes the export, runs on this host."""
+        return bool(getattr(self.ranks, "on_this_host", True))
+
     def parameter_count(self) -> int:
         """The model's parameters (a tied head counted once)."""
         return int(self.ranks.call("parameter_count")[0])

@@ -109,11 +109,16 @@ class UpstreamKeeper:
                                 "a load): reloading it", url, held, version)
                     self.client.sadd(keys.upstreams_stale(), url)
                     stale.add(url)
+            if url not in stale and self.sleep_check and weights.in_state(url, weights.SLEEP):
+                # a trainer died between sleep and wake; asleep the engine may have dropped
+                # its weights (level 2), so it is reloaded, not only woken
+                log.warning("inference server %s is asleep with no pause held (a trainer died "
+                            "between sleep and wake): waking and reloading it", url)
+                self.client.sadd(keys.upstreams_stale(), url)
+                stale.add(url)
             if url in stale:
                 self.restore(url, published)
                 restored.append(url)
-            elif self.sleep_check:
-                weights.wake_orphans([url])
         return restored
 
     def restore(self, url: str, published: dict[str, str]) -> None:
@@ -130,12 +135,17 @@ class UpstreamKeeper:
             return
         if published:
             weights.wake_if_asleep(url)
+            # calls frozen in an engine a failed step left paused: their KV goes with the
+            # old weights, so they recompute it on the new ones
+            frozen = weights.in_state(url, weights.PAUSE)
             weights.reload_weights(url, Path(published["path"]), self.reload_timeout_s,
-                                   version=int(published["version"]))
+                                   frozen_calls=frozen, version=int(published["version"]))
             weights.resume_if_paused(url)
             weights.verify_sync(url, self.model_name, json.loads(published["probe"]),
                                 None, self.tolerance,
                                 json.loads(published.get("probe_ids", "null")), self.dp_size)
+        else:
+            weights.wake_if_asleep(url)
         self.client.srem(keys.upstreams_stale(), url)
         if published:
             log.warning("inference server %s is back: loaded and verified policy version %s "

@@ -344,6 +344,8 @@ class RayRanks:
                                name_prefix="carryover_trainer", max_colocate_count=1)
         actor = RayClassWithInitArgs(cls=ray.remote(_ray_rank_class()), spec=spec)
         self.pool = pool
+        # rank 0 (the export's writer) runs on this host only in a local Ray of one node
+        self.on_this_host = nnodes == 1 and not address
         self.group = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=actor,
                                     device_name=spec.device)
         self.size = nnodes * per_node

@@ -29,7 +29,7 @@ import logging
 import shutil
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,7 +54,8 @@ from workers.trainer.liveness import Beats
 from workers.trainer.settings import TrainerSettings
 from workers.trainer.verl_batch import to_verl_batch
 
-__all__ = ["Resident", "StepError", "init_run", "publish", "require_pause", "train_step"]
+__all__ = ["Resident", "StepError", "init_run", "publish", "require_pause", "switch_weights",
+           "train_step"]
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +83,11 @@ class Resident:
             self.saves.close()
         except checkpoint.CheckpointError as exc:
             log.error("%s", exc)
-        self.trainer.close()
-        if self.export_root is not None and weights.in_shared_memory(self.export_root):
-            shutil.rmtree(self.export_root, ignore_errors=True)
+        try:
+            self.trainer.close()
+        finally:
+            if self.export_root is not None and weights.in_shared_memory(self.export_root):
+                shutil.rmtree(self.export_root, ignore_errors=True)
 
 
 _resident: Resident | None = None
@@ -145,7 +148,11 @@ def wake_orphans(client: redis.Redis, settings: TrainerSettings) -> list[str]:
     inf = settings.inference
     if not inf.sleep_mode or Pause(client).is_paused():
         return []
-    return weights.wake_orphans(list(inf.urls))
+    woken = weights.wake_orphans(list(inf.urls))
+    if woken:
+        # asleep it may have dropped its weights (sleep level 2): the keeper reloads them
+        client.sadd(keys.upstreams_stale(), *woken)
+    return woken
 
 
 def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
@@ -175,6 +182,9 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
             t = time.monotonic()
             if settings.sleeps(resident.trainer.device):
                 asleep = undo.enter_context(sleep_engines(settings, step))
+                # on a failure before the load completed, the engines are woken (by the
+                # context) on weights that may be gone (sleep level 2): stale until reloaded
+                undo.callback(_stale, client, asleep)
             update(resident, samples, stats, step, metrics, timings)
             timings["update"] = time.monotonic() - t  # the engines' sleep included
         require_pause(pause, "loading the new weights")
@@ -260,6 +270,13 @@ def sleep_engines(settings: TrainerSettings, step: int) -> weights.Held:
         raise StepError(f"step {step} not trained: {exc}") from exc
 
 
+def _stale(client: redis.Redis, asleep: weights.Held) -> None:
+    if asleep.urls:
+        client.sadd(keys.upstreams_stale(), *asleep.urls)
+        log.warning("the step failed with %s asleep: woken, and stale until the upstream "
+                    "keeper has loaded the current weights", ", ".join(asleep.urls))
+
+
 def update(resident: Resident, samples: list[Sample], stats: BatchStats, step: int,
            metrics: Metrics, timings: dict[str, float]) -> None:
     t = time.monotonic()
@@ -305,9 +322,10 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     dtype = str(engine_dtype).replace("torch.", "")
     if resident.export_root is None:
         size = trainer.parameter_count() * engine_dtype.itemsize
+        # rank 0 writes the export: shared memory only where it runs on this host
         resident.export_root = weights.export_root(
-            settings.weights_dir, settings.weights_in_memory, list(inf.urls), size,
-            settings.keep_weight_versions)
+            settings.weights_dir, settings.weights_in_memory and trainer.exports_here,
+            list(inf.urls), size, settings.keep_weight_versions)
         log.info("weight exports of %.2f GB go to %s", size / 1e9, resident.export_root)
     path = weights.publish_version(
         resident.export_root, version, settings.keep_weight_versions,
@@ -318,19 +336,16 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     if asleep.urls:
         metrics.update(trainer.release_memory("before_weights_wake", offload=False))
         asleep.wake(["weights"])
-    loaded = _reload_reachable(client, list(inf.urls), path, version, settings.reload_timeout_s,
-                               settings.upstream_check_s, held)
-    if asleep.urls:
-        metrics.update(trainer.release_memory("before_kv_cache_wake", offload=True))
-        asleep.release(tags=["kv_cache"])
+
+    def wake_kv_cache() -> None:
+        if asleep.urls:
+            metrics.update(trainer.release_memory("before_kv_cache_wake", offload=True))
+            asleep.release(tags=["kv_cache"])
+
+    loaded = switch_weights(client, list(inf.urls), path, version, held,
+                            settings.reload_timeout_s, settings.upstream_check_s, asleep,
+                            wake_kv_cache)
     timings["reload"] = time.monotonic() - t
-    # The version is set while the engines are still paused, and they resume twice
-    # ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new version by
-    # the first token a frozen call samples on the new weights, and places the switch there.
-    client.set(keys.policy_version(), version)
-    if held.urls:
-        time.sleep(2 * POLICY_VERSION_MAX_AGE_S)
-        held.release()
     return Published(version, path, loaded)
 
 
@@ -418,8 +433,29 @@ def save_if_due(client: redis.Redis, settings: TrainerSettings, resident: Reside
 
 # --- weight loading -------------------------------------------------------------------
 
+def switch_weights(client: redis.Redis, urls: list[str], path: Path, version: int,
+                   held: weights.Held, wait_s: float, every_s: float,
+                   asleep: weights.Held = weights.NOTHING_HELD,
+                   before_bump: Callable[[], None] = lambda: None) -> list[str]:
+    """Load ``path`` into every reachable server, run ``before_bump`` (a collocated step
+    wakes the KV caches there), make ``version`` the policy version, then resume the engines
+    in ``held`` (checked). Returns the servers loaded.
+
+    The version is set while the engines are still paused, and they resume twice
+    ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new version by
+    the first token a frozen call samples on the new weights, and places the switch there."""
+    loaded = _reload_reachable(client, urls, path, version, wait_s, every_s, held, asleep)
+    before_bump()
+    client.set(keys.policy_version(), version)
+    if held.urls:
+        time.sleep(2 * POLICY_VERSION_MAX_AGE_S)
+        held.release()
+    return loaded
+
+
 def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version: int,
-                      wait_s: float, every_s: float, held: weights.Held) -> list[str]:
+                      wait_s: float, every_s: float, held: weights.Held,
+                      asleep: weights.Held = weights.NOTHING_HELD) -> list[str]:
     """Load ``path`` into every server that answers; returns those. A server that is down
     is marked stale (the upstream keeper loads it when it is back, the gateway routes around
     it meanwhile). With none reachable, keep trying for ``wait_s`` (the gateway stays
@@ -427,8 +463,10 @@ def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version:
 
     A load that fails or outlasts ``wait_s`` (``trainer.reload_timeout_s``) may have left
     part of the new weights in the engine: that server is marked stale too, and is left
-    out of ``held``, so it is not resumed on them. ``held.frozen_calls``: requests wait
-    frozen in the engines (their KV is dropped too)."""
+    out of ``held``, so it is not resumed on them, and out of ``asleep`` (woken now,
+    unchecked: never left asleep; the keeper restores it). A server unreachable at the end
+    is left out of both (nothing to resume or wake; it comes back fresh).
+    ``held.frozen_calls``: requests wait frozen in the engines (their KV is dropped too)."""
     deadline = time.monotonic() + wait_s
     errors: dict[str, str] = {}
     failed: dict[str, str] = {}
@@ -450,11 +488,18 @@ def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version:
             except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
                 client.sadd(keys.upstreams_stale(), url.rstrip("/"))
                 held.forget(url)
+                if url.rstrip("/") in asleep.urls:
+                    asleep.forget(url)
+                    weights.wake_engines([url], check=False)
                 failed[url] = f"{exc.__class__.__name__}: {exc}"
                 log.error("inference server %s did not load version %d: %s; it is not "
                           "resumed, and serves nobody until the upstream keeper has loaded "
                           "the current weights into it", url, version, failed[url])
         if loaded:
+            for url in errors:  # still unreachable: it restarts fresh, nothing to undo
+                if url not in loaded:
+                    held.forget(url)
+                    asleep.forget(url)
             return loaded
         if len(failed) == len(urls):
             raise weights.WeightSyncError(

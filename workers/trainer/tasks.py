@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from typing import Any
 
 from celery.signals import worker_ready, worker_shutdown
@@ -79,19 +80,28 @@ def _start_upstream_keeper(sender: Any = None, **_: Any) -> None:
         return  # a rollout or groups worker
     from app.config import service_config
     from app.config.secrets import inference_api_key
+    from app.config.settings import InferenceSettings
     from workers.trainer import weights
     from workers.trainer.keeper import start_keeper
 
     cfg = service_config()
     weights.use_api_key(inference_api_key(cfg))
-    start_keeper(task_redis(), list(cfg.inference.urls), cfg.inference.served_model_name,
-                 float(cfg.trainer.probe_tolerance), float(cfg.trainer.upstream_check_s))
+    keeper = start_keeper(task_redis(), list(cfg.inference.urls),
+                          cfg.inference.served_model_name, float(cfg.trainer.probe_tolerance),
+                          float(cfg.trainer.upstream_check_s))
+    # until a run's first task configures it from the run's own config
+    inf = InferenceSettings.from_config(cfg)
+    keeper.configure(list(inf.urls), inf.served_model_name, float(cfg.trainer.probe_tolerance),
+                     float(cfg.trainer.reload_timeout_s), inf.data_parallel_size,
+                     inf.sleep_mode)
 
 
 @worker_shutdown.connect
 def _close_resident(sender: Any = None, **_: Any) -> None:
     """A worker that stops (warm shutdown) finishes its checkpoint write and frees what its
     run held, its exports in shared memory among them."""
+    if "workers.trainer.service" not in sys.modules:
+        return  # a rollout or groups worker, or a trainer that never took a task
     from workers.trainer.service import close_resident
 
     close_resident()

@@ -82,11 +82,28 @@ def export_root(weights_dir: Path, in_memory: bool, urls: list[str], export_byte
     owner = str(weights_dir.resolve())
     root = shm / f"carryover-weights-{hashlib.blake2b(owner.encode(), digest_size=6).hexdigest()}"
     held = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0
-    if shutil.disk_usage(shm).free + held < (keep + 1) * export_bytes:
+    need = (keep + 1) * export_bytes
+    # tmpfs pages are host memory: the free space, and memory to spare beside what offloads
+    # and sleeping engines also park there (a tenth of it kept free)
+    avail, total = _meminfo()
+    if shutil.disk_usage(shm).free + held < need or avail + held < need + total // 10:
         return weights_dir
+    weights_dir.mkdir(parents=True, exist_ok=True)  # the owner's mark: it exists
     root.mkdir(exist_ok=True)
     (root / "owner").write_text(owner)
     return root
+
+
+def _meminfo() -> tuple[int, int]:
+    """(MemAvailable, MemTotal) in bytes; (0, 0) where /proc/meminfo does not say."""
+    values = {}
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            name, _, rest = line.partition(":")
+            values[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return values.get("MemAvailable", 0), values.get("MemTotal", 0)
 
 
 def _prune_orphans(shm: Path) -> None:
@@ -166,8 +183,11 @@ def reload_weights(url: str, path: Path, timeout: float = 600.0,
     if version is not None:
         # the server keeps the version it holds: the upstream keeper reads it back, and a
         # server that restarted (behind a load balancer, unseen) says "default" again
-        _http.post(url + "/update_weight_version", json={"new_version": str(version)},
-                      timeout=timeout)
+        resp = _http.post(url + "/update_weight_version", json={"new_version": str(version)},
+                          timeout=timeout)
+        if resp.status_code != 200:
+            raise WeightSyncError(f"{url}: /update_weight_version answered "
+                                  f"{resp.status_code}: {resp.text[:200]}")
 
 
 def engine_probe_logprobs(url: str, model_name: str, ids: list[int], timeout: float = 60.0,
@@ -356,7 +376,7 @@ class Held:
         for url in self.urls:
             try:
                 resp = _http.post(url + c.undo_route, params={"tags": tags},
-                                     timeout=self.timeout)
+                                  timeout=self.timeout)
             except requests.RequestException as exc:
                 raise c.error(f"{url}: {c.undo_route}?tags={','.join(tags)} failed: "
                               f"{exc}") from exc
@@ -366,23 +386,26 @@ class Held:
 
     def release(self, check: bool = True, tags: list[str] | None = None) -> None:
         """Take every engine out of the state (with ``tags``, the sleep's last tags: the
-        engine must then be fully awake); with ``check``, one that stays in it is an
-        error."""
+        engine must then be fully awake), each one tried whatever the others did; with
+        ``check``, those that stay in it are one error naming each."""
         urls, self.urls = self.urls, []
         c = self.change
         params = {"tags": tags} if tags else None
+        problems = []
         for url in urls:
             try:
                 resp = _http.post(url + c.undo_route, params=params, timeout=self.timeout)
                 state = _state(url, c, self.timeout)
             except (requests.RequestException, ValueError) as exc:
-                if check:
-                    raise c.error(f"{url}: {c.undo_route} failed: {exc}") from exc
-                log.warning("%s: could not %s the engine: %s", url, c.undo_what, exc)
+                problems.append(f"{url}: {c.undo_route} failed: {exc}")
                 continue
-            if check and (resp.status_code != 200 or state is not False):
-                raise c.error(f"{url}: the engine did not {c.undo_what} ({c.undo_route} "
-                              f"answered {resp.status_code}: {resp.text[:200]})")
+            if resp.status_code != 200 or state is not False:
+                problems.append(f"{url}: the engine did not {c.undo_what} ({c.undo_route} "
+                                f"answered {resp.status_code}: {resp.text[:200]})")
+        if problems and check:
+            raise c.error("; ".join(problems))
+        for line in problems:
+            log.warning("could not %s an engine: %s", c.undo_what, line)
 
     def __enter__(self) -> Held:
         return self
@@ -447,16 +470,21 @@ def wake_engines(urls: list[str], timeout: float = 120.0, check: bool = True) ->
     Held(SLEEP, [u.rstrip("/") for u in urls], timeout).release(check)
 
 
-def _undo_if(url: str, change: EngineChange, timeout: float) -> bool:
-    """Take one engine out of ``change``'s state if it reports being in it (checked);
-    -> whether it was. A server without the route (no dev mode, no sleep mode) is not."""
-    url = url.rstrip("/")
+def in_state(url: str, change: EngineChange, timeout: float = 10.0) -> bool:
+    """The engine reports being in ``change``'s state (asleep, paused); a server without
+    the route (no dev mode, no sleep mode) or no answer is not."""
     try:
-        if _state(url, change, timeout) is not True:
-            return False
+        return _state(url.rstrip("/"), change, timeout) is True
     except (requests.RequestException, ValueError):
         return False
-    Held(change, [url], timeout).release(check=True)
+
+
+def _undo_if(url: str, change: EngineChange, timeout: float) -> bool:
+    """Take one engine out of ``change``'s state if it reports being in it (checked);
+    -> whether it was."""
+    if not in_state(url, change, timeout):
+        return False
+    Held(change, [url.rstrip("/")], timeout).release(check=True)
     return True
 
 
