@@ -1,31 +1,48 @@
 #!/usr/bin/env bash
 # The GPU check, run on the GPU machine (Python 3.12 with CUDA torch and transformers, no
-# internet), in two device calls after scripts/gpu_wheels.sh:
-#   call 1: carry .whl/part1      command: bash bench/gpu_check.sh stage
-#   call 2: carry .whl/part2      command: bash bench/gpu_check.sh run
-# The machine keeps .whl/part1 between the calls while it stays warm. "run" joins Ray's wheel
-# from its parts (checked against its SHA-256), installs every wheel into /tmp/site without
-# touching the machine's own packages, and runs python -m bench.gpu_trainer; its JSON goes to
-# $OUT/gpu_trainer.json.
+# internet), after scripts/gpu_wheels.sh, one device call per part of the wheels:
+#   calls 1..N-1: carry .whl/partK     command: bash bench/gpu_check.sh stage
+#   call N:       carry .whl/partN     command: bash bench/gpu_check.sh run [options]
+# The machine keeps the parts carried before while it stays warm. "install" joins the wheels
+# cut in pieces (checked against their SHA-256) and installs every wheel into $SITE
+# (/tmp/site) without touching the machine's own packages; "run" installs, then runs
+# python -m bench.gpu_trainer with the options (it exits 1 when a threshold is missed), its
+# JSON to $OUT/gpu_trainer.json. scripts/gpu_mirror_env.sh runs "install" and the check in a
+# CPU copy of the machine's environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+SITE=${SITE:-/tmp/site}
+
+install() {
+  ls .whl/part*/SHA256SUMS >/dev/null
+  local wheels sums name
+  wheels=$(mktemp -d)
+  cp .whl/part*/*.whl "$wheels/"
+  sums=$(ls .whl/part*/SHA256SUMS | head -1)
+  while read -r _ name; do
+    # the pieces, wherever each part put them, in their suffix order (aa, ab, ...)
+    for p in .whl/part*/"$name".part-*; do echo "${p##*.part-} $p"; done | sort \
+      | cut -d' ' -f2 | xargs cat > "$wheels/$name"
+  done < "$sums"
+  (cd "$wheels" && sha256sum -c --quiet "$OLDPWD/$sums") \
+    || { echo "a joined wheel differs: carry every part first (ls .whl)" >&2; exit 2; }
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target "$SITE" "$wheels"/*.whl
+  rm -rf "$wheels"
+}
+
 case "${1:-}" in
   stage)
-    ls .whl/part1 >/dev/null
     nvidia-smi -L
-    echo "staged: $(du -sh .whl/part1 | cut -f1) (.whl/part1)"
+    echo "staged: $(ls -d .whl/part* | tr '\n' ' ')($(du -sch .whl/part* | tail -1 | cut -f1))"
     ;;
+  install) install ;;
   run)
-    [[ -d .whl/part1 && -d .whl/part2 ]] || { echo "both parts are needed: run 'stage' first" >&2; exit 2; }
-    mkdir -p /tmp/wheels
-    cp .whl/part1/*.whl /tmp/wheels/
-    name=$(cut -d' ' -f3- < .whl/part1/ray.sha256)
-    cat .whl/part1/"$name".part-* .whl/part2/"$name".part-* > "/tmp/wheels/$name"
-    (cd /tmp/wheels && sha256sum -c "$OLDPWD/.whl/part1/ray.sha256")
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site /tmp/wheels/*.whl
-    export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-    python3 -m bench.gpu_trainer "${@:2}" | tee "${OUT:-/tmp}/gpu_trainer.json"
+    install
+    export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
+    "$PY" -m bench.gpu_trainer "${@:2}" | tee "${OUT:-/tmp}/gpu_trainer.json"
     ;;
-  *) echo "usage: bench/gpu_check.sh stage|run [bench.gpu_trainer options]" >&2; exit 2 ;;
+  *) echo "usage: bench/gpu_check.sh stage|install|run [bench.gpu_trainer options]" >&2
+     exit 2 ;;
 esac

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
 # Wheels for the GPU check machine (Python 3.12, CUDA torch and transformers preinstalled, no
-# internet): verl 0.9.1 and what importing its FSDP engine needs that the machine lacks, plus
-# what the project's trainer imports. Written to .whl/ (ignored by git), in parts under the
-# 64 MiB that one device call can carry: Ray's wheel (about 76 MiB) is split in two, and
-# bench/gpu_check.sh joins the parts (checked against their SHA-256) before installing.
+# internet): verl 0.9.1 and what importing its FSDP engine and running the trainer needs that
+# the machine lacks. The set is the one scripts/gpu_mirror_env.sh proved: the check passes in a
+# Python 3.12 environment holding torch 2.11 and transformers 5.17 (and what they depend on)
+# plus exactly these wheels. Written to .whl/ (ignored by git) in parts under the 64 MiB that
+# one device call can carry: a wheel over 26 MiB (Ray, pyarrow) is cut into pieces, and
+# bench/gpu_check.sh joins them (checked against their SHA-256) before installing.
 #
-#   scripts/gpu_wheels.sh            # download into .whl/, then print the parts' sizes
+#   scripts/gpu_wheels.sh            # download into .whl/part1 .. partN, then print sizes
 #
-# Each part is one device call's carry: .whl/part1 (a third of Ray and every other wheel),
-# then .whl/part2 (the rest of Ray); the machine keeps ignored files between calls while it
-# stays warm (30 s idle).
+# Each part is one device call's carry; the machine keeps ignored files between calls while
+# it stays warm (30 s idle).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=.whl
 grep -qx "/$OUT/" .git/info/exclude 2>/dev/null || echo "/$OUT/" >> .git/info/exclude
-rm -rf "$OUT" && mkdir -p "$OUT/all" "$OUT/part1" "$OUT/part2"
+rm -rf "$OUT" && mkdir -p "$OUT/all"
 
 # name==version pins from the project's lock where it has one (the versions CI tests)
 pin() { grep -i "^$1==" requirements/project.lock || echo "$1"; }
@@ -23,7 +24,13 @@ PACKAGES=(verl ray tensordict pyvers importlib_metadata orjson codetiming datase
           multiprocess omegaconf hydra-core uvicorn fastapi starlette pydantic pydantic_core
           annotated-types typing-inspection opentelemetry-api jsonschema
           jsonschema-specifications referencing rpds-py redis torchdata wandb annotated-doc
-          colorful wcwidth)
+          colorful wcwidth
+          # found missing in the mirror: Ray's own (msgpack, protobuf, requests, urllib3,
+          # attrs, cloudpickle), what verl's engine import reaches through datasets (pandas,
+          # python-dateutil and its six, pyarrow, xxhash, pillow), and what its FSDP engine loads (peft,
+          # accelerate)
+          msgpack protobuf requests urllib3 attrs cloudpickle pandas python-dateutil pyarrow
+          xxhash pillow peft accelerate six)
 # published only as source: pure Python, so a wheel built here installs on 3.12 there
 SOURCE_ONLY=(antlr4-python3-runtime pylatexenc)
 SPECS=()
@@ -36,11 +43,36 @@ for p in "${SOURCE_ONLY[@]}"; do
   "$PY" -m pip wheel -q --no-deps -w "$OUT/all" "$(pin "$p")"
 done
 
-ray=$(ls "$OUT"/all/ray-*.whl)
-sha256sum "$ray" | sed "s#$OUT/all/##" > "$OUT/part1/ray.sha256"
-split -b 26M "$ray" "$OUT/part1/$(basename "$ray").part-"   # aa, ab, ac
-mv "$OUT"/part1/*.part-ab "$OUT"/part1/*.part-ac "$OUT/part2/"
-cp "$OUT/part1/ray.sha256" "$OUT/part2/"
-find "$OUT/all" -name '*.whl' ! -name 'ray-*' -exec mv {} "$OUT/part1/" \;
+# cut the large wheels, then pack every file into parts of at most 60 MiB, largest first
+(cd "$OUT/all" && for w in *.whl; do
+  if (( $(stat -c %s "$w") > 26 * 1024 * 1024 )); then
+    sha256sum "$w" >> SHA256SUMS
+    split -b 26M "$w" "$w.part-"
+    rm "$w"
+  fi
+done)
+"$PY" - "$OUT" <<'PACK'
+import shutil, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+files = sorted((p for p in (out / "all").iterdir() if p.name != "SHA256SUMS"),
+               key=lambda p: p.stat().st_size, reverse=True)
+limit, parts = 60 * 2**20, []
+for f in files:
+    size = f.stat().st_size
+    for part in parts:
+        if part[0] + size <= limit:
+            part[0] += size
+            part[1].append(f)
+            break
+    else:
+        parts.append([size, [f]])
+for i, (_, members) in enumerate(parts, start=1):
+    d = out / f"part{i}"
+    d.mkdir()
+    shutil.copy(out / "all" / "SHA256SUMS", d)
+    for f in members:
+        shutil.move(str(f), d / f.name)
+PACK
 rm -rf "$OUT/all"
-du -sh "$OUT"/part1 "$OUT"/part2
+du -sh "$OUT"/part*
