@@ -5,12 +5,14 @@ Which server served a call is read from the call's capture record (``upstream``)
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import requests
@@ -162,11 +164,7 @@ def test_the_keeper_never_loads_another_models_weights(redis_client):
         def log_message(self, *args) -> None:
             pass
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Server)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with _serving(Server) as url:
         redis_client.hset(keys.policy_published(), mapping={
             "version": 7, "path": "/nonexistent/v7", "model": "another-model",
             "probe": "[]", "probe_ids": "[]"})
@@ -181,9 +179,6 @@ def test_the_keeper_never_loads_another_models_weights(redis_client):
             keeper.tick()
         assert posts == ["/collective_rpc"]
         assert redis_client.sismember(keys.upstreams_stale(), url)
-    finally:
-        server.shutdown()
-        server.server_close()
 
 
 def test_a_server_whose_proxy_answers_502_is_marked_stale(redis_client):
@@ -201,11 +196,7 @@ def test_a_server_whose_proxy_answers_502_is_marked_stale(redis_client):
         def log_message(self, *args) -> None:
             pass
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Proxy)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
+    with _serving(Proxy) as url:
         ups = Upstreams([url], client=redis_client)
         assert ups.check_health(timeout_s=1) == {url: True}
         status["code"] = 503
@@ -222,7 +213,17 @@ def test_a_server_whose_proxy_answers_502_is_marked_stale(redis_client):
         status["code"] = 200
         ups.check_health(timeout_s=1)
         assert ups.pick("r1") is None   # healthy again, but not until it is reloaded
+        redis_client.srem(keys.upstreams_stale(), url)
+
+
+@contextlib.contextmanager
+def _serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """``handler`` served on a free loopback port; yields its URL."""
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
     finally:
         server.shutdown()
         server.server_close()
-        redis_client.srem(keys.upstreams_stale(), url)
