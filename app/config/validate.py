@@ -421,7 +421,7 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             f" + trainer.heartbeat_s ({drain + beat}): agents would give up during an ordinary "
             "pause")
     host = _get(cfg, "inference.host")
-    if ok("inference.host", "inference.dev_routes_guard") and not _loopback(host) \
+    if ok("inference.host", "inference.dev_routes_guard") and not is_loopback(host) \
             and not _get(cfg, "inference.dev_routes_guard"):
         problems.append(
             f"inference.host: value {host!r} opens the inference server beyond this machine, "
@@ -442,7 +442,8 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
     return problems
 
 
-def _loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
+    """``host`` (a name or an address) is this machine's loopback."""
     import ipaddress
 
     if host == "localhost":

@@ -106,9 +106,7 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Reside
     global _resident
     if _resident is not None and _resident.run_id == run_id:
         return _resident
-    if _resident is not None:
-        _resident.close()
-        _resident = None
+    close_resident()
     trainer = EngineTrainer(cfg, str(settings.model_path))
     resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path))
     log.info("loaded policy for run %s on %s", run_id, trainer.device)
@@ -133,25 +131,34 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> Metrics:
         log.info("step %d of run %s already trained (redelivery); returning its metrics",
                  step, run_id)
         return dict(json.loads(done))
-    cfg = run_config(client, run_id)
-    settings = TrainerSettings.from_config(cfg)
-    weights.use_api_key(inference_api_key(cfg))
-    wake_orphans(client, settings)
+    cfg, settings = _task_start(client, run_id)
     with Beats(client, keys.trainer_heartbeat(run_id, str(step)), settings.heartbeat_s) as beats:
         return _train_step(client, run_id, step, cfg, settings, beats)
 
 
+def _task_start(client: redis.Redis, run_id: str) -> tuple[Any, TrainerSettings]:
+    """What every trainer task does first: the run's config and settings, the servers' key,
+    and the engines a dead trainer left asleep woken."""
+    cfg = run_config(client, run_id)
+    settings = TrainerSettings.from_config(cfg)
+    weights.use_api_key(inference_api_key(cfg))
+    wake_orphans(client, settings)
+    return cfg, settings
+
+
 def wake_orphans(client: redis.Redis, settings: TrainerSettings) -> list[str]:
-    """At the start of every trainer task: wake the engines a dead trainer left asleep
-    (SIGKILL, OOM or an NCCL fault between sleep and wake skips its ``finally``), unless a
-    live pause holds them (its step wakes them itself)."""
+    """Wake the engines a dead trainer left asleep (SIGKILL, OOM or an NCCL fault between
+    sleep and wake skips its ``finally``), unless a live pause holds them (its step wakes
+    them itself). Asleep, an engine may have dropped its weights (sleep level 2): each one
+    woken is stale until the upstream keeper has reloaded it."""
     inf = settings.inference
     if not inf.sleep_mode or Pause(client).is_paused():
         return []
-    woken = weights.wake_orphans(list(inf.urls))
-    if woken:
-        # asleep it may have dropped its weights (sleep level 2): the keeper reloads them
-        client.sadd(keys.upstreams_stale(), *woken)
+    woken = [u for u in inf.urls if weights.wake_if_asleep(u)]
+    for url in woken:
+        log.warning("inference server %s was asleep with no pause held (a trainer died "
+                    "between sleep and wake): woken, and stale until reloaded", url)
+        client.sadd(keys.upstreams_stale(), url.rstrip("/"))
     return woken
 
 
@@ -552,18 +559,12 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
     """Load the run's policy into this worker (from its last checkpoint, if any) and make
     every inference server serve exactly it (a previous run may have left other weights
     there). Verified by the probe."""
-    global _resident
-    cfg = run_config(client, run_id)
-    settings = TrainerSettings.from_config(cfg)
-    weights.use_api_key(inference_api_key(cfg))
-    wake_orphans(client, settings)
+    cfg, settings = _task_start(client, run_id)
     metrics: Metrics = {}
     # the build is inside the heartbeat: a 7B engine or a checkpoint restore takes minutes,
     # and the driver must see a trainer at work, not "no trainer worker took the task"
     with Beats(client, keys.trainer_heartbeat(run_id, "init"), settings.heartbeat_s) as beats:
-        if _resident is not None:
-            _resident.close()
-        _resident = None
+        close_resident()
         resident = resident_trainer(run_id, cfg, settings)
         version = _serve_resident(client, settings, resident, beats, metrics)
     metrics["policy/version"] = version

@@ -73,8 +73,9 @@ def export_root(weights_dir: Path, in_memory: bool, urls: list[str], export_byte
     ``weights_dir``. A server on another host cannot read this host's memory."""
     from urllib.parse import urlsplit
 
-    local = all((urlsplit(u).hostname or "") in ("127.0.0.1", "localhost", "::1")
-                for u in urls)
+    from app.config.validate import is_loopback
+
+    local = all(is_loopback(urlsplit(u).hostname or "") for u in urls)
     if not (in_memory and local and shm.is_dir()):
         return weights_dir
     _prune_orphans(shm)
@@ -497,11 +498,3 @@ def resume_if_paused(url: str, timeout: float = 120.0) -> bool:
     """Resume an engine left paused (a step whose load failed did not resume it)."""
     return _undo_if(url, PAUSE, timeout)
 
-
-def wake_orphans(urls: list[str], timeout: float = 120.0) -> list[str]:
-    """Wake every engine left asleep; call only while no pause is held. -> those woken."""
-    woken = [u for u in urls if wake_if_asleep(u, timeout)]
-    for url in woken:
-        log.warning("inference server %s was asleep with no pause held (a trainer died "
-                    "between sleep and wake): woken", url)
-    return woken
