@@ -142,7 +142,9 @@ class StreamAccumulator:
         self.pending_switch = version
 
     def add(self, chunk: dict[str, Any]) -> None:
-        if chunk.get("prompt_token_ids"):
+        # the first prompt is the call's: a continuation's (gateway.continuation) holds the
+        # response so far too
+        if chunk.get("prompt_token_ids") and not self.prompt_ids:
             self.prompt_ids = list(chunk["prompt_token_ids"])
         for choice in chunk.get("choices") or []:
             idx = choice.get("index", 0)
@@ -150,7 +152,7 @@ class StreamAccumulator:
                 self.switches[idx] = [[0, self.pending_switch]]
             acc = self.choices.setdefault(idx, {"token_ids": [], "lp": [], "finish_reason": None,
                                                 "content": "", "tool_calls": {}})
-            if choice.get("prompt_token_ids"):
+            if choice.get("prompt_token_ids") and not self.prompt_ids:
                 self.prompt_ids = list(choice["prompt_token_ids"])
             acc["token_ids"].extend(choice.get("token_ids") or [])
             delta = choice.get("delta") or {}
@@ -164,6 +166,12 @@ class StreamAccumulator:
             acc["lp"].extend(_choice_logprobs(choice, self.endpoint))
             if choice.get("finish_reason"):
                 acc["finish_reason"] = choice["finish_reason"]
+
+    def end_by_length(self) -> None:
+        """A call cut at its last allowed token ends there, by length."""
+        for acc in self.choices.values():
+            if acc["finish_reason"] == "abort":
+                acc["finish_reason"] = "length"
 
     def response(self) -> dict[str, Any]:
         choices = []

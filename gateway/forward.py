@@ -18,7 +18,7 @@ from flask import Response
 from app.state import keys
 from app.state.cached_reads import policy_version
 from app.state.records import RolloutRecord
-from gateway import capture, sampling
+from gateway import capture, continuation, sampling
 from gateway.admission import admit
 from gateway.auth import rollout_token_sha256
 from gateway.body import json_body, loads
@@ -119,29 +119,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         stream = bool(body.get("stream"))
         cancel = state.leases.add(lease_id)
         started = time.time()
-        try:
-            with state.leases.abortable(lease_id):
-                resp = state.upstreams.post(upstream, ENDPOINT_PATHS[endpoint],
-                                            orjson.dumps(up_body), s.upstream_timeout_s)
-                data = None if stream else resp.read()
-        except UpstreamCancelled:
-            raise _cancelled_error() from None
-        except UpstreamUnreachable as exc:
-            # Refused or cut connections mean the server is gone (perhaps restarting with its
-            # initial weights); a read timeout is only a slow answer.
-            state.upstreams.mark_down(upstream, restarted=not exc.timed_out)
-            raise retryable(f"inference server unreachable ({exc})",
-                            s.retry_after_s, code="upstream_unavailable") from None
-        if resp.status >= 400:
-            try:
-                data = resp.read() if data is None else data
-            except UpstreamUnreachable:
-                data = b""
-            err = _upstream_error(resp.status, data)
-            if is_vllm_overflow(resp.status, err.message):
-                err.code = CODE
-                raise _overflowed(state, rollout_id, err)
-            raise err
+        resp, data = _send(state, rollout_id, lease_id, upstream, endpoint, up_body, stream)
         meta: dict[str, Any] = dict(endpoint=endpoint, version=version,
                                     temperature=float(up_body["temperature"]),
                                     upstream=upstream, started_at=started,
@@ -154,14 +132,101 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
                             mimetype="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         assert data is not None  # read above: not streamed
-        data = loads(data)
+        answer = loads(data)
+        switches: dict[int, list[list[int]]] = {}
+        if continuation.aborted(answer):
+            answer = _carry_on(state, rollout_id, lease_id, cancel, endpoint, up_body, answer,
+                               version, switches)
         # a call frozen across a weight update ends on a later version than it started
-        calls = capture.calls_from_response(data, **meta,
+        calls = capture.calls_from_response(answer, **meta, switches=switches,
                                             version_end=policy_version(state.redis))
-        if not lease.record([c.to_json() for c in calls], _turn(state, up_body, data)):
+        if not lease.record([c.to_json() for c in calls], _turn(state, up_body, answer)):
             raise _cancelled_error()
-    shown = capture.strip_for_agent(data, endpoint, wants_lp, wants_ids)
+    shown = capture.strip_for_agent(answer, endpoint, wants_lp, wants_ids)
     return Response(orjson.dumps(protocol.answer(shown, request)), mimetype="application/json")
+
+
+def _send(state: GatewayState, rollout_id: str, lease_id: str, upstream: str, endpoint: str,
+          body: dict[str, Any], stream: bool) -> tuple[UpstreamResponse, bytes | None]:
+    """Post one upstream call under the lease; -> (the response, its body unless streamed),
+    or the error the agent gets."""
+    s = state.settings
+    try:
+        with state.leases.abortable(lease_id):
+            resp = state.upstreams.post(upstream, ENDPOINT_PATHS[endpoint],
+                                        orjson.dumps(body), s.upstream_timeout_s)
+            data = None if stream else resp.read()
+    except UpstreamCancelled:
+        raise _cancelled_error(state) from None
+    except UpstreamUnreachable as exc:
+        # Refused or cut connections mean the server is gone (perhaps restarting with its
+        # initial weights); a read timeout is only a slow answer.
+        state.upstreams.mark_down(upstream, restarted=not exc.timed_out)
+        raise retryable(f"inference server unreachable ({exc})",
+                        s.retry_after_s, code="upstream_unavailable") from None
+    if resp.status >= 400:
+        try:
+            data = resp.read() if data is None else data
+        except UpstreamUnreachable:
+            data = b""
+        finally:
+            resp.release()
+        err = _upstream_error(resp.status, data)
+        if is_vllm_overflow(resp.status, err.message):
+            err.code = CODE
+            raise _overflowed(state, rollout_id, err)
+        raise err
+    return resp, data
+
+
+def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
+            endpoint: str, body: dict[str, Any], stream: bool
+            ) -> tuple[UpstreamResponse, bytes | None]:
+    """Send a cut call's continuation once the pause has ended, to whichever server is
+    usable then (the re-sent tokens are a prefill anywhere)."""
+    s = state.settings
+    try:
+        continuation.wait_for_resume(state.redis, cancel, s.upstream_timeout_s)
+    except UpstreamCancelled:
+        raise _cancelled_error(state) from None
+    except TimeoutError as exc:
+        raise retryable(f"a cut call could not be carried on: {exc}", s.retry_after_s,
+                        code="cancelled_by_update") from None
+    upstream = state.upstreams.pick(rollout_id)
+    if upstream is None:
+        raise retryable("no inference server is reachable", s.retry_after_s,
+                        code="upstream_unavailable")
+    return _send(state, rollout_id, lease_id, upstream, endpoint, body, stream)
+
+
+def _carry_on(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
+              endpoint: str, body: dict[str, Any], data: dict[str, Any], version: int,
+              switches: dict[int, list[list[int]]]) -> dict[str, Any]:
+    """A plain answer that a weight update cut (``finish_reason: abort``), carried on after
+    the update until it ends (``gateway.continuation``); ``switches`` gets where its tokens
+    changed version."""
+    current = version
+    while continuation.aborted(data) and continuation.carries_on(state.redis):
+        why = continuation.refusal(body, state.settings.tool_call_parser) or (
+            "a tool call cut in its markup"
+            if continuation.cut_in_call(data, state.settings.tool_call_parser) else None)
+        if why is not None:
+            log.info("rollout %s: a call cut by a weight update is not carried on (%s); the "
+                     "agent retries it", rollout_id, why)
+            raise _cancelled_error(state)
+        prompt_ids, so_far = continuation.prompt_and_response(data)
+        more_body = continuation.resend_body(body, endpoint, prompt_ids, so_far)
+        if more_body is None:
+            return continuation.ended_by_length(data)
+        _, raw = _resend(state, rollout_id, lease_id, cancel, endpoint, more_body, False)
+        assert raw is not None
+        more = loads(raw)
+        now = policy_version(state.redis)
+        if now != current:
+            switches.setdefault(0, []).append([len(so_far), now])
+            current = now
+        data = continuation.merge(data, more, endpoint)
+    return data
 
 
 def _turn(state: GatewayState, body: dict[str, Any],
@@ -196,42 +261,85 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
     acc = capture.StreamAccumulator(meta["endpoint"])
     current = meta["version"]
     try:
-        for line in _lines(resp):
-            # The trainer bumps the version while the engines are frozen and before they
-            # resume (gateway.drain_mode keep): the first chunk read under a new version
-            # holds the first tokens sampled on it.
-            now = policy_version(state.redis)
-            if now != current:
-                acc.switch(now)
-                current = now
-            if cancel.is_set():
-                yield out.error(_cancelled_error(state))
+        while True:
+            cut = False  # a weight update aborted this upstream stream (drain_mode continue)
+            for line in _lines(resp):
+                # The trainer bumps the version while the engines are frozen and before they
+                # resume (gateway.drain_mode keep): the first chunk read under a new version
+                # holds the first tokens sampled on it. A continuation's first chunk is read
+                # under the new version too.
+                now = policy_version(state.redis)
+                if now != current:
+                    acc.switch(now)
+                    current = now
+                if cancel.is_set():
+                    yield out.error(_cancelled_error(state))
+                    return
+                if not line or not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    if cut:
+                        break
+                    calls = capture.calls_from_response(acc.response(), stream=True, **meta,
+                                                        version_end=current,
+                                                        switches=acc.switches)
+                    if not lease.record([c.to_json() for c in calls],
+                                        _turn(state, body, acc.response())):
+                        yield out.error(_cancelled_error(state))
+                        return
+                    yield from out.done()
+                    continue
+                chunk = loads(payload)
+                if isinstance(chunk, dict) and chunk.get("error"):
+                    # vLLM's error inside a stream (then [DONE]): the agent gets it in its
+                    # protocol's shape, and the partial call is not captured
+                    err = _stream_error(chunk["error"])
+                    log.warning("inference server error in the stream for %s: %s",
+                                rollout_id, err.message)
+                    yield out.error(err)
+                    return
+                if cut:
+                    continue  # the cut stream's usage: the continuation counts anew
+                if continuation.aborted(chunk) and continuation.carries_on(state.redis):
+                    why = continuation.refusal(body, state.settings.tool_call_parser)
+                    if why is not None:
+                        log.info("rollout %s: a streamed call cut by a weight update is not "
+                                 "carried on (%s); the agent retries it", rollout_id, why)
+                        yield out.error(_cancelled_error(state))
+                        return
+                    cut = True
+                    chunk = continuation.without_abort(chunk)
+                acc.add(chunk)
+                yield from out.chunk(capture.strip_for_agent(chunk, meta["endpoint"],
+                                                             wants_lp, wants_ids))
+            if not cut:
                 return
-            if not line or not line.startswith("data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == "[DONE]":
+            resp.release()
+            prompt_ids, so_far = continuation.prompt_and_response(acc.response())
+            more_body = continuation.resend_body(body, meta["endpoint"], prompt_ids, so_far)
+            if more_body is None:  # the cut came at the call's last token
+                acc.end_by_length()
+                last: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+                if meta["endpoint"] == "chat.completions":
+                    last["delta"] = {}
+                else:
+                    last["text"] = ""
+                yield from out.chunk({"choices": [last]})
                 calls = capture.calls_from_response(acc.response(), stream=True, **meta,
                                                     version_end=current,
                                                     switches=acc.switches)
-                if not lease.record([c.to_json() for c in calls],
-                                    _turn(state, body, acc.response())):
+                if not lease.record([c.to_json() for c in calls]):
                     yield out.error(_cancelled_error(state))
                     return
                 yield from out.done()
-                continue
-            chunk = loads(payload)
-            if isinstance(chunk, dict) and chunk.get("error"):
-                # vLLM's error inside a stream (then [DONE]): the agent gets it in its
-                # protocol's shape, and the partial call is not captured
-                err = _stream_error(chunk["error"])
-                log.warning("inference server error in the stream for %s: %s", rollout_id,
-                            err.message)
+                return
+            try:
+                resp, _ = _resend(state, rollout_id, lease.id, cancel, meta["endpoint"],
+                                  more_body, True)
+            except GatewayError as err:
                 yield out.error(err)
                 return
-            acc.add(chunk)
-            yield from out.chunk(capture.strip_for_agent(chunk, meta["endpoint"], wants_lp,
-                                                         wants_ids))
     finally:
         resp.release()
         if not lease.ended:

@@ -35,6 +35,7 @@ class GatewaySettings:
     max_model_len: int = 0
     sleep_check: bool = False     # the servers sleep around updates: skip one left asleep
     inference_api_key: str = ""   # sent to the servers; agents never see it
+    tool_call_parser: str | None = None  # inference.tool_call_parser: where calls start
 
     @classmethod
     def from_config(cls, cfg: Any) -> GatewaySettings:
@@ -63,4 +64,6 @@ class GatewaySettings:
             if cfg.inference.get("chat_template") else None,
             sleep_check=InferenceSettings.from_config(cfg).sleep_mode,
             inference_api_key=inference_api_key(cfg),
+            tool_call_parser=str(cfg.inference.tool_call_parser)
+            if cfg.inference.get("tool_call_parser") else None,
         )

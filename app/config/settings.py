@@ -13,7 +13,7 @@ from typing import Any, Literal, cast
 
 from app.services.device import resolve as resolve_device
 
-DrainMode = Literal["wait", "keep", "abort"]
+DrainMode = Literal["wait", "keep", "abort", "continue"]
 Launcher = Literal["auto", "local", "ray"]
 
 
@@ -58,5 +58,5 @@ class InferenceSettings:
 def drain_mode(cfg: Any) -> DrainMode:
     value = str(cfg.gateway.drain_mode)
     if value not in ("wait", "keep", "abort"):
-        raise ValueError(f"gateway.drain_mode {value!r} is not one of wait, keep, abort")
+        raise ValueError(f"gateway.drain_mode {value!r} is not one of wait, keep, abort, continue")
     return cast(DrainMode, value)

@@ -299,7 +299,7 @@ RULES: dict[str, Check] = {
     "trainer.ranks": positive_int,
     "controller.retry_max_wait_s": positive_num,
     "gateway.sampling": one_of("enforce", "reject"),
-    "gateway.drain_mode": one_of("wait", "keep", "abort"),
+    "gateway.drain_mode": one_of("wait", "keep", "abort", "continue"),
     "trainer.launcher": one_of("auto", "local", "ray"),
     "trainer.nnodes": positive_int,
     "trainer.n_gpus_per_node": positive_int,

@@ -36,6 +36,14 @@ def pause_history() -> str:
     return PREFIX + "gw:pause_history"
 
 
+def pause_carries_on() -> str:
+    """STRING the pause token, while that pause's drain ends the calls in the engines and the
+    gateway carries them on after it (``gateway.drain_mode: continue``); set by the trainer
+    with the pause's expiry, extended and deleted with the pause, read by the gateway when an
+    answer comes back cut (``finish_reason: abort``)."""
+    return PREFIX + "gw:pause_carries_on"
+
+
 def pause_started() -> str:
     """STRING Redis server time in integer epoch milliseconds when the current pause began
     (for the remaining-pause estimate)."""

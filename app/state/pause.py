@@ -117,12 +117,14 @@ redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
 return redis.call('ZCARD', KEYS[3])
 """
 
-# KEYS: paused, pause_started   ARGV: token, pause_ttl_ms -> 1 extended, 0 not our pause
+# KEYS: paused, pause_started, pause_carries_on   ARGV: token, pause_ttl_ms
+# -> 1 extended, 0 not our pause.
 # The pause is a lease: its holder keeps extending it, so it ends soon after the holder dies.
 EXTEND_PAUSE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
+redis.call('PEXPIRE', KEYS[3], ARGV[2])
 return 1
 """
 
@@ -132,14 +134,15 @@ redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 return redis.call('ZCARD', KEYS[1])
 """
 
-# KEYS: paused, pause_started, pause_history   ARGV: keep, token ('' = any pause: an operator)
+# KEYS: paused, pause_started, pause_history, pause_carries_on
+# ARGV: keep, token ('' = any pause: an operator)
 # -> pause duration in ms (0 if not paused), -1 when the pause is another holder's: a stale
 # resume (a trainer whose pause expired and was taken over) must not end a newer pause.
 RESUME = _NOW_MS + """
 local holder = redis.call('GET', KEYS[1])
 if ARGV[2] ~= '' and holder and holder ~= ARGV[2] then return -1 end
 local started = redis.call('GET', KEYS[2])
-redis.call('DEL', KEYS[1], KEYS[2])
+redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
 if not started then return 0 end
 local dur = now - tonumber(started)
 redis.call('LPUSH', KEYS[3], dur)
@@ -292,6 +295,7 @@ class Pause:
         self._live = client.register_script(LIVE)
         self._resume = client.register_script(RESUME)
         self.pause_token = ""
+        self._pause_ttl_ms = 0
         self.lost = False   # an extension of this object's pause failed: it may be gone
 
     def is_paused(self) -> bool:
@@ -303,17 +307,24 @@ class Pause:
         ``extend_pause`` makes the pause a lease of its holder."""
         self.pause_token = uuid.uuid4().hex
         self.lost = False
+        self._pause_ttl_ms = int(pause_ttl_s * 1000)
         return int(self._pause(keys=[keys.paused(), keys.pause_started(), keys.leases()],
                                args=[self.pause_token, int(pause_ttl_s * 1000)]))
 
     def extend_pause(self, pause_ttl_s: float) -> bool:
         """Push the expiry of this object's pause ``pause_ttl_s`` ahead; False if the pause
         is gone or another holder took it over."""
-        ok = bool(self._extend_pause(keys=[keys.paused(), keys.pause_started()],
+        ok = bool(self._extend_pause(keys=[keys.paused(), keys.pause_started(),
+                                           keys.pause_carries_on()],
                                      args=[self.pause_token, int(pause_ttl_s * 1000)]))
         if not ok:
             self.lost = True
         return ok
+
+    def carry_on_cut_calls(self) -> None:
+        """Tell the gateways that this pause's calls, ended in the engines, are to be carried
+        on after it (``gateway.drain_mode: continue``) instead of ended for the agent."""
+        self.r.set(keys.pause_carries_on(), self.pause_token, px=max(self._pause_ttl_ms, 1))
 
     def live_leases(self) -> int:
         return int(self._live(keys=[keys.leases()]))
@@ -368,6 +379,7 @@ class Pause:
         """Clear this object's pause; returns how long it lasted (seconds). A pause set by
         another holder since is left in place (returns 0). An object that never paused (the
         admin route) clears whatever pause there is."""
-        ms = int(self._resume(keys=[keys.paused(), keys.pause_started(), keys.pause_history()],
+        ms = int(self._resume(keys=[keys.paused(), keys.pause_started(), keys.pause_history(),
+                                    keys.pause_carries_on()],
                               args=[keep_history, self.pause_token]))
         return max(ms, 0) / 1000.0

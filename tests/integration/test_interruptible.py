@@ -8,6 +8,9 @@ and resume functions.
   before that index score as the old weights do and the tokens after as the new ones do.
 - abort: the call in flight gets a retryable error, nothing of it is captured, and the same
   call sent again after the load succeeds.
+- continue: the engine ends the calls, the gateway keeps their tokens and carries them on
+  after the load; the agents see whole answers, each captured as one call whose tokens
+  switch version where the continuation began, scored as with keep.
 """
 
 from __future__ import annotations
@@ -63,12 +66,33 @@ def _streamed(base: str, token: str, cfg, out: dict) -> None:
             for choice in chunk.get("choices") or []:
                 out["ids"].extend(choice.get("token_ids") or [])
                 out["finish"] = choice.get("finish_reason") or out.get("finish")
+                out.setdefault("finishes", []).append(choice.get("finish_reason"))
             if "error" in chunk:
                 out["error"] = chunk["error"]
 
 
-def _plain(base: str, token: str, cfg, out: dict) -> None:
-    resp = requests.post(f"{base}/completions", json=_body(cfg, False),
+def _chat_streamed(base: str, token: str, cfg, out: dict) -> None:
+    import json
+
+    out["ids"], out["text"], out["finishes"] = [], "", []
+    body = {"model": cfg.inference.served_model_name, "max_tokens": LONG, "ignore_eos": True,
+            "temperature": 1.0, "stream": True, "return_token_ids": True,
+            "messages": [{"role": "user", "content": "tell a long story"}]}
+    resp = requests.post(f"{base}/chat/completions", json=body, stream=True, timeout=120,
+                         headers={"Authorization": f"Bearer {token}"})
+    out["status"] = resp.status_code
+    for line in resp.iter_lines():
+        if line.startswith(b"data: {"):
+            chunk = json.loads(line[6:])
+            out["error"] = chunk.get("error") or out.get("error")
+            for choice in chunk.get("choices") or []:
+                out["ids"].extend(choice.get("token_ids") or [])
+                out["text"] += (choice.get("delta") or {}).get("content") or ""
+                out["finishes"].append(choice.get("finish_reason"))
+
+
+def _plain(base: str, token: str, cfg, out: dict, extra: dict | None = None) -> None:
+    resp = requests.post(f"{base}/completions", json={**_body(cfg, False), **(extra or {})},
                          headers={"Authorization": f"Bearer {token}"}, timeout=120)
     out["status"], out["body"] = resp.status_code, resp.json()
 
@@ -85,12 +109,12 @@ def _new_weights(cfg, tmp_path):
     return trainer, old, {k: v.clone() for k, v in trainer.model.state_dict().items()}, path
 
 
-def _scores(trainer, state: dict, ids: list[int]) -> list[float]:
+def _scores(trainer, state: dict, ids: list[int], prompt: list[int] = PROMPT) -> list[float]:
     """Teacher-forced log-probs of the response tokens (temperature 1)."""
     trainer.model.load_state_dict(state)
     with torch.no_grad():
-        logits = trainer.model(input_ids=torch.tensor([PROMPT + ids])).logits.float()
-    logp = torch.log_softmax(logits[0, len(PROMPT) - 1:-1], dim=-1)
+        logits = trainer.model(input_ids=torch.tensor([prompt + ids])).logits.float()
+    logp = torch.log_softmax(logits[0, len(prompt) - 1:-1], dim=-1)
     return logp.gather(1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
 
 
@@ -196,3 +220,75 @@ def test_abort_gives_a_retryable_error_and_the_call_is_sent_again(gw, new_rollou
     call = CapturedCall.from_json(gw.lrange(keys.rollout_calls(rid_p), 0, -1)[0])
     assert (call.policy_version, call.policy_version_end) == (4, None)
     assert len(call.response_ids) == LONG
+
+
+def test_continue_carries_cut_calls_on_across_a_real_weight_load(
+        gw, new_rollout, cfg, tmp_path, vllm_service):
+    trainer, old, new, path = _new_weights(cfg, tmp_path)
+    (rid_s, rid_p), streamed, plain, threads = _two_long_calls(new_rollout, cfg, 40)
+    chat: dict = {}
+    rid_c, tok_c, base_c = new_rollout()
+    threads.append(threading.Thread(target=_chat_streamed, args=(base_c, tok_c, cfg, chat)))
+    threads[-1].start()
+    _wait(lambda: len(chat.get("ids", ())) >= 10, 60, "the chat call to be under way")
+    # two choices in one call cannot be carried on as one: that agent retries instead
+    two: dict = {}
+    rid_2, tok_2, base_2 = new_rollout()
+    threads.append(threading.Thread(target=_plain, args=(base_2, tok_2, cfg, two, {"n": 2})))
+    threads[-1].start()
+    _wait(lambda: Pause(gw).live_leases() == 4, 30, "four calls in flight")
+    time.sleep(0.5)
+    adm, metrics, held = _hold(gw, vllm_service, "continue")
+    assert metrics["training/async/proxy_continued_calls"] == 4
+    threads[-1].join(30)
+    assert two["status"] == 503 and two["body"]["error"]["code"] == "cancelled_by_update"
+    assert gw.llen(keys.rollout_calls(rid_2)) == 0
+    time.sleep(0.3)  # the engine ended the calls; the gateway keeps them and waits
+    at_cut = len(streamed["ids"])
+    assert 40 <= at_cut < LONG
+    time.sleep(0.3)
+    assert len(streamed["ids"]) == at_cut, "tokens arrived while the engine was paused"
+    assert all(t.is_alive() for t in threads[:3])  # the agents still wait for their answers
+    assert not held.frozen_calls  # nothing holds the KV cache: the engine could sleep
+
+    service.switch_weights(gw, [vllm_service], path, 4, held, 30, 1)
+    adm.resume()
+    for t in threads:
+        t.join(120)
+    # whole answers: the agents never saw the cut
+    assert streamed["status"] == 200 and "error" not in streamed
+    assert len(streamed["ids"]) == LONG and streamed["finish"] == "length"
+    assert [f for f in streamed["finishes"] if f] == ["length"]
+    assert plain["status"] == 200, plain["body"]
+    choice = plain["body"]["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert plain["body"]["usage"]["completion_tokens"] == LONG
+
+    call_s = CapturedCall.from_json(gw.lrange(keys.rollout_calls(rid_s), 0, -1)[0])
+    call_p = CapturedCall.from_json(gw.lrange(keys.rollout_calls(rid_p), 0, -1)[0])
+    assert gw.llen(keys.rollout_calls(rid_s)) == gw.llen(keys.rollout_calls(rid_p)) == 1
+    assert call_s.response_ids == streamed["ids"] and len(call_p.response_ids) == LONG
+    assert call_s.prompt_ids == call_p.prompt_ids == PROMPT
+    assert (call_s.policy_version, call_s.policy_version_end) == (3, 4)
+    assert call_s.version_switches == [[at_cut, 4]]
+    # not streamed, yet the gateway knows where it switched: where it sent the call again
+    assert (call_p.policy_version, call_p.policy_version_end) == (3, 4)
+    assert call_p.version_switches and 0 < call_p.version_switches[0][0] < LONG
+    # a streamed chat call: one answer, one call from the rendered prompt on
+    assert chat["status"] == 200 and not chat["error"], chat.get("error")
+    assert len(chat["ids"]) == LONG and [f for f in chat["finishes"] if f] == ["length"]
+    call_c = CapturedCall.from_json(gw.lrange(keys.rollout_calls(rid_c), 0, -1)[0])
+    assert call_c.response_ids == chat["ids"] and call_c.endpoint == "chat.completions"
+    assert call_c.version_switches and 10 <= call_c.version_switches[0][0] < LONG
+
+    # The tokens before the cut score as the old weights do, the ones after as the new
+    # ones do (their prefix recomputed by one prefill on the new weights).
+    for call in (call_s, call_p, call_c):
+        ids, engine, k = call.response_ids, call.logprobs, call.version_switches[0][0]
+        under_old = _scores(trainer, old, ids, call.prompt_ids)
+        under_new = _scores(trainer, new, ids, call.prompt_ids)
+        before_old, before_new = (_gap(engine[:k], under_old[:k]),
+                                  _gap(engine[:k], under_new[:k]))
+        after_old, after_new = _gap(engine[k:], under_old[k:]), _gap(engine[k:], under_new[k:])
+        assert before_old < 1e-3 < 0.1 < before_new, (before_old, before_new)
+        assert after_new < 1e-3 < 0.1 < after_old, (after_new, after_old)

@@ -11,6 +11,9 @@ failure as a context manager):
   whose load drops the KV cache they hold so they recompute it.
 - ``abort``: cancel the calls' leases (their agents get a retryable error, nothing of them
   is recorded) and end them in the engines.
+- ``continue``: end the calls in the engines but keep their leases: the gateway keeps what
+  each had generated and carries it on after the update (``gateway.continuation``). Works
+  with engines that sleep, unlike ``keep``.
 
 A new mode is a new class here and a name in ``DRAINS``.
 """
@@ -60,10 +63,12 @@ class WaitDrain(Drain):
 class _EngineDrain(Drain):
     """Pause generation inside the engines instead of waiting for the calls in flight."""
 
+    engine_mode: ClassVar[str]   # vLLM's /pause?mode=
+
     def _hold(self, pause: Pause, metrics: dict[str, Any], t: float, cancelled: list[str],
               frozen: int) -> weights.Held:
         try:
-            held = weights.pause_engines(self.urls, self.mode)
+            held = weights.pause_engines(self.urls, self.engine_mode)
         except weights.EnginePauseError as exc:
             raise DrainError(str(exc)) from exc
         unended = pause.wait_ended(cancelled, pause.ttl_ms / 1000.0) if cancelled else 0
@@ -79,6 +84,7 @@ class _EngineDrain(Drain):
 
 class KeepDrain(_EngineDrain):
     mode = "keep"
+    engine_mode = "keep"
 
     def quiet(self, pause: Pause, metrics: dict[str, Any]) -> weights.Held:
         return self._hold(pause, metrics, time.monotonic(), [], pause.live_leases())
@@ -86,13 +92,27 @@ class KeepDrain(_EngineDrain):
 
 class AbortDrain(_EngineDrain):
     mode = "abort"
+    engine_mode = "abort"
 
     def quiet(self, pause: Pause, metrics: dict[str, Any]) -> weights.Held:
         t = time.monotonic()
         return self._hold(pause, metrics, t, pause.cancel_live(), 0)
 
 
-DRAINS: dict[DrainMode, type[Drain]] = {d.mode: d for d in (WaitDrain, KeepDrain, AbortDrain)}
+class ContinueDrain(_EngineDrain):
+    mode = "continue"
+    engine_mode = "abort"   # the engines end the calls; the gateway carries them on
+
+    def quiet(self, pause: Pause, metrics: dict[str, Any]) -> weights.Held:
+        live = pause.live_leases()
+        pause.carry_on_cut_calls()   # before the engines end the calls
+        held = self._hold(pause, metrics, time.monotonic(), [], 0)
+        metrics["training/async/proxy_continued_calls"] = live
+        return held
+
+
+DRAINS: dict[DrainMode, type[Drain]] = {
+    d.mode: d for d in (WaitDrain, KeepDrain, AbortDrain, ContinueDrain)}
 
 
 def drain_for(settings: TrainerSettings) -> Drain:

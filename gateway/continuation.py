@@ -1,0 +1,164 @@
+"""Calls a weight update cut short, carried on (``gateway.drain_mode: continue``).
+
+The trainer pauses the engines with ``/pause?mode=abort``: vLLM ends every request in
+flight with ``finish_reason: abort`` and returns the tokens sampled so far with their
+log-probs (streamed or not). The gateway keeps them, waits until the pause ends (the new
+weights are loaded and the engines resumed), and sends the prompt plus the partial response
+as token ids, with ``max_tokens`` reduced by what was generated. The agent sees one answer;
+the capture is one call whose tokens switch version at the first re-sent token. The KV
+cache is rebuilt by one prefill. This is verl's colocated partial rollout, done at the
+gateway (verl re-sends from its own rollout client).
+
+Calls that cannot be carried on exactly are ended as ``abort`` ends them (a retryable
+error; the agent sends the call again):
+
+- ``n > 1`` (each choice would need its own continuation);
+- constrained decoding: the grammar would start again at the re-sent tokens;
+- a tool call cut in its markup: the server parses tool calls from the text it generated
+  itself, so the continuation's half would be parsed alone. Without tools, or when the cut
+  came before any call (the markup is known for the ``hermes`` parser), the call goes on; a
+  streamed call with tools is not continued (the stream's parser may hold back text).
+
+The trainer marks its pause as one that carries calls on (``keys.pause_carries_on``); a cut
+answer without that mark (an operator's ``/pause?mode=abort``) reaches the agent as it is.
+Pure functions but :func:`carries_on` and :func:`wait_for_resume`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+from app.state import keys
+from app.state.cached_reads import gateway_paused
+from gateway.capture import constrained_by
+from gateway.leases import UpstreamCancelled
+
+ABORT = "abort"
+# where a tool call starts in the text, per vLLM tool-call parser
+CALL_MARKUP = {"hermes": "<tool_call>"}
+
+
+def refusal(body: dict[str, Any], tool_call_parser: str | None) -> str | None:
+    """Why a call of this request cannot be continued after an abort, or None."""
+    if int(body.get("n") or 1) > 1:
+        return "n > 1"
+    constrained = constrained_by(body)
+    if constrained:
+        return f"constrained decoding ({constrained})"
+    if body.get("tools") and (body.get("stream") or tool_call_parser not in CALL_MARKUP):
+        return "tools in a streamed call" if body.get("stream") else \
+            f"tools with the {tool_call_parser!r} parser"
+    return None
+
+
+def aborted(resp: dict[str, Any]) -> bool:
+    return any(c.get("finish_reason") == ABORT for c in resp.get("choices") or [])
+
+
+def cut_in_call(resp: dict[str, Any], tool_call_parser: str | None) -> bool:
+    """The partial answer stops inside a tool call's markup (its text has the call's start:
+    the parser could not read it whole)."""
+    marker = CALL_MARKUP.get(str(tool_call_parser))
+    for choice in resp.get("choices") or []:
+        msg = choice.get("message") or {}
+        if msg.get("tool_calls") or (marker and marker in (msg.get("content") or "")):
+            return True
+    return False
+
+
+def prompt_and_response(resp: dict[str, Any]) -> tuple[list[int], list[int]]:
+    """The prompt's and the (one) choice's token ids of a chat or completions answer."""
+    choice = (resp.get("choices") or [{}])[0]
+    prompt = choice.get("prompt_token_ids") or resp.get("prompt_token_ids") or []
+    return list(prompt), list(choice.get("token_ids") or [])
+
+
+def resend_body(body: dict[str, Any], endpoint: str, prompt_ids: list[int],
+                so_far: list[int]) -> dict[str, Any] | None:
+    """The upstream request that carries the call on from ``so_far``; None when the tokens
+    already reached the call's limit (the answer ends there, by length)."""
+    out = dict(body)
+    key = "max_completion_tokens" if out.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    left = int(out[key]) - len(so_far)
+    if left <= 0:
+        return None
+    out[key] = left
+    if out.get("min_tokens"):
+        out["min_tokens"] = max(0, int(out["min_tokens"]) - len(so_far))
+    ids = [*prompt_ids, *so_far]
+    if endpoint == "completions":
+        out["prompt"] = ids
+    else:  # vLLM takes these ids instead of rendering the messages (as token continuity)
+        out["kv_transfer_params"] = {**(out.get("kv_transfer_params") or {}),
+                                     "prompt_token_ids": ids}
+    return out
+
+
+def ended_by_length(resp: dict[str, Any]) -> dict[str, Any]:
+    out = copy.deepcopy(resp)
+    for choice in out.get("choices") or []:
+        if choice.get("finish_reason") == ABORT:
+            choice["finish_reason"] = "length"
+    return out
+
+
+def merge(first: dict[str, Any], more: dict[str, Any], endpoint: str) -> dict[str, Any]:
+    """One answer from a cut one and its continuation (one choice each): tokens, log-probs
+    and text joined, the prompt and the id of the first, the end of the second."""
+    out = copy.deepcopy(first)
+    a, b = out["choices"][0], (more.get("choices") or [{}])[0]
+    a["token_ids"] = [*(a.get("token_ids") or []), *(b.get("token_ids") or [])]
+    a["finish_reason"] = b.get("finish_reason")
+    a["stop_reason"] = b.get("stop_reason")
+    lp_a, lp_b = a.get("logprobs") or {}, b.get("logprobs") or {}
+    if endpoint == "chat.completions":
+        msg, tail = a.setdefault("message", {}), b.get("message") or {}
+        msg["content"] = (msg.get("content") or "") + (tail.get("content") or "")
+        if tail.get("tool_calls"):
+            msg["tool_calls"] = tail["tool_calls"]
+        if lp_a or lp_b:
+            a["logprobs"] = {"content": [*(lp_a.get("content") or []),
+                                         *(lp_b.get("content") or [])]}
+    else:
+        a["text"] = (a.get("text") or "") + (b.get("text") or "")
+        if lp_a or lp_b:
+            a["logprobs"] = {k: [*(lp_a.get(k) or []), *(lp_b.get(k) or [])]
+                             for k in ("tokens", "token_logprobs", "top_logprobs",
+                                       "text_offset")}
+    usage_a, usage_b = out.get("usage") or {}, more.get("usage") or {}
+    if usage_a or usage_b:
+        done = len(a["token_ids"])
+        prompt = usage_a.get("prompt_tokens", 0)
+        out["usage"] = {**usage_a, "completion_tokens": done, "total_tokens": prompt + done}
+    return out
+
+
+def without_abort(chunk: dict[str, Any]) -> dict[str, Any]:
+    """A streamed chunk that ended the cut call, as the agent sees it: the call goes on."""
+    out = dict(chunk)
+    out["choices"] = [{**c, "finish_reason": None} if c.get("finish_reason") == ABORT else c
+                      for c in chunk.get("choices") or []]
+    return out
+
+
+def carries_on(redis_client: Any) -> bool:
+    """The pause under way carries cut calls on (its trainer's drain is ``continue``): read
+    when an answer comes back cut, so a gateway follows whatever mode the run uses."""
+    return bool(redis_client.exists(keys.pause_carries_on()))
+
+
+def wait_for_resume(redis_client: Any, cancel: Any, timeout_s: float,
+                    poll_s: float = 0.05) -> None:
+    """Until the gateway's pause ends (the weights are loaded and the engines resumed).
+    Raises :class:`UpstreamCancelled` if the call's lease is cancelled meanwhile, and
+    TimeoutError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while gateway_paused(redis_client, poll_s):
+        if cancel.is_set():
+            raise UpstreamCancelled
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"the pause lasted more than {timeout_s:.0f} s")
+        time.sleep(poll_s)

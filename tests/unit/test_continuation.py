@@ -1,0 +1,94 @@
+"""The pure half of carrying on calls a weight update cut (gateway.drain_mode continue)."""
+
+from __future__ import annotations
+
+import pytest
+
+from gateway import continuation as cont
+
+TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ({}, None),
+    ({"n": 1, "tools": TOOLS}, None),            # not streamed, hermes: the markup is known
+    ({"n": 2}, "n > 1"),
+    ({"response_format": {"type": "json_object"}}, "constrained decoding (response_format)"),
+    ({"tools": TOOLS, "tool_choice": "required"}, "constrained decoding (tool_choice)"),
+    ({"tools": TOOLS, "stream": True}, "tools in a streamed call"),
+])
+def test_which_calls_can_be_carried_on(body, why):
+    assert cont.refusal(body, "hermes") == why
+
+
+def test_tools_with_a_parser_whose_markup_is_unknown_are_not_carried_on():
+    assert cont.refusal({"tools": TOOLS}, "mistral") == "tools with the 'mistral' parser"
+    assert cont.refusal({}, "mistral") is None
+
+
+def test_a_cut_inside_a_tool_calls_markup_is_seen():
+    def answer(content, calls=None):
+        return {"choices": [{"message": {"content": content, "tool_calls": calls},
+                             "finish_reason": "abort"}]}
+    assert not cont.cut_in_call(answer("Let me add"), "hermes")
+    assert cont.cut_in_call(answer('Sure. <tool_call>{"name": "ad'), "hermes")
+    assert cont.cut_in_call(answer("", [{"id": "c"}]), "hermes")
+
+
+def test_the_continuation_asks_for_what_is_left_from_the_ids_so_far():
+    body = {"prompt": "hi", "max_tokens": 10, "min_tokens": 5, "temperature": 1.0}
+    out = cont.resend_body(body, "completions", [1, 2], [7, 8, 9])
+    assert out == {"prompt": [1, 2, 7, 8, 9], "max_tokens": 7, "min_tokens": 2,
+                   "temperature": 1.0}
+    assert body["max_tokens"] == 10  # the agent's request is left as it was
+    chat = cont.resend_body({"messages": [], "max_completion_tokens": 4,
+                             "kv_transfer_params": {"x": 1}}, "chat.completions", [1], [5])
+    assert chat["max_completion_tokens"] == 3
+    assert chat["kv_transfer_params"] == {"x": 1, "prompt_token_ids": [1, 5]}
+    # cut at its last allowed token: nothing to send, it ends by length
+    assert cont.resend_body({"max_tokens": 3}, "completions", [1], [5, 6, 7]) is None
+    done = cont.ended_by_length({"choices": [{"finish_reason": "abort"}]})
+    assert done["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_cut_answer_and_its_continuation_make_one_answer():
+    first = {"id": "a", "choices": [{"index": 0, "token_ids": [5, 6],
+                                     "message": {"role": "assistant", "content": "he"},
+                                     "logprobs": {"content": [{"logprob": -1.0},
+                                                              {"logprob": -2.0}]},
+                                     "finish_reason": "abort"}],
+             "prompt_token_ids": [1, 2],
+             "usage": {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}}
+    more = {"id": "b", "choices": [{"index": 0, "token_ids": [7],
+                                    "message": {"role": "assistant", "content": "llo"},
+                                    "logprobs": {"content": [{"logprob": -3.0}]},
+                                    "finish_reason": "stop"}],
+            "prompt_token_ids": [1, 2, 5, 6],
+            "usage": {"prompt_tokens": 4, "completion_tokens": 1, "total_tokens": 5}}
+    out = cont.merge(first, more, "chat.completions")
+    choice = out["choices"][0]
+    assert out["id"] == "a" and out["prompt_token_ids"] == [1, 2]
+    assert choice["token_ids"] == [5, 6, 7] and choice["message"]["content"] == "hello"
+    assert [x["logprob"] for x in choice["logprobs"]["content"]] == [-1.0, -2.0, -3.0]
+    assert choice["finish_reason"] == "stop"
+    assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 3, "total_tokens": 5}
+    assert first["choices"][0]["token_ids"] == [5, 6]  # the inputs are left as they were
+
+    text = cont.merge(
+        {"choices": [{"text": "a", "token_ids": [5], "finish_reason": "abort",
+                      "logprobs": {"tokens": ["a"], "token_logprobs": [-1.0],
+                                   "top_logprobs": [{"a": -1.0}], "text_offset": [0]}}]},
+        {"choices": [{"text": "b", "token_ids": [6], "finish_reason": "length",
+                      "logprobs": {"tokens": ["b"], "token_logprobs": [-2.0],
+                                   "top_logprobs": [{"b": -2.0}], "text_offset": [1]}}]},
+        "completions")["choices"][0]
+    assert text["text"] == "ab" and text["logprobs"]["token_logprobs"] == [-1.0, -2.0]
+    assert text["logprobs"]["tokens"] == ["a", "b"] and text["finish_reason"] == "length"
+
+
+def test_the_agent_never_sees_the_abort_in_a_stream():
+    chunk = {"choices": [{"index": 0, "text": "o", "finish_reason": "abort"}]}
+    assert cont.aborted(chunk)
+    shown = cont.without_abort(chunk)
+    assert shown["choices"][0] == {"index": 0, "text": "o", "finish_reason": None}
+    assert not cont.aborted(shown) and cont.aborted(chunk)
