@@ -1,5 +1,6 @@
 """What a weight update costs when the agents' calls are long: wait for them, freeze them,
-or end them (``gateway.drain_mode`` wait, keep, abort), side by side on the real stack.
+end them, or end and carry them on (``gateway.drain_mode`` wait, keep, abort, continue),
+side by side on the real stack.
 
 Starts its own Redis, vLLM CPU server, gateway, Celery workers and the real trainer, then
 trains the tiny model in carry-over mode (``async_train_batch_size`` 2x) with agents that
@@ -7,12 +8,12 @@ make ``--calls`` calls of exactly ``--max-tokens`` tokens each (``bench/agents.p
 ``long_calls``). Each mode runs ``--warmup`` steps, then ``--steps`` timed steps.
 
 Per mode: the seconds per step spent pausing (the drain under wait; pausing the engines
-under keep and abort), the seconds the gateway stayed paused, the calls frozen or aborted
-per step, the trainer's idle fraction (1 - the seconds it updates, saves, loads and probes
-/ wall: waiting for data or for a drain is idle), trained rollouts per second, and the
-trained calls that spanned an update.
+under keep, abort and continue), the seconds the gateway stayed paused, the calls frozen,
+aborted or carried on per step, the trainer's idle fraction (1 - the seconds it updates,
+saves, loads and probes / wall: waiting for data or for a drain is idle), trained rollouts
+per second, and the trained calls that spanned an update.
 
-Usage: python -m bench.drain_modes [--quick] [--modes wait,keep,abort] [--steps 8]
+Usage: python -m bench.drain_modes [--quick] [--modes wait,keep,abort,continue] [--steps 8]
        [--max-tokens 256] [--calls 2]
 Prints JSON, then a markdown table.
 """
@@ -28,7 +29,7 @@ import time
 from typing import Any
 
 ROLES = ["redis", "inference", "gateway", "groups", "rollout", "trainer"]
-MODES = ("wait", "keep", "abort")
+MODES = ("wait", "keep", "abort", "continue")
 
 
 def run_mode(base: list[str], data, tmp, mode: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -67,6 +68,7 @@ def run_mode(base: list[str], data, tmp, mode: str, args: argparse.Namespace) ->
         "inflight_at_pause": mean("training/async/proxy_inflight_at_pause"),
         "frozen_calls_per_step": mean("training/async/proxy_frozen_calls"),
         "aborted_calls_per_step": mean("training/async/proxy_aborted_calls"),
+        "continued_calls_per_step": mean("training/async/proxy_continued_calls"),
         # the trainer working: update, save, reload, probe (not waiting for data or a drain)
         "trainer_idle_fraction": 1.0 - sum(
             sum(float(r.get(f"timing/trainer_{k}_seconds") or 0.0)
@@ -113,14 +115,15 @@ def main(argv: list[str] | None = None) -> int:
                "max_tokens": args.max_tokens, "calls_per_rollout": args.calls,
                "train_batch_size": args.tbs, "n": args.n, "results": results}
     print(json.dumps(summary, indent=1))
-    print("\n| drain_mode | pausing s/step | gateway paused s/step | calls frozen / aborted "
-          "per step | trainer step s | trainer idle | trained rollouts/s | trained calls "
-          "spanning a load, per step | version lag |")
+    print("\n| drain_mode | pausing s/step | gateway paused s/step | calls frozen / aborted / "
+          "carried on per step | trainer step s | trainer idle | trained rollouts/s | trained "
+          "calls spanning a load, per step | version lag |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         print(f"| {r['drain_mode']} | {r['pause_s_per_step']:.2f} | "
               f"{r['gateway_paused_s_per_step']:.2f} | {r['frozen_calls_per_step']:.1f} / "
-              f"{r['aborted_calls_per_step']:.1f} | {r['trainer_step_seconds']:.1f} | "
+              f"{r['aborted_calls_per_step']:.1f} / {r['continued_calls_per_step']:.1f} | "
+              f"{r['trainer_step_seconds']:.1f} | "
               f"{r['trainer_idle_fraction']:.0%} | {r['trained_rollouts_per_s']:.2f} | "
               f"{r['mixed_version_samples_per_step']:.1f} | "
               f"{r['sample_version_lag_mean']:.2f} |")

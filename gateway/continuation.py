@@ -12,7 +12,9 @@ gateway (verl re-sends from its own rollout client).
 Calls that cannot be carried on exactly are ended as ``abort`` ends them (a retryable
 error; the agent sends the call again):
 
-- ``n > 1`` (each choice would need its own continuation);
+- ``n > 1`` or a batch of prompts (each choice would need its own continuation);
+- a continuation whose server did not read the ids it was sent as its prompt (vLLM renders
+  the messages instead when it cannot take them);
 - constrained decoding: the grammar would start again at the re-sent tokens;
 - a tool call cut in its markup: the server parses tool calls from the text it generated
   itself, so the continuation's half would be parsed alone. Without tools, or when the cut
@@ -31,7 +33,6 @@ import time
 from typing import Any
 
 from app.state import keys
-from app.state.cached_reads import gateway_paused
 from gateway.capture import constrained_by
 from gateway.leases import UpstreamCancelled
 
@@ -44,6 +45,9 @@ def refusal(body: dict[str, Any], tool_call_parser: str | None) -> str | None:
     """Why a call of this request cannot be continued after an abort, or None."""
     if int(body.get("n") or 1) > 1:
         return "n > 1"
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return "a batch of prompts"
     constrained = constrained_by(body)
     if constrained:
         return f"constrained decoding ({constrained})"
@@ -51,6 +55,10 @@ def refusal(body: dict[str, Any], tool_call_parser: str | None) -> str | None:
         return "tools in a streamed call" if body.get("stream") else \
             f"tools with the {tool_call_parser!r} parser"
     return None
+
+
+def one_choice(resp: dict[str, Any]) -> bool:
+    return len(resp.get("choices") or []) == 1
 
 
 def aborted(resp: dict[str, Any]) -> bool:
@@ -86,8 +94,6 @@ def resend_body(body: dict[str, Any], endpoint: str, prompt_ids: list[int],
     if left <= 0:
         return None
     out[key] = left
-    if out.get("min_tokens"):
-        out["min_tokens"] = max(0, int(out["min_tokens"]) - len(so_far))
     ids = [*prompt_ids, *so_far]
     if endpoint == "completions":
         out["prompt"] = ids
@@ -136,6 +142,12 @@ def merge(first: dict[str, Any], more: dict[str, Any], endpoint: str) -> dict[st
     return out
 
 
+def sent_prompt(resp: dict[str, Any]) -> list[int]:
+    """The prompt ids a continuation's answer (or its first streamed chunk) says it read."""
+    choice = (resp.get("choices") or [{}])[0]
+    return list(choice.get("prompt_token_ids") or resp.get("prompt_token_ids") or [])
+
+
 def without_abort(chunk: dict[str, Any]) -> dict[str, Any]:
     """A streamed chunk that ended the cut call, as the agent sees it: the call goes on."""
     out = dict(chunk)
@@ -144,10 +156,26 @@ def without_abort(chunk: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def as_part_of_call(chunk: dict[str, Any], done: int) -> dict[str, Any]:
+    """A continuation's streamed chunk as part of the agent's call, ``done`` tokens in: its
+    prompt is the call's (so no second prompt's ids), its usage counts the whole answer."""
+    out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
+    out["choices"] = [{k: v for k, v in c.items() if k != "prompt_token_ids"}
+                      for c in chunk.get("choices") or []]
+    usage = chunk.get("usage")
+    if usage:
+        out["usage"] = {**usage,
+                        "prompt_tokens": max(0, int(usage.get("prompt_tokens", 0)) - done),
+                        "completion_tokens": int(usage.get("completion_tokens", 0)) + done}
+    return out
+
+
 def carries_on(redis_client: Any) -> bool:
     """The pause under way carries cut calls on (its trainer's drain is ``continue``): read
-    when an answer comes back cut, so a gateway follows whatever mode the run uses."""
-    return bool(redis_client.exists(keys.pause_carries_on()))
+    when an answer comes back cut, so a gateway follows whatever mode the run uses. The mark
+    holds its pause's token: a pause taken over since (an operator's) does not carry on."""
+    mark, pause = redis_client.mget(keys.pause_carries_on(), keys.paused())
+    return mark is not None and mark == pause
 
 
 def wait_for_resume(redis_client: Any, cancel: Any, timeout_s: float,
@@ -156,7 +184,8 @@ def wait_for_resume(redis_client: Any, cancel: Any, timeout_s: float,
     Raises :class:`UpstreamCancelled` if the call's lease is cancelled meanwhile, and
     TimeoutError after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
-    while gateway_paused(redis_client, poll_s):
+    # read, not cached: a cached False from before the pause would send the call at once
+    while redis_client.exists(keys.paused()):
         if cancel.is_set():
             raise UpstreamCancelled
         if time.monotonic() >= deadline:

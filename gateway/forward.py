@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import orjson
+import redis
 from flask import Response
 
 from app.state import keys
@@ -181,9 +182,10 @@ def _send(state: GatewayState, rollout_id: str, lease_id: str, upstream: str, en
 
 def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
             endpoint: str, body: dict[str, Any], stream: bool
-            ) -> tuple[UpstreamResponse, bytes | None]:
+            ) -> tuple[UpstreamResponse, bytes | None, int]:
     """Send a cut call's continuation once the pause has ended, to whichever server is
-    usable then (the re-sent tokens are a prefill anywhere)."""
+    usable then (the re-sent tokens are a prefill anywhere); -> (the response, its body
+    unless streamed, the policy version it is sampled on)."""
     s = state.settings
     try:
         continuation.wait_for_resume(state.redis, cancel, s.upstream_timeout_s)
@@ -192,11 +194,36 @@ def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
     except TimeoutError as exc:
         raise retryable(f"a cut call could not be carried on: {exc}", s.retry_after_s,
                         code="cancelled_by_update") from None
+    # the trainer sets the version before it resumes the engines, the pause after
+    version = policy_version(state.redis, 0.0)
     upstream = state.upstreams.pick(rollout_id)
     if upstream is None:
         raise retryable("no inference server is reachable", s.retry_after_s,
                         code="upstream_unavailable")
-    return _send(state, rollout_id, lease_id, upstream, endpoint, body, stream)
+    resp, data = _send(state, rollout_id, lease_id, upstream, endpoint, body, stream)
+    return resp, data, version
+
+
+def _not_carried_on(state: GatewayState, rollout_id: str, body: dict[str, Any],
+                    answer: dict[str, Any]) -> GatewayError | None:
+    """The retryable error that ends a cut call the gateway cannot carry on exactly."""
+    parser = state.settings.tool_call_parser
+    why = continuation.refusal(body, parser)
+    if why is None and not continuation.one_choice(answer):
+        why = "several choices"
+    if why is None and continuation.cut_in_call(answer, parser):
+        why = "a tool call cut in its markup"
+    if why is None:
+        return None
+    log.info("rollout %s: a call cut by a weight update is not carried on (%s); the agent "
+             "retries it", rollout_id, why)
+    return _cancelled_error(state)
+
+
+def _misread(state: GatewayState, rollout_id: str) -> GatewayError:
+    log.warning("rollout %s: the continuation of a cut call was not read from the ids it "
+                "was sent; the agent retries the call", rollout_id)
+    return _cancelled_error(state)
 
 
 def _carry_on(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
@@ -207,21 +234,18 @@ def _carry_on(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
     changed version."""
     current = version
     while continuation.aborted(data) and continuation.carries_on(state.redis):
-        why = continuation.refusal(body, state.settings.tool_call_parser) or (
-            "a tool call cut in its markup"
-            if continuation.cut_in_call(data, state.settings.tool_call_parser) else None)
-        if why is not None:
-            log.info("rollout %s: a call cut by a weight update is not carried on (%s); the "
-                     "agent retries it", rollout_id, why)
-            raise _cancelled_error(state)
+        refused = _not_carried_on(state, rollout_id, body, data)
+        if refused is not None:
+            raise refused
         prompt_ids, so_far = continuation.prompt_and_response(data)
         more_body = continuation.resend_body(body, endpoint, prompt_ids, so_far)
         if more_body is None:
             return continuation.ended_by_length(data)
-        _, raw = _resend(state, rollout_id, lease_id, cancel, endpoint, more_body, False)
+        _, raw, now = _resend(state, rollout_id, lease_id, cancel, endpoint, more_body, False)
         assert raw is not None
         more = loads(raw)
-        now = policy_version(state.redis)
+        if continuation.sent_prompt(more) != [*prompt_ids, *so_far]:
+            raise _misread(state, rollout_id)
         if now != current:
             switches.setdefault(0, []).append([len(so_far), now])
             current = now
@@ -260,16 +284,17 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
             out: StreamTranslator, body: dict[str, Any]) -> Iterator[bytes]:
     acc = capture.StreamAccumulator(meta["endpoint"])
     current = meta["version"]
+    done: int | None = None         # tokens before a continuation (drain_mode continue)
+    expected: list[int] | None = None  # the prompt ids its server must say it read
     try:
         while True:
             cut = False  # a weight update aborted this upstream stream (drain_mode continue)
             for line in _lines(resp):
                 # The trainer bumps the version while the engines are frozen and before they
                 # resume (gateway.drain_mode keep): the first chunk read under a new version
-                # holds the first tokens sampled on it. A continuation's first chunk is read
-                # under the new version too.
+                # holds the first tokens sampled on it. A cut stream's tail holds none.
                 now = policy_version(state.redis)
-                if now != current:
+                if now != current and not cut:
                     acc.switch(now)
                     current = now
                 if cancel.is_set():
@@ -301,17 +326,23 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                     return
                 if cut:
                     continue  # the cut stream's usage: the continuation counts anew
+                if done is not None:  # a continuation's chunk, as part of the agent's call
+                    if expected is not None and continuation.sent_prompt(chunk):
+                        if continuation.sent_prompt(chunk) != expected:
+                            yield out.error(_misread(state, rollout_id))
+                            return
+                        expected = None
+                    chunk = continuation.as_part_of_call(chunk, done)
+                acc.add(chunk)
+                shown = chunk
                 if continuation.aborted(chunk) and continuation.carries_on(state.redis):
-                    why = continuation.refusal(body, state.settings.tool_call_parser)
-                    if why is not None:
-                        log.info("rollout %s: a streamed call cut by a weight update is not "
-                                 "carried on (%s); the agent retries it", rollout_id, why)
-                        yield out.error(_cancelled_error(state))
+                    refused = _not_carried_on(state, rollout_id, body, acc.response())
+                    if refused is not None:
+                        yield out.error(refused)
                         return
                     cut = True
-                    chunk = continuation.without_abort(chunk)
-                acc.add(chunk)
-                yield from out.chunk(capture.strip_for_agent(chunk, meta["endpoint"],
+                    shown = continuation.without_abort(chunk)
+                yield from out.chunk(capture.strip_for_agent(shown, meta["endpoint"],
                                                              wants_lp, wants_ids))
             if not cut:
                 return
@@ -329,17 +360,27 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 calls = capture.calls_from_response(acc.response(), stream=True, **meta,
                                                     version_end=current,
                                                     switches=acc.switches)
-                if not lease.record([c.to_json() for c in calls]):
+                if not lease.record([c.to_json() for c in calls],
+                                    _turn(state, body, acc.response())):
                     yield out.error(_cancelled_error(state))
                     return
                 yield from out.done()
                 return
             try:
-                resp, _ = _resend(state, rollout_id, lease.id, cancel, meta["endpoint"],
-                                  more_body, True)
+                resp, _, now = _resend(state, rollout_id, lease.id, cancel, meta["endpoint"],
+                                       more_body, True)
             except GatewayError as err:
                 yield out.error(err)
                 return
+            except redis.RedisError as exc:
+                yield out.error(retryable(f"a cut call could not be carried on ({exc})",
+                                          state.settings.retry_after_s,
+                                          code="cancelled_by_update"))
+                return
+            if now != current:  # the re-sent tokens are sampled on the version after it
+                acc.switch(now)
+                current = now
+            done, expected = len(so_far), [*prompt_ids, *so_far]
     finally:
         resp.release()
         if not lease.ended:

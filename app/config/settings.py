@@ -9,7 +9,7 @@ The gateway's own view is ``gateway.settings.GatewaySettings``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal, cast, get_args
 
 from app.services.device import resolve as resolve_device
 
@@ -57,6 +57,7 @@ class InferenceSettings:
 
 def drain_mode(cfg: Any) -> DrainMode:
     value = str(cfg.gateway.drain_mode)
-    if value not in ("wait", "keep", "abort"):
-        raise ValueError(f"gateway.drain_mode {value!r} is not one of wait, keep, abort, continue")
+    if value not in get_args(DrainMode):
+        raise ValueError(f"gateway.drain_mode {value!r} is not one of "
+                         f"{', '.join(get_args(DrainMode))}")
     return cast(DrainMode, value)

@@ -76,3 +76,20 @@ def test_a_lost_pause_stops_the_step_before_the_weights(clean):
     mine = Pause(clean)
     mine.pause(pause_ttl_s=30)
     service.require_pause(mine, "loading the new weights")  # held: goes on
+
+
+def test_the_mark_that_carries_cut_calls_on_lives_and_ends_with_its_pause(clean):
+    from gateway.continuation import carries_on
+
+    adm = Pause(clean)
+    adm.pause(pause_ttl_s=2)
+    assert not carries_on(clean)
+    adm.carry_on_cut_calls()
+    assert carries_on(clean) and clean.get(keys.pause_carries_on()) == adm.pause_token
+    assert adm.extend_pause(60)
+    assert clean.pttl(keys.pause_carries_on()) > 30_000  # extended with the pause
+    other = Pause(clean)
+    other.pause(pause_ttl_s=30)    # taken over (an operator's pause): not carried on
+    assert not carries_on(clean)
+    other.resume()
+    assert not clean.exists(keys.pause_carries_on())  # the resume deletes the mark

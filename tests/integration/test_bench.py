@@ -156,13 +156,17 @@ def test_rerender_bench_json():
 def test_drain_modes_bench_json():
     r = run_bench("bench.drain_modes", "--quick")
     assert r["benchmark"] == "drain_modes"
-    assert [x["drain_mode"] for x in r["results"]] == ["wait", "keep", "abort"]
+    assert [x["drain_mode"] for x in r["results"]] == ["wait", "keep", "abort", "continue"]
     for x in r["results"]:
         assert x["steps_timed"] == 2 and x["trained_rollouts_per_s"] > 0
         assert {"pause_s_per_step", "gateway_paused_s_per_step", "frozen_calls_per_step",
-                "aborted_calls_per_step", "trainer_idle_fraction",
+                "aborted_calls_per_step", "continued_calls_per_step", "trainer_idle_fraction",
                 "mixed_version_samples_per_step"} <= set(x)
-    wait, keep, abort = r["results"]
-    # only keep freezes calls, only abort ends them
+    wait, keep, abort, carry = r["results"]
+    # only keep freezes calls, only abort ends them, only continue carries them on
     assert wait["frozen_calls_per_step"] == abort["frozen_calls_per_step"] == 0
+    assert carry["frozen_calls_per_step"] == 0
     assert wait["aborted_calls_per_step"] == keep["aborted_calls_per_step"] == 0
+    assert carry["aborted_calls_per_step"] == 0
+    assert wait["continued_calls_per_step"] == keep["continued_calls_per_step"] == 0
+    assert abort["continued_calls_per_step"] == 0

@@ -13,6 +13,8 @@ TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {}}}]
     ({}, None),
     ({"n": 1, "tools": TOOLS}, None),            # not streamed, hermes: the markup is known
     ({"n": 2}, "n > 1"),
+    ({"prompt": ["a", "b"]}, "a batch of prompts"),
+    ({"prompt": [1, 2]}, None),
     ({"response_format": {"type": "json_object"}}, "constrained decoding (response_format)"),
     ({"tools": TOOLS, "tool_choice": "required"}, "constrained decoding (tool_choice)"),
     ({"tools": TOOLS, "stream": True}, "tools in a streamed call"),
@@ -36,10 +38,9 @@ def test_a_cut_inside_a_tool_calls_markup_is_seen():
 
 
 def test_the_continuation_asks_for_what_is_left_from_the_ids_so_far():
-    body = {"prompt": "hi", "max_tokens": 10, "min_tokens": 5, "temperature": 1.0}
+    body = {"prompt": "hi", "max_tokens": 10, "temperature": 1.0}
     out = cont.resend_body(body, "completions", [1, 2], [7, 8, 9])
-    assert out == {"prompt": [1, 2, 7, 8, 9], "max_tokens": 7, "min_tokens": 2,
-                   "temperature": 1.0}
+    assert out == {"prompt": [1, 2, 7, 8, 9], "max_tokens": 7, "temperature": 1.0}
     assert body["max_tokens"] == 10  # the agent's request is left as it was
     chat = cont.resend_body({"messages": [], "max_completion_tokens": 4,
                              "kv_transfer_params": {"x": 1}}, "chat.completions", [1], [5])
@@ -92,3 +93,52 @@ def test_the_agent_never_sees_the_abort_in_a_stream():
     shown = cont.without_abort(chunk)
     assert shown["choices"][0] == {"index": 0, "text": "o", "finish_reason": None}
     assert not cont.aborted(shown) and cont.aborted(chunk)
+
+
+def test_a_continuations_chunks_count_as_the_whole_call():
+    chunk = {"prompt_token_ids": [1, 2, 7, 8],
+             "choices": [{"index": 0, "text": "x", "prompt_token_ids": [1, 2, 7, 8]}],
+             "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+    assert cont.sent_prompt(chunk) == [1, 2, 7, 8]
+    out = cont.as_part_of_call(chunk, 2)
+    assert "prompt_token_ids" not in out and "prompt_token_ids" not in out["choices"][0]
+    assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+
+
+class _Redis:
+    """The two reads the gateway makes of the pause (keys as app.state.keys names them)."""
+
+    def __init__(self, values: dict[str, str]) -> None:
+        self.values = values
+
+    def mget(self, *names: str) -> list[str | None]:
+        return [self.values.get(n) for n in names]
+
+    def exists(self, name: str) -> int:
+        return int(name in self.values)
+
+
+def test_only_the_pause_that_marked_itself_carries_calls_on():
+    from app.state import keys
+
+    paused, mark = keys.paused(), keys.pause_carries_on()
+    assert cont.carries_on(_Redis({paused: "t1", mark: "t1"}))
+    assert not cont.carries_on(_Redis({paused: "t2", mark: "t1"}))  # taken over since
+    assert not cont.carries_on(_Redis({paused: "t1"}))   # an operator's pause
+    assert not cont.carries_on(_Redis({mark: "t1"}))     # the pause is over
+
+
+def test_waiting_for_the_resume_ends_with_the_pause_or_the_lease():
+    import threading
+
+    from app.state import keys
+    from gateway.leases import UpstreamCancelled
+
+    cont.wait_for_resume(_Redis({}), threading.Event(), 1.0)  # not paused: at once
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(UpstreamCancelled):
+        cont.wait_for_resume(_Redis({keys.paused(): "t"}), cancel, 1.0, poll_s=0.01)
+    with pytest.raises(TimeoutError):
+        cont.wait_for_resume(_Redis({keys.paused(): "t"}), threading.Event(), 0.05,
+                             poll_s=0.01)

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import get_args
 
-from app.config.settings import DrainMode
+import pytest
+
+from app.config.settings import DrainMode, drain_mode
 from app.driver.selection import oldest_first
 
 
@@ -20,3 +23,10 @@ def test_every_drain_mode_has_one_strategy():
 
     assert set(DRAINS) == set(get_args(DrainMode))
     assert all(cls.mode == mode for mode, cls in DRAINS.items())
+
+
+def test_the_config_names_every_drain_mode():
+    for mode in get_args(DrainMode):
+        assert drain_mode(SimpleNamespace(gateway=SimpleNamespace(drain_mode=mode))) == mode
+    with pytest.raises(ValueError, match="'pause' is not one of wait, keep, abort, continue"):
+        drain_mode(SimpleNamespace(gateway=SimpleNamespace(drain_mode="pause")))
