@@ -316,3 +316,61 @@ def test_the_anthropic_and_responses_clients_ride_through_a_pause(gw, new_rollou
         t.join(60)
     assert results["anthropic"].content is not None and results["responses"].output
     captured(redis_client, rid, 2)  # only the two admitted calls
+
+
+def test_a_streamed_anthropic_message_is_carried_on_across_a_weight_load(
+        gw, smollm2_server, new_rollout, redis_client, tmp_path):
+    """gateway.drain_mode continue on the Messages API: the engine ends the call at the
+    trainer's pause, the gateway carries it on after the load, and the SDK's stream reads
+    one message to its max_tokens, its usage counting every token."""
+    import threading
+    import time
+
+    import anthropic
+    from transformers import AutoTokenizer
+
+    from app.state.pause import Pause
+    from workers.trainer import drain, service
+
+    rid, token, base = new_rollout(gw)
+    client = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key=token,
+                                 max_retries=0)
+    got: dict = {"text": ""}
+
+    def agent() -> None:
+        with client.messages.stream(
+                model=NAME, max_tokens=120,
+                messages=[{"role": "user", "content": "Count from 1 to 500, one number "
+                                                      "per line."}]) as stream:
+            for text in stream.text_stream:
+                got["text"] += text
+            got["final"] = stream.get_final_message()
+
+    version = int(redis_client.get(keys.policy_version()) or 0)
+    t = threading.Thread(target=agent)
+    t.start()
+    deadline = time.monotonic() + 120
+    while len(got["text"]) < 12:
+        assert time.monotonic() < deadline and t.is_alive(), got
+        time.sleep(0.01)
+    pause = Pause(redis_client)
+    pause.pause(60)
+    metrics: dict = {}
+    held = drain.DRAINS["continue"](30.0, [smollm2_server]).quiet(pause, metrics)
+    try:
+        assert metrics["training/async/proxy_continued_calls"] == 1
+        time.sleep(0.5)
+        assert t.is_alive() and "final" not in got  # the agent still reads its message
+        service.switch_weights(redis_client, [smollm2_server], MODEL, version + 1, held, 60, 1)
+    finally:
+        pause.resume()
+    t.join(120)
+    final = got["final"]
+    assert final.stop_reason == "max_tokens" and final.usage.output_tokens == 120
+    call = captured(redis_client, rid, 1)[0]
+    assert len(call.response_ids) == 120 and call.policy_version_end == version + 1
+    assert call.version_switches and 0 < call.version_switches[0][0] < 120
+    # the text the agent read is the tokens sampled, across the cut
+    assert got["text"] == final.content[0].text
+    assert AutoTokenizer.from_pretrained(str(MODEL)).decode(
+        call.response_ids, skip_special_tokens=True) == got["text"]
