@@ -306,14 +306,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 if payload == "[DONE]":
                     if cut:
                         break
-                    calls = capture.calls_from_response(acc.response(), stream=True, **meta,
-                                                        version_end=current,
-                                                        switches=acc.switches)
-                    if not lease.record([c.to_json() for c in calls],
-                                        _turn(state, body, acc.response())):
-                        yield out.error(_cancelled_error(state))
-                        return
-                    yield from out.done()
+                    yield from _end_stream(state, acc, lease, meta, body, current, out)
                     continue
                 chunk = loads(payload)
                 if isinstance(chunk, dict) and chunk.get("error"):
@@ -357,14 +350,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 else:
                     last["text"] = ""
                 yield from out.chunk({"choices": [last]})
-                calls = capture.calls_from_response(acc.response(), stream=True, **meta,
-                                                    version_end=current,
-                                                    switches=acc.switches)
-                if not lease.record([c.to_json() for c in calls],
-                                    _turn(state, body, acc.response())):
-                    yield out.error(_cancelled_error(state))
-                    return
-                yield from out.done()
+                yield from _end_stream(state, acc, lease, meta, body, current, out)
                 return
             try:
                 resp, _, now = _resend(state, rollout_id, lease.id, cancel, meta["endpoint"],
@@ -386,6 +372,18 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
         if not lease.ended:
             lease.release()
             log.info("stream for %s ended early; nothing captured", rollout_id)
+
+
+def _end_stream(state: GatewayState, acc: capture.StreamAccumulator, lease: Lease,
+                meta: dict[str, Any], body: dict[str, Any], version_end: int,
+                out: StreamTranslator) -> Iterator[bytes]:
+    """Record a whole streamed call as its lease goes, and end the agent's stream."""
+    calls = capture.calls_from_response(acc.response(), stream=True, **meta,
+                                        version_end=version_end, switches=acc.switches)
+    if not lease.record([c.to_json() for c in calls], _turn(state, body, acc.response())):
+        yield out.error(_cancelled_error(state))
+        return
+    yield from out.done()
 
 
 def _stream_error(error: Any) -> GatewayError:
