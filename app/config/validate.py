@@ -9,8 +9,9 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, get_args
 
+from app.config.settings import DrainMode
 from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES
 
 # Sections whose content is handed to user code unchecked.
@@ -299,7 +300,7 @@ RULES: dict[str, Check] = {
     "trainer.ranks": positive_int,
     "controller.retry_max_wait_s": positive_num,
     "gateway.sampling": one_of("enforce", "reject"),
-    "gateway.drain_mode": one_of("wait", "keep", "abort", "continue"),
+    "gateway.drain_mode": one_of(*get_args(DrainMode)),
     "trainer.launcher": one_of("auto", "local", "ray"),
     "trainer.nnodes": positive_int,
     "trainer.n_gpus_per_node": positive_int,

@@ -309,7 +309,7 @@ class Pause:
         self.lost = False
         self._pause_ttl_ms = int(pause_ttl_s * 1000)
         return int(self._pause(keys=[keys.paused(), keys.pause_started(), keys.leases()],
-                               args=[self.pause_token, int(pause_ttl_s * 1000)]))
+                               args=[self.pause_token, self._pause_ttl_ms]))
 
     def extend_pause(self, pause_ttl_s: float) -> bool:
         """Push the expiry of this object's pause ``pause_ttl_s`` ahead; False if the pause
