@@ -117,11 +117,14 @@ install_inference() {
     # no CPU backend here.
     "$1/bin/pip" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   fi
-  "$1/bin/python" -c "import vllm" || { echo "inference environment is broken" >&2; exit 1; }
+  # the project too, for its vLLM plugin (the CPU weight-transfer engine: workers/inference)
+  quiet_pip "$1/bin/pip" install -q --no-deps -e .
+  "$1/bin/python" -c "import vllm, workers.inference.vllm_plugin" \
+    || { echo "inference environment is broken" >&2; exit 1; }
 }
 
 ensure_venv .venv install_project "$PROJECT_LOCK" pyproject.toml
-ensure_venv .venv-vllm install_inference "$INFERENCE_LOCK"
+ensure_venv .venv-vllm install_inference "$INFERENCE_LOCK" pyproject.toml
 .venv/bin/python scripts/build_model.py --out var/models/tiny-qwen2 --seed 0
 .venv/bin/python scripts/build_smollm2.py --out var/models/smollm2-135m-instruct
 say "ready ($DEVICE)"

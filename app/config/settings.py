@@ -14,6 +14,7 @@ from typing import Any, Literal, cast, get_args
 from app.services.device import resolve as resolve_device
 
 DrainMode = Literal["wait", "keep", "abort", "continue"]
+WeightSync = Literal["disk", "transfer"]
 Launcher = Literal["auto", "local", "ray"]
 
 
@@ -43,6 +44,8 @@ class InferenceSettings:
     sleep_mode: bool       # the servers were started with --enable-sleep-mode
     sleep_level: int
     data_parallel_size: int  # engine replicas inside each server: each is probed
+    weight_sync: WeightSync = "disk"
+    transfer_bucket_bytes: int = 256 << 20
 
     @classmethod
     def from_config(cls, cfg: Any) -> InferenceSettings:
@@ -52,7 +55,9 @@ class InferenceSettings:
                    served_model_name=str(inf.served_model_name), device=device,
                    dtype=str(inf.dtype), sleep_mode=sleep_mode(cfg, device),
                    sleep_level=int(inf.sleep_level),
-                   data_parallel_size=int(inf.data_parallel_size) if device == "cuda" else 1)
+                   data_parallel_size=int(inf.data_parallel_size) if device == "cuda" else 1,
+                   weight_sync=cast(WeightSync, str(inf.weight_sync)),
+                   transfer_bucket_bytes=int(float(inf.transfer_bucket_mb) * (1 << 20)))
 
 
 def drain_mode(cfg: Any) -> DrainMode:

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any, get_args
 
-from app.config.settings import DrainMode
+from app.config.settings import DrainMode, WeightSync
 from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES
 
 # Sections whose content is handed to user code unchecked.
@@ -254,6 +254,8 @@ RULES: dict[str, Check] = {
     "inference.enforce_eager": optional(boolean),
     "inference.sleep_mode": one_of("auto", True, False),
     "inference.sleep_level": one_of(1, 2),
+    "inference.weight_sync": one_of(*get_args(WeightSync)),
+    "inference.transfer_bucket_mb": positive_num,
     "gateway.host": string,
     "gateway.port": port,
     "gateway.url": url,
@@ -432,6 +434,9 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             "inference.dev_routes_guard to how they are kept from all but the trainer (a "
             "network policy admitting only the gateway and trainer hosts; "
             "docs/operations.md, Security)")
+    if ok("inference.weight_sync", "inference.urls") \
+            and _get(cfg, "inference.weight_sync") == "transfer":
+        problems += _transfer_rules(cfg)
     reload_s = _get(cfg, "trainer.reload_timeout_s")
     start_s = _get(cfg, "inference.startup_timeout_s")
     if ok("trainer.reload_timeout_s", "inference.startup_timeout_s") and reload_s < start_s:
@@ -441,6 +446,19 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             "takes up to that long to answer again, and the step would fail (the gateway "
             "paused meanwhile) before it is back")
     return problems
+
+
+def _transfer_rules(cfg: dict[str, Any]) -> list[str]:
+    """``weight_sync: transfer`` goes through shared memory, so every server is on the
+    trainer's host."""
+    from urllib.parse import urlsplit
+
+    far = [u for u in _get(cfg, "inference.urls") if not is_loopback(urlsplit(u).hostname or "")]
+    if far:
+        return [f"inference.weight_sync: value 'transfer' hands the weights over in this host's "
+                f"shared memory, which the server(s) {', '.join(far)} (inference.urls) cannot "
+                "read: use weight_sync disk for servers on other hosts"]
+    return []
 
 
 def is_loopback(host: str) -> bool:

@@ -7,6 +7,7 @@ goes in reverse (driver first, Redis last).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -18,6 +19,7 @@ from app.config.loader import REPO_ROOT, repo_path
 from app.config.secrets import inference_api_key
 from app.config.settings import sleep_mode
 from app.services.device import resolve as resolve_device
+from app.services.transfer_wire import SHM_BACKEND
 from app.state.connection import is_external
 
 ROLES = ("redis", "inference", "gateway", "groups", "rollout", "trainer", "flower")
@@ -96,6 +98,10 @@ def inference_command(cfg: Any) -> Command:
         if inf.enable_auto_tool_choice:
             argv.append("--enable-auto-tool-choice")
         argv += ["--tool-strict-level", str(inf.tool_strict_level)]
+    if inf.weight_sync == "transfer":
+        # vLLM's weight-transfer routes, with the engine the project registers through its
+        # plugin (workers/inference): the trainer hands buckets over in shared memory
+        argv += ["--weight-transfer-config", json.dumps({"backend": SHM_BACKEND})]
     eager = inf.enforce_eager if inf.enforce_eager is not None else device == "cpu"
     if eager:
         argv.append("--enforce-eager")

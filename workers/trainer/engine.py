@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +38,7 @@ from workers.trainer.algorithms import (
 )
 from workers.trainer.engine_config import EngineSpec, engine_spec
 from workers.trainer.ranks import LocalRanks, RayRanks, SpawnedRanks
+from workers.trainer.transfer import TransferResult
 from workers.trainer.verl_batch import VerlBatch, to_verl_batch
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,28 @@ def _memory_metrics(stage: str, per_rank: list[dict[str, float]]) -> dict[str, f
             for r, m in enumerate(per_rank) for k, v in m.items()}
 
 
+class _OneCallAtATime:
+    """The ranks, with one call in flight at a time: a step, a checkpoint written in the
+    background and the upstream keeper (a weight transfer to a restarted server) run in
+    different threads, and the ranks answer calls in the order they are sent."""
+
+    def __init__(self, ranks: LocalRanks | SpawnedRanks | RayRanks) -> None:
+        self.ranks = ranks
+        self.size = ranks.size
+        self.lock = threading.RLock()
+
+    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
+        with self.lock:
+            return self.ranks.call(method, per_rank, **kwargs)
+
+    def close(self) -> None:
+        with self.lock:
+            self.ranks.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ranks, name)
+
+
 class EngineTrainer:
     """verl's FSDP2 ``TrainingWorker`` (and a forward-only reference with a KL loss),
     resident across updates."""
@@ -87,9 +111,9 @@ class EngineTrainer:
         # verl prints its progress to stdout; a command whose stdout is data (a benchmark's
         # JSON) gets it on stderr instead
         with contextlib.redirect_stdout(sys.stderr):
-            self.ranks = _rank_group(cfg, self.spec)
+            self.ranks = _OneCallAtATime(_rank_group(cfg, self.spec))
         log.info("verl FSDP2 engine on %s: %d rank(s) (%s), compute %s, built in %.1f s",
-                 self.device, self.ranks.size, type(self.ranks).__name__,
+                 self.device, self.ranks.size, type(self.ranks.ranks).__name__,
                  self.spec.compute_dtype, time.monotonic() - t)
         self.skipped_steps = 0
 
@@ -212,6 +236,14 @@ class EngineTrainer:
     def export_weights(self, path: Path, dtype: str) -> None:
         """``path/model.safetensors`` in ``dtype`` from the engine's per-tensor iterator."""
         self.ranks.call("export", [(str(path), dtype)] * self.size)
+
+    def transfer_weights(self, urls: list[str], dtype: str, bucket_bytes: int, version: int,
+                         timeout: float, api_key: str | None) -> TransferResult:
+        """The weights, in ``dtype``, into every server in ``urls`` without an export
+        (``inference.weight_sync: transfer``)."""
+        out = self.ranks.call("transfer", urls=urls, dtype=dtype, bucket_bytes=bucket_bytes,
+                              version=version, timeout=timeout, api_key=api_key)[0]
+        return TransferResult(**out)
 
     @property
     def exports_here(self) -> bool:

@@ -22,6 +22,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import redis
@@ -43,6 +44,9 @@ class UpstreamKeeper:
                  dp_size: int = 1, sleep_check: bool = False) -> None:
         self.client = client
         self.every_s = every_s
+        # weight_sync transfer: sends the trainer's weights to one server (url, version,
+        # frozen_calls); set by the trainer service while it holds a run's trainer
+        self.send_weights: Callable[[str, int, bool], None] | None = None
         self.configure(urls, model_name, tolerance, reload_timeout_s, dp_size, sleep_check)
 
     def configure(self, urls: list[str], model_name: str, tolerance: float,
@@ -138,8 +142,17 @@ class UpstreamKeeper:
             # calls frozen in an engine a failed step left paused: their KV goes with the
             # old weights, so they recompute it on the new ones
             frozen = weights.in_state(url, weights.PAUSE)
-            weights.reload_weights(url, Path(published["path"]), self.reload_timeout_s,
-                                   frozen_calls=frozen, version=int(published["version"]))
+            version = int(published["version"])
+            if published.get("path"):
+                weights.reload_weights(url, Path(published["path"]), self.reload_timeout_s,
+                                       frozen_calls=frozen, version=version)
+            elif self.send_weights is not None:
+                self.send_weights(url, version, frozen)
+            else:
+                raise weights.WeightSyncError(
+                    f"{url}: policy version {version} went to the servers by weight transfer "
+                    "and no trainer in this process can send it again; the next update loads "
+                    "it (stale meanwhile)")
             weights.resume_if_paused(url)
             weights.verify_sync(url, self.model_name, json.loads(published["probe"]),
                                 None, self.tolerance,
@@ -149,7 +162,8 @@ class UpstreamKeeper:
         self.client.srem(keys.upstreams_stale(), url)
         if published:
             log.warning("inference server %s is back: loaded and verified policy version %s "
-                        "(%s)", url, published["version"], published["path"])
+                        "(%s)", url, published["version"],
+                        published["path"] or "by weight transfer")
         else:
             log.warning("inference server %s is back (no weights published yet: it serves the "
                         "initial model, as it should)", url)

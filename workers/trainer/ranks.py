@@ -167,6 +167,22 @@ class RankEngine:
             return None
         return state
 
+    def transfer(self, urls: list[str], dtype: str, bucket_bytes: int, version: int,
+                 timeout: float, api_key: str | None) -> dict[str, Any] | None:
+        """Send the weights to ``urls`` through vLLM's weight-transfer routes
+        (``transfer.py``): every rank takes part in each tensor's gather, rank 0 sends.
+        -> rank 0's ``TransferResult`` as a dict."""
+        from dataclasses import asdict
+
+        from workers.trainer.transfer import ShmSender
+
+        params, _ = self.actor.engine.get_per_tensor_param()
+        sender = ShmSender(urls, bucket_bytes, timeout, api_key)
+        if self.rank != 0:
+            sender.drain(params)
+            return None
+        return asdict(sender.send(params, getattr(torch, dtype), version))
+
     def save(self, path: str) -> None:
         self.actor.save_checkpoint(path)
 

@@ -74,6 +74,10 @@ class Resident:
     published: bool = False                # the servers hold this process's weights
     saves: checkpoint.BackgroundSaves = field(default_factory=checkpoint.BackgroundSaves)
     export_root: Path | None = None        # where this process's exports go (decided once)
+    # the policy version the trainer's weights are (None from an update until its publish):
+    # what the upstream keeper may send a restarted server by weight transfer
+    weights_version: int | None = None
+    digests: dict[str, dict[str, str]] = field(default_factory=dict)  # per server, last load
 
     def close(self) -> None:
         """Finish a checkpoint still being written, then free the engine and the exports
@@ -121,6 +125,8 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Reside
         inf = settings.inference
         keeper.configure(list(inf.urls), inf.served_model_name, settings.probe_tolerance,
                          settings.reload_timeout_s, inf.data_parallel_size, inf.sleep_mode)
+        keeper.send_weights = partial(send_again, resident, settings) \
+            if inf.weight_sync == "transfer" else None
     _resident = resident
     return resident
 
@@ -288,6 +294,7 @@ def update(resident: Resident, samples: list[Sample], stats: BatchStats, step: i
            metrics: Metrics, timings: dict[str, float]) -> None:
     t = time.monotonic()
     trainer = resident.trainer
+    resident.weights_version = None
     if not samples:  # every call was cut at max_tokens and masked (algorithm.overlong.mask)
         log.warning("step %d trains nothing: all %d trainable calls were cut at max_tokens "
                     "and masked out (algorithm.overlong.mask)", step,
@@ -302,7 +309,7 @@ def update(resident: Resident, samples: list[Sample], stats: BatchStats, step: i
 @dataclass(frozen=True)
 class Published:
     version: int
-    path: Path
+    path: Path | None   # the export (None: sent by weight transfer)
     loaded: list[str]   # the servers that hold it
 
 
@@ -324,6 +331,35 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     if asleep.urls:
         metrics.update(trainer.memory("after_update"))
     version = int(client.get(keys.policy_version()) or 0) + 1
+    path = None
+    if inf.weight_sync == "disk":
+        path = export(settings, resident, version, timings)
+
+    t = time.monotonic()
+    if asleep.urls:
+        metrics.update(trainer.release_memory("before_weights_wake", offload=False))
+        asleep.wake(["weights"])
+
+    def wake_kv_cache() -> None:
+        if asleep.urls:
+            metrics.update(trainer.release_memory("before_kv_cache_wake", offload=True))
+            asleep.release(tags=["kv_cache"])
+
+    load = None if path is not None else \
+        transfer_loader(resident, settings, version, held.frozen_calls, metrics)
+    loaded = switch_weights(client, list(inf.urls), path, version, held,
+                            settings.reload_timeout_s, settings.upstream_check_s, asleep,
+                            wake_kv_cache, load)
+    timings["reload" if path is not None else "transfer"] = time.monotonic() - t
+    resident.weights_version = version
+    return Published(version, path, loaded)
+
+
+def export(settings: TrainerSettings, resident: Resident, version: int,
+           timings: dict[str, float]) -> Path:
+    """``version``'s export (``inference.weight_sync: disk``), in the servers' dtype."""
+    inf = settings.inference
+    trainer = resident.trainer
     t = time.monotonic()
     engine_dtype = weights.engine_dtype(inf.dtype, settings.model_path)
     dtype = str(engine_dtype).replace("torch.", "")
@@ -338,22 +374,7 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
         resident.export_root, version, settings.keep_weight_versions,
         lambda tmp: trainer.export_weights(tmp, dtype))
     timings["save"] = time.monotonic() - t
-
-    t = time.monotonic()
-    if asleep.urls:
-        metrics.update(trainer.release_memory("before_weights_wake", offload=False))
-        asleep.wake(["weights"])
-
-    def wake_kv_cache() -> None:
-        if asleep.urls:
-            metrics.update(trainer.release_memory("before_kv_cache_wake", offload=True))
-            asleep.release(tags=["kv_cache"])
-
-    loaded = switch_weights(client, list(inf.urls), path, version, held,
-                            settings.reload_timeout_s, settings.upstream_check_s, asleep,
-                            wake_kv_cache)
-    timings["reload"] = time.monotonic() - t
-    return Published(version, path, loaded)
+    return path
 
 
 def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
@@ -369,16 +390,25 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     t = time.monotonic()
     ids = resident.probe_ids
     expected = resident.trainer.probe_log_probs(ids)
+    moved = previous is not None and weights.mean_gap(expected, previous) > \
+        settings.probe_tolerance
     for url in published.loaded:
         metrics.update(weights.verify_sync(url, settings.inference.served_model_name,
                                            expected, previous, settings.probe_tolerance, ids,
                                            settings.inference.data_parallel_size))
+        if settings.inference.weight_sync == "transfer":
+            # the checksums cover every replica's every tensor (the probe: its output)
+            digests = weights.weight_checksums(url, settings.reload_timeout_s)
+            metrics.update(weights.check_checksums(url, digests, resident.digests.get(url),
+                                                   moved))
+            resident.digests[url] = digests
     client.srem(keys.upstreams_stale(), *[u.rstrip("/") for u in published.loaded])
     resident.probe_prev = expected
     resident.published = True
     timings["probe"] = time.monotonic() - t
     client.hset(keys.policy_published(), mapping={
-        "version": published.version, "path": str(published.path.resolve()),
+        "version": published.version,
+        "path": str(published.path.resolve()) if published.path is not None else "",
         "model": settings.inference.served_model_name,
         "probe": json.dumps(expected), "probe_ids": json.dumps(ids)})
 
@@ -440,18 +470,77 @@ def save_if_due(client: redis.Redis, settings: TrainerSettings, resident: Reside
 
 # --- weight loading -------------------------------------------------------------------
 
-def switch_weights(client: redis.Redis, urls: list[str], path: Path, version: int,
+@dataclass
+class LoadOutcome:
+    """What one attempt to load a version into some servers did, per server."""
+
+    loaded: list[str] = field(default_factory=list)
+    unreachable: dict[str, str] = field(default_factory=dict)  # refused the connection
+    failed: dict[str, str] = field(default_factory=dict)       # may hold part of the version
+
+
+Loader = Callable[[list[str]], LoadOutcome]
+
+
+def disk_loader(path: Path, version: int, timeout: float, frozen_calls: bool) -> Loader:
+    """``inference.weight_sync: disk``: each server reloads the export at ``path``."""
+    def load(urls: list[str]) -> LoadOutcome:
+        out = LoadOutcome()
+        for url in urls:
+            try:
+                weights.reload_weights(url, path, timeout=timeout, frozen_calls=frozen_calls,
+                                       version=version)
+                out.loaded.append(url)
+            except requests.ConnectionError as exc:
+                out.unreachable[url] = f"{exc.__class__.__name__}: {exc}"
+            except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
+                out.failed[url] = f"{exc.__class__.__name__}: {exc}"
+        return out
+    return load
+
+
+def transfer_loader(resident: Resident, settings: TrainerSettings, version: int,
+                    frozen_calls: bool, metrics: Metrics) -> Loader:
+    """``inference.weight_sync: transfer``: the trainer sends its weights to the servers
+    through vLLM's weight-transfer routes (``transfer.py``), then each resets its prefix
+    cache."""
+    inf = settings.inference
+    dtype = str(weights.engine_dtype(inf.dtype, settings.model_path)).removeprefix("torch.")
+
+    def load(urls: list[str]) -> LoadOutcome:
+        sent = resident.trainer.transfer_weights(
+            urls, dtype, inf.transfer_bucket_bytes, version, settings.reload_timeout_s,
+            weights.api_key())
+        metrics["weight_sync/bytes_moved"] = sent.bytes_moved
+        metrics["weight_sync/buckets"] = sent.buckets
+        out = LoadOutcome(unreachable=dict(sent.unreachable), failed=dict(sent.failed))
+        for url in sent.loaded:
+            try:
+                weights.reset_prefix_cache(url, settings.reload_timeout_s, frozen_calls)
+                out.loaded.append(url)
+            except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
+                out.failed[url] = f"{exc.__class__.__name__}: {exc}"
+        return out
+    return load
+
+
+def switch_weights(client: redis.Redis, urls: list[str], path: Path | None, version: int,
                    held: weights.Held, wait_s: float, every_s: float,
                    asleep: weights.Held = weights.NOTHING_HELD,
-                   before_bump: Callable[[], None] = lambda: None) -> list[str]:
-    """Load ``path`` into every reachable server, run ``before_bump`` (a collocated step
-    wakes the KV caches there), make ``version`` the policy version, then resume the engines
-    in ``held`` (checked). Returns the servers loaded.
+                   before_bump: Callable[[], None] = lambda: None,
+                   load: Loader | None = None) -> list[str]:
+    """Load the version (the export at ``path``, or through ``load``) into every reachable
+    server, run ``before_bump`` (a collocated step wakes the KV caches there), make
+    ``version`` the policy version, then resume the engines in ``held`` (checked). Returns
+    the servers loaded.
 
     The version is set while the engines are still paused, and they resume twice
     ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new version by
     the first token a frozen call samples on the new weights, and places the switch there."""
-    loaded = _reload_reachable(client, urls, path, version, wait_s, every_s, held, asleep)
+    if load is None:
+        assert path is not None
+        load = disk_loader(path, version, wait_s, held.frozen_calls)
+    loaded = _reload_reachable(client, urls, load, version, wait_s, every_s, held, asleep)
     before_bump()
     client.set(keys.policy_version(), version)
     if held.urls:
@@ -460,12 +549,28 @@ def switch_weights(client: redis.Redis, urls: list[str], path: Path, version: in
     return loaded
 
 
-def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version: int,
+def send_again(resident: Resident, settings: TrainerSettings, url: str, version: int,
+               frozen_calls: bool) -> None:
+    """The upstream keeper's load of a restarted server under ``weight_sync: transfer``:
+    the trainer's weights, only while they are still ``version`` (between an update and
+    its publish they are not, and the step's own load reaches that server)."""
+    with resident.trainer.ranks.lock:  # no update starts meanwhile
+        if resident.weights_version != version:
+            raise weights.WeightSyncError(
+                f"{url}: the trainer's weights are not policy version {version} now (an "
+                "update is under way); the step's own load reaches this server")
+        out = transfer_loader(resident, settings, version, frozen_calls, {})([url])
+    if url not in out.loaded:
+        why = {**out.unreachable, **out.failed}.get(url, "not loaded")
+        raise weights.WeightSyncError(f"{url}: weight transfer of version {version}: {why}")
+
+
+def _reload_reachable(client: redis.Redis, urls: list[str], load: Loader, version: int,
                       wait_s: float, every_s: float, held: weights.Held,
                       asleep: weights.Held = weights.NOTHING_HELD) -> list[str]:
-    """Load ``path`` into every server that answers; returns those. A server that is down
-    is marked stale (the upstream keeper loads it when it is back, the gateway routes around
-    it meanwhile). With none reachable, keep trying for ``wait_s`` (the gateway stays
+    """Load the version into every server that answers; returns those. A server that is
+    down is marked stale (the upstream keeper loads it when it is back, the gateway routes
+    around it meanwhile). With none reachable, keep trying for ``wait_s`` (the gateway stays
     paused: a restarted server must hold the current weights before agents reach it).
 
     A load that fails or outlasts ``wait_s`` (``trainer.reload_timeout_s``) may have left
@@ -478,30 +583,24 @@ def _reload_reachable(client: redis.Redis, urls: list[str], path: Path, version:
     errors: dict[str, str] = {}
     failed: dict[str, str] = {}
     while True:
-        loaded = []
-        for url in urls:
-            if url in failed:
-                continue
-            try:
-                weights.reload_weights(url, path, timeout=wait_s,
-                                       frozen_calls=held.frozen_calls, version=version)
-                loaded.append(url)
-            except requests.ConnectionError as exc:
-                client.sadd(keys.upstreams_stale(), url.rstrip("/"))
-                if url not in errors:
-                    log.warning("inference server %s is unreachable; it gets version %d when "
-                                "it is back", url, version)
-                errors[url] = f"{exc.__class__.__name__}: {exc}"
-            except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
-                client.sadd(keys.upstreams_stale(), url.rstrip("/"))
-                held.forget(url)
-                if url.rstrip("/") in asleep.urls:
-                    asleep.forget(url)
-                    weights.wake_engines([url], check=False)
-                failed[url] = f"{exc.__class__.__name__}: {exc}"
-                log.error("inference server %s did not load version %d: %s; it is not "
-                          "resumed, and serves nobody until the upstream keeper has loaded "
-                          "the current weights into it", url, version, failed[url])
+        out = load([u for u in urls if u not in failed])
+        for url, why in out.unreachable.items():
+            client.sadd(keys.upstreams_stale(), url.rstrip("/"))
+            if url not in errors:
+                log.warning("inference server %s is unreachable; it gets version %d when "
+                            "it is back", url, version)
+            errors[url] = why
+        for url, why in out.failed.items():
+            client.sadd(keys.upstreams_stale(), url.rstrip("/"))
+            held.forget(url)
+            if url.rstrip("/") in asleep.urls:
+                asleep.forget(url)
+                weights.wake_engines([url], check=False)
+            failed[url] = why
+            log.error("inference server %s did not load version %d: %s; it is not "
+                      "resumed, and serves nobody until the upstream keeper has loaded "
+                      "the current weights into it", url, version, why)
+        loaded = out.loaded
         if loaded:
             for url in errors:  # still unreachable: it restarts fresh, nothing to undo
                 if url not in loaded:

@@ -41,6 +41,12 @@ def use_api_key(key: str) -> None:
     _http.headers["Authorization"] = f"Bearer {key}"
 
 
+def api_key() -> str | None:
+    """The key ``use_api_key`` set (the trainer's ranks send it on their own calls)."""
+    auth = str(_http.headers.get("Authorization", ""))
+    return auth.removeprefix("Bearer ") or None
+
+
 class WeightSyncError(RuntimeError):
     pass
 
@@ -171,6 +177,21 @@ def reload_weights(url: str, path: Path, timeout: float = 600.0,
     if resp.status_code != 200:
         raise WeightSyncError(f"{url}: reload_weights answered {resp.status_code}: "
                               f"{resp.text[:300]}")
+    reset_prefix_cache(url, timeout, frozen_calls)
+    if version is not None:
+        # the server keeps the version it holds: the upstream keeper reads it back, and a
+        # server that restarted (behind a load balancer, unseen) says "default" again
+        resp = _http.post(url + "/update_weight_version", json={"new_version": str(version)},
+                          timeout=timeout)
+        if resp.status_code != 200:
+            raise WeightSyncError(f"{url}: /update_weight_version answered "
+                                  f"{resp.status_code}: {resp.text[:200]}")
+
+
+def reset_prefix_cache(url: str, timeout: float, frozen_calls: bool = False) -> None:
+    """Drop the server's prefix cache after a load: a cached prompt would keep KV from the
+    old weights. With ``frozen_calls`` the KV of the calls frozen in the engine goes too."""
+    url = url.rstrip("/")
     # The reset fails while requests hold KV blocks; after a drain that is rare, so retry
     # briefly, then fail loudly: a stale prefix cache means off-policy log-probs.
     params = {"reset_running_requests": "true"} if frozen_calls else None
@@ -181,14 +202,6 @@ def reload_weights(url: str, path: Path, timeout: float = 600.0,
         time.sleep(0.1)
     else:
         raise WeightSyncError(f"{url}: /reset_prefix_cache kept answering success=false")
-    if version is not None:
-        # the server keeps the version it holds: the upstream keeper reads it back, and a
-        # server that restarted (behind a load balancer, unseen) says "default" again
-        resp = _http.post(url + "/update_weight_version", json={"new_version": str(version)},
-                          timeout=timeout)
-        if resp.status_code != 200:
-            raise WeightSyncError(f"{url}: /update_weight_version answered "
-                                  f"{resp.status_code}: {resp.text[:200]}")
 
 
 def engine_probe_logprobs(url: str, model_name: str, ids: list[int], timeout: float = 60.0,
@@ -283,6 +296,48 @@ def _verify_one(url: str, model_name: str, expected: list[float],
         raise WeightSyncError(f"{url}: engine log-probs differ from the trainer's by {gap:.2e} "
                               f"(trainer.probe_tolerance {tolerance}): the reload did not apply")
     return metrics
+
+
+# vLLM's CPU backend repacks each linear layer's weight for its GEMM kernel and leaves an
+# empty tensor in the parameter: its digest is this one, and says nothing of the weights.
+EMPTY_DIGEST = hashlib.sha256(b"").hexdigest()
+
+
+def weight_checksums(url: str, timeout: float = 120.0) -> dict[str, str]:
+    """vLLM's ``/weight_checker`` digests of every loaded tensor on every worker of the
+    server, keyed ``dp<i>:pp<j>:pcp<k>:tp<l>:<name>``."""
+    resp = _http.post(url.rstrip("/") + "/weight_checker", json={"action": "checksum"},
+                      timeout=timeout)
+    if resp.status_code != 200:
+        raise WeightSyncError(f"{url}: /weight_checker answered {resp.status_code}: "
+                              f"{resp.text[:200]}")
+    return dict(resp.json()["checksums"])
+
+
+def check_checksums(url: str, digests: dict[str, str], previous: dict[str, str] | None,
+                    must_change: bool) -> dict[str, float]:
+    """Every data-parallel replica of the server holds the same tensors (each holds its own
+    copy, and the probe reaches one at a time), and, where the update moved the weights
+    (``must_change``), they differ from ``previous`` (the last version's digests). Tensors
+    whose digest is of nothing (vLLM CPU's repacked linear layers) are left to the probe.
+    -> metrics: tensors checksummed, and those changed since ``previous``."""
+    by_tensor: dict[str, set[str]] = {}
+    for key, digest in digests.items():
+        _, _, rest = key.partition(":")  # drop dp<i>: the replicas must agree
+        by_tensor.setdefault(rest, set()).add(digest)
+    split = sorted(name for name, seen in by_tensor.items() if len(seen) > 1)
+    if split:
+        raise WeightSyncError(f"{url}: the server's data-parallel replicas hold different "
+                              f"weights for {len(split)} tensor(s), first {split[0]}: a load "
+                              "reached only some of them")
+    real = {k: v for k, v in digests.items() if v != EMPTY_DIGEST}
+    changed = sum(1 for k, v in real.items() if previous is not None and previous.get(k) != v)
+    if must_change and previous is not None and real and not changed:
+        raise WeightSyncError(f"{url}: the update moved the weights, but every one of the "
+                              f"{len(real)} checksummed tensors is as it was: the load did "
+                              "not apply")
+    return {"weight_sync/checksummed_tensors": float(len(real)),
+            "weight_sync/changed_tensors": float(changed)}
 
 
 def engine_dtype(name: str, model_path: str | Path | None = None) -> torch.dtype:
