@@ -274,5 +274,8 @@ def smollm2_server(tmp_root, redis_service) -> Iterator[str]:
     """One vLLM CPU server of SmolLM2-135M-Instruct for the session (the real-model and the
     agent-SDK tests share it)."""
     assert (SMOLLM2 / "carryover-build.json").exists(), "scripts/setup.sh builds the model"
-    with model_server(SMOLLM2, SMOLLM2_NAME, tmp_root / "logs", *SMOLLM2_SERVING) as url:
+    # with vLLM's weight-transfer routes on (weight_sync transfer), which a reload from
+    # disk does not use
+    with model_server(SMOLLM2, SMOLLM2_NAME, tmp_root / "logs", *SMOLLM2_SERVING,
+                      "inference.weight_sync=transfer") as url:
         yield url

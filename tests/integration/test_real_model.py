@@ -1,7 +1,9 @@
 """A real pretrained instruct model through the whole stack: SmolLM2-135M-Instruct (49,152
 tokens, tied embeddings, ChatML template, EOS <|im_end|>) served by vLLM CPU in bf16, the
-arithmetic chat conversation through the gateway, verl's FSDP2 engine, the bf16 export, the reload
-and the probe, and an evaluation before and during training."""
+arithmetic chat conversation through the gateway, verl's FSDP2 engine, the bf16 weights sent
+through vLLM's weight-transfer routes (weight_sync transfer; the reload from disk is the
+default everywhere else), the probe and the checksums, and an evaluation before and during
+training."""
 
 from __future__ import annotations
 
@@ -92,6 +94,7 @@ def test_three_steps_of_the_real_model_through_every_part(smol, tmp_path):
         *json.loads(os.environ["CARRYOVER_OVERRIDES"]), *SERVING,
         f"inference.urls=[{url}]", f"gateway.url={gateway}",
         "trainer.total_steps=3", "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
+        "inference.weight_sync=transfer", "inference.transfer_bucket_mb=64",
         "agentlightning.async_rollout.async_train_batch_size=3",
         # a large step, so that each update moves the probe by more than the bf16 tolerance
         # and the probe must see the new weights, not the previous ones
@@ -122,6 +125,10 @@ def test_three_steps_of_the_real_model_through_every_part(smol, tmp_path):
         # is closer to the new weights than to the previous ones ran and passed (the tied
         # head included)
         assert m["weight_sync/probe_gap_to_previous"] > tolerance, m
+        # sent by transfer, no export: every tensor in buckets, the digests checked
+        assert "timing/trainer_save_seconds" not in m and m["timing/trainer_transfer_seconds"]
+        assert m["weight_sync/bytes_moved"] >= 2 * 134_515_008 and m["weight_sync/buckets"] > 4
+        assert m["weight_sync/checksummed_tensors"] > 0 and m["weight_sync/changed_tensors"] > 0
     for m in steps:
         # A second turn re-sends the conversation: it shares the first call's row when the
         # chat template renders the first answer back as the tokens sampled (BPE can sample

@@ -68,3 +68,24 @@ def test_drain_mode_keep_with_sleep_mode_true_is_refused():
                            "gateway.drain_mode=keep"])
     with pytest.raises(ConfigError, match="gateway.drain_mode: value 'later' must be one of"):
         load_config(None, ["gateway.drain_mode=later"])
+
+
+def test_weight_sync_transfer_turns_on_the_projects_transfer_engine():
+    import json
+
+    args, _ = argv("inference.device=cpu", "inference.weight_sync=transfer")
+    assert json.loads(opt(args, "--weight-transfer-config")) == {"backend": "carryover_shm"}
+    args, _ = argv("inference.device=cpu")
+    assert "--weight-transfer-config" not in args  # disk, the default
+
+
+def test_weight_sync_transfer_to_a_server_on_another_host_is_refused():
+    with pytest.raises(ConfigError, match=r"inference.weight_sync: value 'transfer' hands the "
+                                          r"weights over in this host's shared memory.*"
+                                          r"http://10.0.0.5:8100"):
+        load_config(None, ["inference.weight_sync=transfer",
+                           "inference.urls=[http://127.0.0.1:8100,http://10.0.0.5:8100]"])
+    with pytest.raises(ConfigError, match="inference.weight_sync: value 'nccl' must be one of"):
+        load_config(None, ["inference.weight_sync=nccl"])
+    with pytest.raises(ConfigError, match="inference.transfer_bucket_mb"):
+        load_config(None, ["inference.transfer_bucket_mb=0"])

@@ -45,6 +45,7 @@ class TransferResult:
     unreachable: dict[str, str] = field(default_factory=dict)
     bytes_moved: int = 0      # bucket bytes written (each server reads them once)
     buckets: int = 0
+    largest_bucket: int = 0   # bytes: what the transfer held in shared memory at most
     seconds: float = 0.0
 
 
@@ -142,6 +143,7 @@ class ShmSender:
         path.unlink()
         self.result.buckets += 1
         self.result.bytes_moved += offset
+        self.result.largest_bucket = max(self.result.largest_bucket, offset)
 
     def _finish(self, version: int) -> None:
         for url in list(self._live):
