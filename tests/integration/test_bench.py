@@ -170,3 +170,17 @@ def test_drain_modes_bench_json():
     assert carry["aborted_calls_per_step"] == 0
     assert wait["continued_calls_per_step"] == keep["continued_calls_per_step"] == 0
     assert abort["continued_calls_per_step"] == 0
+
+
+def test_sync_modes_bench_json():
+    r = run_bench("bench.sync_modes", "--tiny", "--cycles", "1", "--bucket-mb", "0.5")
+    assert r["benchmark"] == "sync_modes"
+    assert set(r["median_seconds"]) == {"disk", "transfer"}
+    for mode, phases in r["median_seconds"].items():
+        assert phases["cycle"] >= phases["load"] > 0, mode
+    assert r["median_seconds"]["transfer"]["export"] == 0  # no export
+    # the same tensors move either way (the safetensors header aside), and a transfer holds
+    # at most one bucket (or one larger tensor) in shared memory
+    disk, sent = r["bytes_per_sync"]["disk"], r["bytes_per_sync"]["transfer"]
+    assert abs(disk - sent) < 0.01 * disk
+    assert r["largest_bucket_bytes"]["transfer"] < r["largest_bucket_bytes"]["disk"]
