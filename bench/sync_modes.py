@@ -109,9 +109,10 @@ def main(argv: list[str] | None = None) -> int:
                     largest[mode] = max(largest[mode], moved[mode][-1])
                 else:
                     t1 = t0  # no export: the gather feeds the buckets
-                    sent = trainer.transfer_weights([url], dname, bucket, version, 600, key)
+                    sent = trainer.transfer_weights([url], dname, bucket, 600, key)
                     assert sent.loaded == [url], sent
                     weights.reset_prefix_cache(url, 600)
+                    weights.set_version(url, version, 600)
                     moved[mode].append(sent.bytes_moved)
                     largest[mode] = max(largest[mode], sent.largest_bucket)
                 t2 = time.perf_counter()

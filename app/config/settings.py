@@ -46,6 +46,7 @@ class InferenceSettings:
     data_parallel_size: int  # engine replicas inside each server: each is probed
     weight_sync: WeightSync = "disk"
     transfer_bucket_bytes: int = 256 << 20
+    transfer_checksums: bool = True
 
     @classmethod
     def from_config(cls, cfg: Any) -> InferenceSettings:
@@ -57,7 +58,8 @@ class InferenceSettings:
                    sleep_level=int(inf.sleep_level),
                    data_parallel_size=int(inf.data_parallel_size) if device == "cuda" else 1,
                    weight_sync=cast(WeightSync, str(inf.weight_sync)),
-                   transfer_bucket_bytes=int(float(inf.transfer_bucket_mb) * (1 << 20)))
+                   transfer_bucket_bytes=int(float(inf.transfer_bucket_mb) * (1 << 20)),
+                   transfer_checksums=bool(inf.transfer_checksums))
 
 
 def drain_mode(cfg: Any) -> DrainMode:

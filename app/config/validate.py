@@ -256,6 +256,7 @@ RULES: dict[str, Check] = {
     "inference.sleep_level": one_of(1, 2),
     "inference.weight_sync": one_of(*get_args(WeightSync)),
     "inference.transfer_bucket_mb": positive_num,
+    "inference.transfer_checksums": boolean,
     "gateway.host": string,
     "gateway.port": port,
     "gateway.url": url,
@@ -458,6 +459,11 @@ def _transfer_rules(cfg: dict[str, Any]) -> list[str]:
         return [f"inference.weight_sync: value 'transfer' hands the weights over in this host's "
                 f"shared memory, which the server(s) {', '.join(far)} (inference.urls) cannot "
                 "read: use weight_sync disk for servers on other hosts"]
+    nodes = _get(cfg, "trainer.nnodes")
+    if _is_int(nodes) and nodes > 1:
+        return [f"inference.weight_sync: value 'transfer' needs the trainer's rank 0 on the "
+                f"servers' host, which trainer.nnodes {nodes} does not promise: use "
+                "weight_sync disk"]
     return []
 
 

@@ -1,5 +1,5 @@
 """What the trainer and the inference server agree on for a weight transfer through shared
-memory (``inference.weight_sync: transfer`` on CPU). Pure data: both sides import it, the
+memory (``inference.weight_sync: transfer``). Pure data: both sides import it, the
 trainer without vLLM and the server without the trainer.
 
 A bucket is one file in the transfer directory holding tensors back to back, each at its

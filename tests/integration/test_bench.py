@@ -177,8 +177,7 @@ def test_sync_modes_bench_json():
     assert r["benchmark"] == "sync_modes"
     assert set(r["median_seconds"]) == {"disk", "transfer"}
     for mode, phases in r["median_seconds"].items():
-        assert phases["cycle"] >= phases["load"] > 0, mode
-    assert r["median_seconds"]["transfer"]["export"] == 0  # no export
+        assert phases["load"] > 0 and phases["verify"] > 0, mode
     # the same tensors move either way (the safetensors header aside), and a transfer holds
     # at most one bucket (or one larger tensor) in shared memory
     disk, sent = r["bytes_per_sync"]["disk"], r["bytes_per_sync"]["transfer"]

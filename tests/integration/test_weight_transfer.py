@@ -15,6 +15,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from app.config import load_config
 from app.config.secrets import inference_api_key
@@ -26,6 +27,7 @@ from workers.trainer.batch import Sample
 from workers.trainer.engine import EngineTrainer
 from workers.trainer.keeper import UpstreamKeeper
 from workers.trainer.settings import TrainerSettings
+from workers.trainer.transfer import ShmSender
 from workers.trainer.verl_batch import to_verl_batch
 
 pytestmark = pytest.mark.slow
@@ -73,11 +75,11 @@ def test_a_transfer_loads_what_a_reload_from_disk_loads(smol_trainer, smollm2_se
     assert weights.mean_gap(before, after) > tol
 
     bucket = 16 << 20
-    sent = trainer.transfer_weights([url], "bfloat16", bucket, 2, 120,
-                                    inference_api_key(cfg))
+    sent = trainer.transfer_weights([url], "bfloat16", bucket, 120, inference_api_key(cfg))
     assert sent.loaded == [url] and not sent.failed and not sent.unreachable
+    assert not glob.glob("/dev/shm/carryover-transfer-*")  # no bucket left behind
     weights.reset_prefix_cache(url, 60)
-    assert weights.loaded_version(url) == "2"  # /finish_weight_update names the version
+    weights.set_version(url, 2, 60)
     # every tensor went (the tied head included), in buckets no larger than the setting
     # or the largest tensor (the 49,152 x 576 embeddings), several of them
     params = 134_515_008 + 49_152 * 576
@@ -100,6 +102,7 @@ def test_a_transfer_loads_what_a_reload_from_disk_loads(smol_trainer, smollm2_se
     assert weights.mean_gap(weights.engine_probe_logprobs(url, SMOLLM2_NAME, ids),
                             probe_by_transfer) < 1e-6
     assert weights.weight_checksums(url) == by_transfer
+    weights.reload_weights(url, SMOLLM2)  # the shared server back on the model's weights
 
 
 def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_again(
@@ -170,10 +173,30 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
             assert weights.verify_sync(url, cfg.inference.served_model_name, after, before,
                                        settings.probe_tolerance, ids)[
                 "weight_sync/probe_gap"] < settings.probe_tolerance
+            # an error on the trainer's side part-way: raised once the tensors are drained,
+            # the server's session closed (the next sync starts one), no bucket left
+            state = trainer.full_weights("float32")
+
+            def breaks_after_five():
+                for i, item in enumerate(state.items()):
+                    if i == 5:
+                        raise RuntimeError("gather failed")
+                    yield item
+
+            sender = ShmSender([url], 2048, 30, inference_api_key(cfg))
+            with pytest.raises(RuntimeError, match="gather failed"):
+                sender.send(breaks_after_five(), torch.float32)
+            assert url in sender.result.failed
+            assert not glob.glob(f"/dev/shm/carryover-transfer-{os.getpid()}-*")
+            service.send_again(resident, settings, url, 1, False)
+            assert weights.verify_sync(url, cfg.inference.served_model_name, after, None,
+                                       settings.probe_tolerance, ids)[
+                "weight_sync/probe_gap"] < settings.probe_tolerance
             # between an update and its publish the trainer's weights are no version: the
             # keeper does not send them (the step's own load reaches the server)
             resident.weights_version = None
-            with pytest.raises(weights.WeightSyncError, match="an update is under way"):
+            with pytest.raises(weights.WeightSyncError,
+                               match="an update or a checkpoint is under way"):
                 service.send_again(resident, settings, url, 1, False)
     finally:
         trainer.close()

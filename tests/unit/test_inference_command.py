@@ -85,6 +85,8 @@ def test_weight_sync_transfer_to_a_server_on_another_host_is_refused():
                                           r"http://10.0.0.5:8100"):
         load_config(None, ["inference.weight_sync=transfer",
                            "inference.urls=[http://127.0.0.1:8100,http://10.0.0.5:8100]"])
+    with pytest.raises(ConfigError, match="trainer.nnodes 2 does not promise"):
+        load_config(None, ["inference.weight_sync=transfer", "trainer.nnodes=2"])
     with pytest.raises(ConfigError, match="inference.weight_sync: value 'nccl' must be one of"):
         load_config(None, ["inference.weight_sync=nccl"])
     with pytest.raises(ConfigError, match="inference.transfer_bucket_mb"):

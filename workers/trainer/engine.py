@@ -237,12 +237,13 @@ class EngineTrainer:
         """``path/model.safetensors`` in ``dtype`` from the engine's per-tensor iterator."""
         self.ranks.call("export", [(str(path), dtype)] * self.size)
 
-    def transfer_weights(self, urls: list[str], dtype: str, bucket_bytes: int, version: int,
+    def transfer_weights(self, urls: list[str], dtype: str, bucket_bytes: int,
                          timeout: float, api_key: str | None) -> TransferResult:
         """The weights, in ``dtype``, into every server in ``urls`` without an export
-        (``inference.weight_sync: transfer``)."""
+        (``inference.weight_sync: transfer``); the caller names the version once each
+        server's prefix cache is reset."""
         out = self.ranks.call("transfer", urls=urls, dtype=dtype, bucket_bytes=bucket_bytes,
-                              version=version, timeout=timeout, api_key=api_key)[0]
+                              timeout=timeout, api_key=api_key)[0]
         return TransferResult(**out)
 
     @property

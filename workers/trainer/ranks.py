@@ -167,7 +167,7 @@ class RankEngine:
             return None
         return state
 
-    def transfer(self, urls: list[str], dtype: str, bucket_bytes: int, version: int,
+    def transfer(self, urls: list[str], dtype: str, bucket_bytes: int,
                  timeout: float, api_key: str | None) -> dict[str, Any] | None:
         """Send the weights to ``urls`` through vLLM's weight-transfer routes
         (``transfer.py``): every rank takes part in each tensor's gather, rank 0 sends.
@@ -181,7 +181,7 @@ class RankEngine:
         if self.rank != 0:
             sender.drain(params)
             return None
-        return asdict(sender.send(params, getattr(torch, dtype), version))
+        return asdict(sender.send(params, getattr(torch, dtype)))
 
     def save(self, path: str) -> None:
         self.actor.save_checkpoint(path)

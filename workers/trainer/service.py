@@ -99,6 +99,9 @@ _resident: Resident | None = None
 
 def close_resident() -> None:
     global _resident
+    keeper = running_keeper()
+    if keeper is not None:
+        keeper.send_weights = None  # it would send from a closed trainer
     if _resident is not None:
         _resident.close()
     _resident = None
@@ -396,7 +399,8 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
         metrics.update(weights.verify_sync(url, settings.inference.served_model_name,
                                            expected, previous, settings.probe_tolerance, ids,
                                            settings.inference.data_parallel_size))
-        if settings.inference.weight_sync == "transfer":
+        if settings.inference.weight_sync == "transfer" and \
+                settings.inference.transfer_checksums:
             # the checksums cover every replica's every tensor (the probe: its output)
             digests = weights.weight_checksums(url, settings.reload_timeout_s)
             metrics.update(weights.check_checksums(url, digests, resident.digests.get(url),
@@ -508,15 +512,21 @@ def transfer_loader(resident: Resident, settings: TrainerSettings, version: int,
     dtype = str(weights.engine_dtype(inf.dtype, settings.model_path)).removeprefix("torch.")
 
     def load(urls: list[str]) -> LoadOutcome:
-        sent = resident.trainer.transfer_weights(
-            urls, dtype, inf.transfer_bucket_bytes, version, settings.reload_timeout_s,
-            weights.api_key())
+        try:
+            sent = resident.trainer.transfer_weights(
+                urls, dtype, inf.transfer_bucket_bytes, settings.reload_timeout_s,
+                weights.api_key())
+        except Exception as exc:  # noqa: BLE001 - an error on the trainer's side, mid-way
+            # any server may hold part of the version: each is failed (stale, not resumed)
+            why = f"the transfer failed on the trainer: {exc.__class__.__name__}: {exc}"
+            return LoadOutcome(failed={u: why for u in urls})
         metrics["weight_sync/bytes_moved"] = sent.bytes_moved
         metrics["weight_sync/buckets"] = sent.buckets
         out = LoadOutcome(unreachable=dict(sent.unreachable), failed=dict(sent.failed))
         for url in sent.loaded:
             try:
                 weights.reset_prefix_cache(url, settings.reload_timeout_s, frozen_calls)
+                weights.set_version(url, version, settings.reload_timeout_s)
                 out.loaded.append(url)
             except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
                 out.failed[url] = f"{exc.__class__.__name__}: {exc}"
@@ -554,12 +564,19 @@ def send_again(resident: Resident, settings: TrainerSettings, url: str, version:
     """The upstream keeper's load of a restarted server under ``weight_sync: transfer``:
     the trainer's weights, only while they are still ``version`` (between an update and
     its publish they are not, and the step's own load reaches that server)."""
-    with resident.trainer.ranks.lock:  # no update starts meanwhile
+    busy = weights.WeightSyncError(
+        f"{url}: the trainer's weights are not policy version {version} now (an update or "
+        "a checkpoint is under way); the step's own load reaches this server")
+    lock = resident.trainer.ranks.lock
+    # not waiting: the keeper holds the publish lock, and an update can take minutes
+    if resident.weights_version != version or not lock.acquire(blocking=False):
+        raise busy
+    try:  # no update starts meanwhile
         if resident.weights_version != version:
-            raise weights.WeightSyncError(
-                f"{url}: the trainer's weights are not policy version {version} now (an "
-                "update is under way); the step's own load reaches this server")
+            raise busy
         out = transfer_loader(resident, settings, version, frozen_calls, {})([url])
+    finally:
+        lock.release()
     if url not in out.loaded:
         why = {**out.unreachable, **out.failed}.get(url, "not loaded")
         raise weights.WeightSyncError(f"{url}: weight transfer of version {version}: {why}")

@@ -69,19 +69,35 @@ class ShmSender:
 
     # -- the sync, in order -------------------------------------------------------------
 
-    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype,
-             version: int) -> TransferResult:
+    def send(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
+             ) -> TransferResult:
+        """The sync. The version is not named here: the caller sets it after the prefix
+        cache is reset (as after a reload), so a server never reports a version it does not
+        fully serve. An error on this rank is raised only after the gather is drained (the
+        other ranks wait in its collectives), and every server still in the sync gets its
+        session closed."""
         t = time.monotonic()
-        self.directory.mkdir(parents=True)
+        error: BaseException | None = None
+        tensors = iter(tensors)
         try:
+            _prune_dead(self.directory.parent)
+            self.directory.mkdir(parents=True)
             self._start()
             for name, tensor in tensors:
                 if self._live:
                     self._add(name, tensor.detach().to("cpu", dtype))
             self._flush()
-            self._finish(version)
+            self._finish()
+        except Exception as exc:  # noqa: BLE001 - re-raised once the gather is drained
+            error = exc
+            self.drain(tensors)
+            for url in list(self._live):
+                self._drop(url, f"{exc.__class__.__name__} on the trainer: {exc}")
         finally:
             shutil.rmtree(self.directory, ignore_errors=True)
+            self.http.close()
+        if error is not None:
+            raise error
         self.result.loaded = list(self._live)
         self.result.seconds = time.monotonic() - t
         return self.result
@@ -96,11 +112,17 @@ class ShmSender:
             try:
                 self._post(url, "/init_weight_transfer_engine",
                            {"init_info": {"directory": str(self.directory)}})
-                self._post(url, "/start_weight_update", None)
+                try:
+                    self._post(url, "/start_weight_update", None)
+                except _Refused:
+                    # a session an earlier sync left open (it timed out on this side and
+                    # the server finished later): closed, then started again
+                    self._close(url)
+                    self._post(url, "/start_weight_update", None)
             except requests.ConnectionError as exc:
                 self.result.unreachable[url] = f"{exc.__class__.__name__}: {exc}"
                 continue
-            except _Refused as exc:
+            except (requests.RequestException, _Refused) as exc:
                 self.result.failed[url] = str(exc)
                 continue
             self._live.append(url)
@@ -126,8 +148,17 @@ class ShmSender:
             offset += tensor.numel() * tensor.element_size()
         bucket.nbytes = offset
         path = self.directory / bucket.file
-        path.touch()
-        os.truncate(path, offset)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            # the pages reserved now: a full /dev/shm is an OSError (ENOSPC) here, not a
+            # SIGBUS when the copy below touches a page that is not there
+            os.posix_fallocate(fd, 0, max(offset, 1))
+        except OSError as exc:
+            raise OSError(exc.errno, f"{self.directory.parent} cannot hold a bucket of "
+                          f"{offset / 2**20:.0f} MiB ({exc.strerror}): lower "
+                          "inference.transfer_bucket_mb or enlarge it") from exc
+        finally:
+            os.close(fd)
         raw = torch.from_file(str(path), shared=True, size=offset, dtype=torch.uint8)
         for (_, tensor), at in zip(self._pending, bucket.offsets, strict=True):
             flat = tensor.contiguous().view(-1).view(torch.uint8)
@@ -145,19 +176,28 @@ class ShmSender:
         self.result.bytes_moved += offset
         self.result.largest_bucket = max(self.result.largest_bucket, offset)
 
-    def _finish(self, version: int) -> None:
+    def _finish(self) -> None:
         for url in list(self._live):
             try:
-                self._post(url, "/finish_weight_update", {"weight_version": str(version)})
+                self._post(url, "/finish_weight_update", {})
             except (requests.RequestException, _Refused) as exc:
                 self._drop(url, f"/finish_weight_update: {exc}")
 
     # -- helpers --------------------------------------------------------------------------
 
     def _drop(self, url: str, why: str) -> None:
+        """Out of this sync: marked failed (the caller makes it stale) and its session
+        closed, so the next sync or the keeper can start one (an open one refuses)."""
         self._live.remove(url)
         self.result.failed[url] = why
         log.error("weight transfer to %s failed: %s", url, why)
+        self._close(url)
+
+    def _close(self, url: str) -> None:
+        try:
+            self._post(url, "/finish_weight_update", {})
+        except (requests.RequestException, _Refused) as exc:
+            log.warning("could not close the weight-update session of %s: %s", url, exc)
 
     def _post(self, url: str, route: str, body: dict[str, object] | None) -> None:
         try:
@@ -167,6 +207,18 @@ class ShmSender:
                            "(trainer.reload_timeout_s)") from exc
         if resp.status_code != 200:
             raise _Refused(f"{route} answered {resp.status_code}: {resp.text[:300]}")
+
+
+def _prune_dead(root: Path) -> None:
+    """Folders of transfers whose process died (SIGKILL, OOM) mid-sync: host memory."""
+    for folder in root.glob("carryover-transfer-*"):
+        try:
+            pid = int(folder.name.split("-")[2])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            shutil.rmtree(folder, ignore_errors=True)
+        except (ValueError, IndexError, PermissionError):
+            continue
 
 
 class _Refused(RuntimeError):

@@ -179,13 +179,18 @@ def reload_weights(url: str, path: Path, timeout: float = 600.0,
                               f"{resp.text[:300]}")
     reset_prefix_cache(url, timeout, frozen_calls)
     if version is not None:
-        # the server keeps the version it holds: the upstream keeper reads it back, and a
-        # server that restarted (behind a load balancer, unseen) says "default" again
-        resp = _http.post(url + "/update_weight_version", json={"new_version": str(version)},
-                          timeout=timeout)
-        if resp.status_code != 200:
-            raise WeightSyncError(f"{url}: /update_weight_version answered "
-                                  f"{resp.status_code}: {resp.text[:200]}")
+        set_version(url, version, timeout)
+
+
+def set_version(url: str, version: int, timeout: float) -> None:
+    """The server keeps the version it holds (set once it fully serves it): the upstream
+    keeper reads it back, and a server that restarted (behind a load balancer, unseen) says
+    "default" again."""
+    resp = _http.post(url.rstrip("/") + "/update_weight_version",
+                      json={"new_version": str(version)}, timeout=timeout)
+    if resp.status_code != 200:
+        raise WeightSyncError(f"{url}: /update_weight_version answered "
+                              f"{resp.status_code}: {resp.text[:200]}")
 
 
 def reset_prefix_cache(url: str, timeout: float, frozen_calls: bool = False) -> None:
