@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 # The name the server's engine is registered under (vLLM ``--weight-transfer-config``).
 SHM_BACKEND = "carryover_shm"
+# The trainer's transfer folders, in /dev/shm; the server reads from no other folder.
+FOLDER_PREFIX = "carryover-transfer-"
 # Tensors start at this alignment inside a bucket: a view of any dtype is aligned.
 ALIGN = 64
 

@@ -13,8 +13,10 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
+import requests
 import torch
 
 from app.config import load_config
@@ -194,6 +196,13 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
                 "weight_sync/probe_gap"] < settings.probe_tolerance
             # between an update and its publish the trainer's weights are no version: the
             # keeper does not send them (the step's own load reaches the server)
+            # the server's engine reads from no folder but a transfer folder in /dev/shm
+            auth = {"Authorization": f"Bearer {inference_api_key(cfg)}"}
+            for folder in (tmp_path, Path("/dev/shm")):
+                resp = requests.post(url + "/init_weight_transfer_engine", headers=auth,
+                                     json={"init_info": {"directory": str(folder)}}, timeout=30)
+                assert resp.status_code != 200, folder
+            assert requests.get(url + "/health", timeout=5).status_code == 200
             resident.weights_version = None
             with pytest.raises(weights.WeightSyncError,
                                match="an update or a checkpoint is under way"):

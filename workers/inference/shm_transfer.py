@@ -17,7 +17,9 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from app.services.transfer_wire import ShmBucket, ShmInit
+from app.services.transfer_wire import FOLDER_PREFIX, ShmBucket, ShmInit
+
+SHM_ROOT = Path("/dev/shm").resolve()
 
 
 @dataclass
@@ -42,10 +44,16 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
 
     def init_transfer_engine(self, init_info: ShmInitInfo) -> None:
         directory = Path(init_info.directory)
-        if not directory.is_dir():
+        # only a transfer folder in shared memory, as the trainer makes them: the routes are
+        # dev routes (docs/operations.md, Security), and this one reads files
+        real = directory.resolve()
+        if real.parent != SHM_ROOT or not real.name.startswith(FOLDER_PREFIX):
+            raise ValueError(f"weight transfer directory {directory} is not a "
+                             f"{SHM_ROOT}/{FOLDER_PREFIX}* folder")
+        if not real.is_dir():
             raise ValueError(f"weight transfer directory {directory} does not exist on the "
                              "server's host (the trainer must share this host's memory)")
-        self.directory = directory
+        self.directory = real
 
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -67,6 +75,8 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
         if self.directory is None:
             raise RuntimeError("update_weights before init_weight_transfer_engine")
         path = self.directory / update_info.file
+        if path.is_symlink():
+            raise ValueError(f"bucket {path} is a symbolic link")
         size = path.stat().st_size
         if size != update_info.nbytes:
             raise ValueError(f"bucket {path} holds {size} bytes, not the {update_info.nbytes} "
@@ -77,10 +87,14 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
         for name, dtype_name, shape, offset in zip(
                 update_info.names, update_info.dtype_names, update_info.shapes,
                 update_info.offsets, strict=True):
-            dtype = getattr(torch, dtype_name)
+            dtype = getattr(torch, dtype_name, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"bucket {path}: {dtype_name!r} is not a torch dtype")
             count = 1
             for d in shape:
                 count *= d
+            if offset < 0 or count < 0 or offset + count * dtype.itemsize > size:
+                raise ValueError(f"bucket {path}: {name} at {offset} runs past its end")
             view = raw[offset:offset + count * dtype.itemsize].view(dtype).view(shape)
             tensors.append((name, view.to(self.device)))
         self.model.load_weights(tensors)

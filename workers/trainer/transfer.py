@@ -28,7 +28,7 @@ from pathlib import Path
 import requests
 import torch
 
-from app.services.transfer_wire import ShmBucket, aligned
+from app.services.transfer_wire import FOLDER_PREFIX, ShmBucket, aligned
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ShmSender:
         self.http = requests.Session()
         if api_key:
             self.http.headers["Authorization"] = f"Bearer {api_key}"
-        self.directory = root / f"carryover-transfer-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.directory = root / f"{FOLDER_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.result = TransferResult()
         self._live: list[str] = []
         self._pending: list[tuple[str, torch.Tensor]] = []
@@ -211,7 +211,7 @@ class ShmSender:
 
 def _prune_dead(root: Path) -> None:
     """Folders of transfers whose process died (SIGKILL, OOM) mid-sync: host memory."""
-    for folder in root.glob("carryover-transfer-*"):
+    for folder in root.glob(f"{FOLDER_PREFIX}*"):
         try:
             pid = int(folder.name.split("-")[2])
             os.kill(pid, 0)
