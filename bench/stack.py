@@ -98,9 +98,14 @@ def inference_server(cfg, log: Path, timeout: float = 300) -> Iterator[tuple[str
             time.sleep(1)
         yield url, proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
+        import contextlib
+
+        # the group may be gone already (a test that killed the server)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=10)

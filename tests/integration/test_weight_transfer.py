@@ -154,6 +154,13 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
             assert redis_client.get(keys.policy_version()) is None
             assert not glob.glob(f"/dev/shm/carryover-transfer-{os.getpid()}-*")
             proc.wait(30)
+            # while it is down, a step waits for it without gathering the model each time
+            waited: dict = {}
+            with pytest.raises(weights.WeightSyncError, match="could be reached"):
+                service.switch_weights(
+                    redis_client, [url], None, 1, weights.NOTHING_HELD, 2, 0.5,
+                    load=service.transfer_loader(resident, settings, 1, False, waited))
+            assert "weight_sync/bytes_moved" not in waited
         # the weights were published by transfer (no export), and the server comes back
         resident.weights_version = 1
         redis_client.hset(keys.policy_published(), mapping={

@@ -512,6 +512,12 @@ def transfer_loader(resident: Resident, settings: TrainerSettings, version: int,
     dtype = str(weights.engine_dtype(inf.dtype, settings.model_path)).removeprefix("torch.")
 
     def load(urls: list[str]) -> LoadOutcome:
+        # a server that refuses connections now is not worth a gather of the whole model
+        # (a step waiting for one to come back would redo it every upstream_check_s)
+        down = {u: "ConnectionError: /health refused" for u in urls if not _answers(u)}
+        urls = [u for u in urls if u not in down]
+        if not urls:
+            return LoadOutcome(unreachable=down)
         try:
             sent = resident.trainer.transfer_weights(
                 urls, dtype, inf.transfer_bucket_bytes, settings.reload_timeout_s,
@@ -522,7 +528,7 @@ def transfer_loader(resident: Resident, settings: TrainerSettings, version: int,
             return LoadOutcome(failed={u: why for u in urls})
         metrics["weight_sync/bytes_moved"] = sent.bytes_moved
         metrics["weight_sync/buckets"] = sent.buckets
-        out = LoadOutcome(unreachable=dict(sent.unreachable), failed=dict(sent.failed))
+        out = LoadOutcome(unreachable={**down, **sent.unreachable}, failed=dict(sent.failed))
         for url in sent.loaded:
             try:
                 weights.reset_prefix_cache(url, settings.reload_timeout_s, frozen_calls)
@@ -532,6 +538,17 @@ def transfer_loader(resident: Resident, settings: TrainerSettings, version: int,
                 out.failed[url] = f"{exc.__class__.__name__}: {exc}"
         return out
     return load
+
+
+def _answers(url: str) -> bool:
+    """The server takes connections (any answer, even an error, says it is up)."""
+    try:
+        requests.get(url.rstrip("/") + "/health", timeout=5)
+        return True
+    except requests.ConnectionError:
+        return False
+    except requests.RequestException:
+        return True
 
 
 def switch_weights(client: redis.Redis, urls: list[str], path: Path | None, version: int,
