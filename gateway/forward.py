@@ -102,8 +102,8 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
             raise retryable("no inference server is reachable", s.retry_after_s,
                             code="upstream_unavailable")
         wants_lp, wants_ids = capture.agent_wants(body, endpoint)
-        up_body = capture.prepare_upstream_body(body, endpoint, s.model, s.default_max_tokens,
-                                                temperature)
+        up_body = capture.prepare_upstream_body(body, endpoint, s.served_model(version),
+                                                s.default_max_tokens, temperature)
         continued = None
         if endpoint == "chat.completions" and state.continuity is not None:
             continued = state.continuity.prompt_ids(rollout_id, up_body)
@@ -196,6 +196,7 @@ def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
                         code="cancelled_by_update") from None
     # the trainer sets the version before it resumes the engines, the pause after
     version = policy_version(state.redis, 0.0)
+    body["model"] = s.served_model(version)  # LoRA: the new version's adapter
     upstream = state.upstreams.pick(rollout_id)
     if upstream is None:
         raise retryable("no inference server is reachable", s.retry_after_s,

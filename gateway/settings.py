@@ -7,7 +7,7 @@ from typing import Any
 
 from app.config.loader import repo_path
 from app.config.secrets import admin_token, inference_api_key
-from app.config.settings import InferenceSettings
+from app.config.settings import InferenceSettings, adapter_name, lora_rank
 from app.state.connection import resolve_redis_url
 
 
@@ -36,6 +36,12 @@ class GatewaySettings:
     sleep_check: bool = False     # the servers sleep around updates: skip one left asleep
     inference_api_key: str = ""   # sent to the servers; agents never see it
     tool_call_parser: str | None = None  # inference.tool_call_parser: where calls start
+    lora: bool = False            # each policy version is served as its own LoRA adapter
+
+    def served_model(self, version: int) -> str:
+        """What a call admitted at policy ``version`` is sent to: with LoRA that version's
+        adapter (the servers load it before the version is bumped), else the model."""
+        return adapter_name(self.model, version) if self.lora and version > 0 else self.model
 
     @classmethod
     def from_config(cls, cfg: Any) -> GatewaySettings:
@@ -66,4 +72,5 @@ class GatewaySettings:
             inference_api_key=inference_api_key(cfg),
             tool_call_parser=str(cfg.inference.tool_call_parser)
             if cfg.inference.get("tool_call_parser") else None,
+            lora=lora_rank(cfg) > 0,
         )

@@ -15,6 +15,18 @@ from app.services.device import resolve as resolve_device
 
 DrainMode = Literal["wait", "keep", "abort", "continue"]
 WeightSync = Literal["disk", "transfer"]
+# the values vLLM's --max-lora-rank takes
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_rank(cfg: Any) -> int:
+    """``actor_rollout_ref.model.lora_rank``: 0 = every weight is trained."""
+    return int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0)
+
+
+def adapter_name(model: str, version: int) -> str:
+    """The name the servers serve policy ``version``'s LoRA adapter under."""
+    return f"{model}-v{version}"
 Launcher = Literal["auto", "local", "ray"]
 
 
@@ -47,6 +59,7 @@ class InferenceSettings:
     weight_sync: WeightSync = "disk"
     transfer_bucket_bytes: int = 256 << 20
     transfer_checksums: bool = True
+    lora: bool = False     # the servers serve each version as a LoRA adapter (adapter_name)
 
     @classmethod
     def from_config(cls, cfg: Any) -> InferenceSettings:
@@ -59,7 +72,8 @@ class InferenceSettings:
                    data_parallel_size=int(inf.data_parallel_size) if device == "cuda" else 1,
                    weight_sync=cast(WeightSync, str(inf.weight_sync)),
                    transfer_bucket_bytes=int(float(inf.transfer_bucket_mb) * (1 << 20)),
-                   transfer_checksums=bool(inf.transfer_checksums))
+                   transfer_checksums=bool(inf.transfer_checksums),
+                   lora=lora_rank(cfg) > 0)
 
 
 def drain_mode(cfg: Any) -> DrainMode:

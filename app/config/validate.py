@@ -156,6 +156,18 @@ def test_freq(v: Any) -> str | None:
     return None if ok else "must be a positive integer, or -1 (never)"
 
 
+def lora_targets(v: Any) -> str | None:
+    if v == "all-linear":
+        return None
+    if not isinstance(v, list | tuple) or not v or not all(isinstance(x, str) and x for x in v):
+        return "must be all-linear or a list of module names (q_proj, v_proj, ...)"
+    # vLLM 0.32 serves LoRA on linear layers only (not on embeddings or the output head)
+    bad = [x for x in v if x in ("embed_tokens", "lm_head", "wte", "word_embeddings")]
+    if bad:
+        return f"names {', '.join(bad)}, which vLLM cannot serve a LoRA adapter on"
+    return None
+
+
 def agent_ref(v: Any) -> str | None:
     if isinstance(v, str) and v.strip():
         return None
@@ -254,6 +266,9 @@ RULES: dict[str, Check] = {
     "inference.enforce_eager": optional(boolean),
     "inference.sleep_mode": one_of("auto", True, False),
     "inference.sleep_level": one_of(1, 2),
+    "actor_rollout_ref.model.lora_rank": non_negative_int,
+    "actor_rollout_ref.model.lora_alpha": positive_int,
+    "actor_rollout_ref.model.target_modules": lora_targets,
     "inference.weight_sync": one_of(*get_args(WeightSync)),
     "inference.transfer_bucket_mb": positive_num,
     "inference.transfer_checksums": boolean,
@@ -438,6 +453,8 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
     if ok("inference.weight_sync", "inference.urls") \
             and _get(cfg, "inference.weight_sync") == "transfer":
         problems += _transfer_rules(cfg)
+    if ok("actor_rollout_ref.model.lora_rank") and _get(cfg, "actor_rollout_ref.model.lora_rank"):
+        problems += _lora_rules(cfg)
     reload_s = _get(cfg, "trainer.reload_timeout_s")
     start_s = _get(cfg, "inference.startup_timeout_s")
     if ok("trainer.reload_timeout_s", "inference.startup_timeout_s") and reload_s < start_s:
@@ -447,6 +464,27 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             "takes up to that long to answer again, and the step would fail (the gateway "
             "paused meanwhile) before it is back")
     return problems
+
+
+def _lora_rules(cfg: dict[str, Any]) -> list[str]:
+    """A LoRA adapter the servers can serve, synced the way adapters are."""
+    from app.config.settings import MAX_LORA_RANKS
+
+    rank = _get(cfg, "actor_rollout_ref.model.lora_rank")
+    out = []
+    if rank > MAX_LORA_RANKS[-1]:
+        out.append(f"actor_rollout_ref.model.lora_rank: value {rank} is above the largest "
+                   f"rank vLLM serves ({MAX_LORA_RANKS[-1]}, its --max-lora-rank)")
+    if _get(cfg, "inference.weight_sync") == "transfer":
+        out.append("inference.weight_sync: value 'transfer' sends whole weights; with "
+                   "actor_rollout_ref.model.lora_rank set, each update's adapter (megabytes) "
+                   "is loaded by name instead: use weight_sync disk")
+    if _get(cfg, "gateway.drain_mode") == "keep":
+        out.append("gateway.drain_mode: value 'keep' cannot work with a LoRA adapter "
+                   "(actor_rollout_ref.model.lora_rank): a frozen call names the previous "
+                   "version's adapter and would go on sampling from it after the switch; use "
+                   "wait, abort or continue")
+    return out
 
 
 def _transfer_rules(cfg: dict[str, Any]) -> list[str]:

@@ -17,7 +17,7 @@ from typing import Any
 
 from app.config.loader import REPO_ROOT, repo_path
 from app.config.secrets import inference_api_key
-from app.config.settings import sleep_mode
+from app.config.settings import MAX_LORA_RANKS, lora_rank, sleep_mode
 from app.services.device import resolve as resolve_device
 from app.services.transfer_wire import SHM_BACKEND
 from app.state.connection import is_external
@@ -102,6 +102,13 @@ def inference_command(cfg: Any) -> Command:
         # vLLM's weight-transfer routes, with the engine the project registers through its
         # plugin (workers/inference): the trainer hands buckets over in shared memory
         argv += ["--weight-transfer-config", json.dumps({"backend": SHM_BACKEND})]
+    rank = lora_rank(cfg)
+    if rank:
+        # each update's adapter is loaded at run time under a new name; the newest and the
+        # one before it are served (a gateway process may still name the older one)
+        argv += ["--enable-lora", "--max-lora-rank",
+                 str(next(r for r in MAX_LORA_RANKS if r >= rank)),
+                 "--max-loras", "2", "--max-cpu-loras", "3"]
     eager = inf.enforce_eager if inf.enforce_eager is not None else device == "cpu"
     if eager:
         argv.append("--enforce-eager")
@@ -110,6 +117,8 @@ def inference_command(cfg: Any) -> Command:
     # environment, not the command line, where any user's `ps` would show it.
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
            "VLLM_API_KEY": inference_api_key(cfg)}
+    if rank:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
     if device == "cuda":
         argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization),
                  "--tensor-parallel-size", str(inf.tensor_parallel_size),

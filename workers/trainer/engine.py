@@ -237,6 +237,10 @@ class EngineTrainer:
         """``path/model.safetensors`` in ``dtype`` from the engine's per-tensor iterator."""
         self.ranks.call("export", [(str(path), dtype)] * self.size)
 
+    def export_adapter(self, path: Path, dtype: str) -> None:
+        """``path``: the LoRA adapter alone, in peft's format (vLLM's ``load_lora_adapter``)."""
+        self.ranks.call("export_adapter", [(str(path), dtype)] * self.size)
+
     def transfer_weights(self, urls: list[str], dtype: str, bucket_bytes: int,
                          timeout: float, api_key: str | None) -> TransferResult:
         """The weights, in ``dtype``, into every server in ``urls`` without an export

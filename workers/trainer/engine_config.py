@@ -55,6 +55,10 @@ class EngineSpec:
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
+    # LoRA (verl's names, actor_rollout_ref.model): rank 0 trains every weight
+    lora_rank: int = 0
+    lora_alpha: int = 16
+    target_modules: str | tuple[str, ...] = "all-linear"
 
 
 def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
@@ -92,7 +96,17 @@ def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
         use_kl_loss=bool(actor.use_kl_loss),
         kl_loss_coef=float(actor.kl_loss_coef),
         kl_loss_type=str(actor.kl_loss_type),
+        **lora_settings(cfg),
     )
+
+
+def lora_settings(cfg: Any) -> dict[str, Any]:
+    """``actor_rollout_ref.model.lora_rank`` / ``lora_alpha`` / ``target_modules``."""
+    model = cfg.actor_rollout_ref.model
+    targets = model.get("target_modules", "all-linear")
+    return {"lora_rank": int(model.get("lora_rank", 0) or 0),
+            "lora_alpha": int(model.get("lora_alpha", 16)),
+            "target_modules": targets if isinstance(targets, str) else tuple(targets)}
 
 
 def worker_config(spec: EngineSpec, forward_only: bool) -> Any:
@@ -108,7 +122,10 @@ def worker_config(spec: EngineSpec, forward_only: bool) -> Any:
     model = HFModelConfig(
         path=spec.model_path, use_remove_padding=spec.use_remove_padding,
         enable_gradient_checkpointing=spec.gradient_checkpointing and not forward_only,
-        override_config={"attn_implementation": spec.attn_implementation})
+        override_config={"attn_implementation": spec.attn_implementation},
+        lora_rank=spec.lora_rank, lora_alpha=spec.lora_alpha,
+        target_modules=spec.target_modules if isinstance(spec.target_modules, str)
+        else list(spec.target_modules))
     engine = FSDPEngineConfig(
         strategy="fsdp2", model_dtype="fp32", dtype=spec.compute_dtype,
         mixed_precision={"param_dtype": compute, "reduce_dtype": "fp32",

@@ -143,7 +143,12 @@ class UpstreamKeeper:
             # old weights, so they recompute it on the new ones
             frozen = weights.in_state(url, weights.PAUSE)
             version = int(published["version"])
-            if published.get("path"):
+            if published.get("adapter"):  # LoRA: the base is as it started, the adapter goes
+                weights.load_adapter(url, published["adapter"], Path(published["path"]),
+                                     self.reload_timeout_s)
+                weights.reset_prefix_cache(url, self.reload_timeout_s, frozen)
+                weights.set_version(url, version, self.reload_timeout_s)
+            elif published.get("path"):
                 weights.reload_weights(url, Path(published["path"]), self.reload_timeout_s,
                                        frozen_calls=frozen, version=version)
             elif self.send_weights is not None:
@@ -154,7 +159,8 @@ class UpstreamKeeper:
                     "and no trainer in this process can send it again; the next update loads "
                     "it (stale meanwhile)")
             weights.resume_if_paused(url)
-            weights.verify_sync(url, self.model_name, json.loads(published["probe"]),
+            weights.verify_sync(url, published.get("adapter") or self.model_name,
+                                json.loads(published["probe"]),
                                 None, self.tolerance,
                                 json.loads(published.get("probe_ids", "null")), self.dp_size)
         else:

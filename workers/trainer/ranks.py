@@ -183,6 +183,25 @@ class RankEngine:
             return None
         return asdict(sender.send(params, getattr(torch, dtype)))
 
+    def export_adapter(self, path: str, dtype: str) -> None:
+        """The LoRA adapter only (verl's peft parameters, in peft's names), in ``dtype``, as
+        ``adapter_model.safetensors`` + ``adapter_config.json``: what vLLM loads by name."""
+        import json
+
+        from safetensors.torch import save_file
+
+        target = getattr(torch, dtype)
+        params, peft_config = self.actor.engine.get_per_tensor_param(base_sync_done=True)
+        state = {name: t.detach().to("cpu", target).contiguous().clone() for name, t in params}
+        if self.rank != 0:
+            return
+        if peft_config is None:
+            raise RuntimeError("export_adapter on an engine without a LoRA adapter")
+        Path(path).mkdir(parents=True, exist_ok=True)
+        save_file(state, str(Path(path) / "adapter_model.safetensors"))
+        plain = {k: sorted(v) if isinstance(v, set) else v for k, v in peft_config.items()}
+        (Path(path) / "adapter_config.json").write_text(json.dumps(plain, default=str))
+
     def save(self, path: str) -> None:
         self.actor.save_checkpoint(path)
 

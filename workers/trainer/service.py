@@ -40,6 +40,7 @@ import redis
 import requests
 
 from app.config.secrets import inference_api_key
+from app.config.settings import adapter_name
 from app.state import keys, retention
 from app.state.cached_reads import POLICY_VERSION_MAX_AGE_S
 from app.state.pause import Pause
@@ -335,7 +336,9 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
         metrics.update(trainer.memory("after_update"))
     version = int(client.get(keys.policy_version()) or 0) + 1
     path = None
-    if inf.weight_sync == "disk":
+    if inf.lora:
+        path = export_adapter(settings, resident, version, timings)
+    elif inf.weight_sync == "disk":
         path = export(settings, resident, version, timings)
 
     t = time.monotonic()
@@ -348,7 +351,8 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
             metrics.update(trainer.release_memory("before_kv_cache_wake", offload=True))
             asleep.release(tags=["kv_cache"])
 
-    load = None if path is not None else \
+    load = adapter_loader(path, settings, version, held.frozen_calls, metrics) \
+        if inf.lora and path is not None else None if path is not None else \
         transfer_loader(resident, settings, version, held.frozen_calls, metrics)
     loaded = switch_weights(client, list(inf.urls), path, version, held,
                             settings.reload_timeout_s, settings.upstream_check_s, asleep,
@@ -356,6 +360,22 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     timings["reload" if path is not None else "transfer"] = time.monotonic() - t
     resident.weights_version = version
     return Published(version, path, loaded)
+
+
+def export_adapter(settings: TrainerSettings, resident: Resident, version: int,
+                   timings: dict[str, float]) -> Path:
+    """``version``'s LoRA adapter alone (``actor_rollout_ref.model.lora_rank``), in the
+    servers' dtype: megabytes, next to the base weights' gigabytes."""
+    inf = settings.inference
+    t = time.monotonic()
+    dtype = str(weights.engine_dtype(inf.dtype, settings.model_path)).removeprefix("torch.")
+    if resident.export_root is None:
+        resident.export_root = settings.weights_dir
+    path = weights.publish_version(
+        resident.export_root, version, settings.keep_weight_versions,
+        lambda tmp: resident.trainer.export_adapter(tmp, dtype))
+    timings["save"] = time.monotonic() - t
+    return path
 
 
 def export(settings: TrainerSettings, resident: Resident, version: int,
@@ -395,8 +415,10 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     expected = resident.trainer.probe_log_probs(ids)
     moved = previous is not None and weights.mean_gap(expected, previous) > \
         settings.probe_tolerance
+    served = adapter_name(settings.inference.served_model_name, published.version) \
+        if settings.inference.lora else settings.inference.served_model_name
     for url in published.loaded:
-        metrics.update(weights.verify_sync(url, settings.inference.served_model_name,
+        metrics.update(weights.verify_sync(url, served,
                                            expected, previous, settings.probe_tolerance, ids,
                                            settings.inference.data_parallel_size))
         if settings.inference.weight_sync == "transfer" and \
@@ -413,6 +435,7 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     client.hset(keys.policy_published(), mapping={
         "version": published.version,
         "path": str(published.path.resolve()) if published.path is not None else "",
+        "adapter": served if settings.inference.lora else "",
         "model": settings.inference.served_model_name,
         "probe": json.dumps(expected), "probe_ids": json.dumps(ids)})
 
@@ -499,6 +522,38 @@ def disk_loader(path: Path, version: int, timeout: float, frozen_calls: bool) ->
                 out.unreachable[url] = f"{exc.__class__.__name__}: {exc}"
             except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
                 out.failed[url] = f"{exc.__class__.__name__}: {exc}"
+        return out
+    return load
+
+
+def adapter_loader(path: Path, settings: TrainerSettings, version: int, frozen_calls: bool,
+                   metrics: Metrics) -> Loader:
+    """LoRA: each server serves ``version``'s adapter under its own name (the base weights
+    stay), then stops serving the ones before the previous version: every call in flight
+    was drained at this pause, and a gateway process may still name the previous version
+    for a moment after the resume."""
+    inf = settings.inference
+    name = adapter_name(inf.served_model_name, version)
+    keep = {name, adapter_name(inf.served_model_name, version - 1)}
+    timeout = settings.reload_timeout_s
+
+    def load(urls: list[str]) -> LoadOutcome:
+        out = LoadOutcome()
+        unloaded = 0
+        for url in urls:
+            try:
+                weights.load_adapter(url, name, path, timeout)
+                weights.reset_prefix_cache(url, timeout, frozen_calls)
+                weights.set_version(url, version, timeout)
+                out.loaded.append(url)
+                for old in weights.served_adapters(url, inf.served_model_name):
+                    if old not in keep:
+                        unloaded += weights.unload_adapter(url, old, timeout)
+            except requests.ConnectionError as exc:
+                out.unreachable[url] = f"{exc.__class__.__name__}: {exc}"
+            except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
+                out.failed[url] = f"{exc.__class__.__name__}: {exc}"
+        metrics["weight_sync/unloaded_adapters"] = unloaded
         return out
     return load
 

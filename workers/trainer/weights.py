@@ -193,6 +193,31 @@ def set_version(url: str, version: int, timeout: float) -> None:
                               f"{resp.status_code}: {resp.text[:200]}")
 
 
+def load_adapter(url: str, name: str, path: Path, timeout: float) -> None:
+    """Serve the LoRA adapter at ``path`` under ``name`` (vLLM's ``/v1/load_lora_adapter``,
+    the base weights untouched)."""
+    resp = _http.post(url.rstrip("/") + "/v1/load_lora_adapter",
+                      json={"lora_name": name, "lora_path": str(path.resolve())},
+                      timeout=timeout)
+    if resp.status_code != 200:
+        raise WeightSyncError(f"{url}: /v1/load_lora_adapter {name} answered "
+                              f"{resp.status_code}: {resp.text[:300]}")
+
+
+def unload_adapter(url: str, name: str, timeout: float = 60.0) -> bool:
+    """Stop serving adapter ``name``; -> whether the server held it."""
+    resp = _http.post(url.rstrip("/") + "/v1/unload_lora_adapter", json={"lora_name": name},
+                      timeout=timeout)
+    return resp.status_code == 200
+
+
+def served_adapters(url: str, base: str, timeout: float = 10.0) -> list[str]:
+    """The adapter names the server serves beside its ``base`` model (``/v1/models``)."""
+    resp = _http.get(url.rstrip("/") + "/v1/models", timeout=timeout)
+    resp.raise_for_status()
+    return [m["id"] for m in resp.json()["data"] if m["id"] != base]
+
+
 def reset_prefix_cache(url: str, timeout: float, frozen_calls: bool = False) -> None:
     """Drop the server's prefix cache after a load: a cached prompt would keep KV from the
     old weights. With ``frozen_calls`` the KV of the calls frozen in the engine goes too."""
