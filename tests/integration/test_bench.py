@@ -175,11 +175,15 @@ def test_drain_modes_bench_json():
 def test_sync_modes_bench_json():
     r = run_bench("bench.sync_modes", "--tiny", "--cycles", "1", "--bucket-mb", "0.5")
     assert r["benchmark"] == "sync_modes"
-    assert set(r["median_seconds"]) == {"disk", "transfer"}
+    assert set(r["median_seconds"]) == {"disk", "transfer", "lora"}
     for mode, phases in r["median_seconds"].items():
         assert phases["load"] > 0 and phases["verify"] > 0, mode
     # the same tensors move either way (the safetensors header aside), and a transfer holds
-    # at most one bucket (or one larger tensor) in shared memory
+    # at most one bucket (or one larger tensor) in shared memory; an adapter is a fraction
     disk, sent = r["bytes_per_sync"]["disk"], r["bytes_per_sync"]["transfer"]
     assert abs(disk - sent) < 0.01 * disk
     assert r["largest_bucket_bytes"]["transfer"] < r["largest_bucket_bytes"]["disk"]
+    assert r["bytes_per_sync"]["lora"] < disk / 4
+    full, lora = r["trainers"]["full"], r["trainers"]["lora"]
+    assert lora["trainable_parameters"] < full["trainable_parameters"] / 4
+    assert full["tokens_per_s"] > 0 and lora["tokens_per_s"] > 0

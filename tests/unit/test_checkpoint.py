@@ -40,3 +40,25 @@ def test_round_trip_is_bit_identical(tmp_path):
     a.update(batch(), 1)
     b.update(batch(), 1)
     assert same(a.full_weights(), b.full_weights())
+
+
+def test_a_lora_adapter_round_trips_through_the_checkpoint(tmp_path):
+    """With ``lora_rank`` the trainable state is the adapter (and its optimizer state): the
+    checkpoint restores it, so the restored trainer scores and updates as the saved one."""
+    cfg = load_config(None, ["algorithm.rollout_correction.rollout_is=null",
+                             "trainer.device=cpu", "actor_rollout_ref.model.lora_rank=8",
+                             "actor_rollout_ref.actor.lr=5e-2"])
+    ids = [1, 3, 4, 5, 6, 7, 8, 2]
+    a = EngineTrainer(cfg, MODEL)
+    start = a.probe_log_probs(ids)
+    a.update(batch())
+    trained = a.probe_log_probs(ids)
+    assert trained != start  # the adapter moved the model
+    save_checkpoint(a, tmp_path, "run", 1, 2, {"step": "1"})
+    b = EngineTrainer(cfg, MODEL)
+    assert b.probe_log_probs(ids) == start
+    load_checkpoint(b, latest_checkpoint(tmp_path, "run"))
+    assert b.probe_log_probs(ids) == trained
+    a.update(batch(), 1)
+    b.update(batch(), 1)
+    assert a.probe_log_probs(ids) == b.probe_log_probs(ids)

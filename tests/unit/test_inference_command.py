@@ -91,3 +91,36 @@ def test_weight_sync_transfer_to_a_server_on_another_host_is_refused():
         load_config(None, ["inference.weight_sync=nccl"])
     with pytest.raises(ConfigError, match="inference.transfer_bucket_mb"):
         load_config(None, ["inference.transfer_bucket_mb=0"])
+
+
+def test_lora_serves_adapters_at_run_time_up_to_the_rank():
+    args, env = argv("inference.device=cpu", "actor_rollout_ref.model.lora_rank=12")
+    assert "--enable-lora" in args and opt(args, "--max-lora-rank") == "16"  # vLLM's next
+    assert opt(args, "--max-loras") == "2" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    args, env = argv("inference.device=cpu")
+    assert "--enable-lora" not in args and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.model.lora_rank=1024"], "above the largest rank vLLM serves"),
+    (["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.target_modules=[lm_head]"],
+     "actor_rollout_ref.model.target_modules: value \\['lm_head'\\] names lm_head"),
+    (["actor_rollout_ref.model.lora_rank=8", "gateway.drain_mode=keep"],
+     "gateway.drain_mode: value 'keep' cannot work with a LoRA adapter"),
+    (["actor_rollout_ref.model.lora_rank=8", "inference.weight_sync=transfer"],
+     "inference.weight_sync: value 'transfer' sends whole weights"),
+    (["actor_rollout_ref.model.lora_rank=-1"], "actor_rollout_ref.model.lora_rank"),
+])
+def test_a_lora_setting_the_servers_cannot_serve_is_a_config_error(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_the_gateway_names_the_adapter_of_the_calls_version():
+    from gateway.settings import GatewaySettings
+
+    lora = GatewaySettings.from_config(load_config(None, ["actor_rollout_ref.model.lora_rank=8"]))
+    assert [lora.served_model(v) for v in (0, 1, 7)] == [
+        "tiny-qwen2", "tiny-qwen2-v1", "tiny-qwen2-v7"]  # 0: nothing published yet
+    full = GatewaySettings.from_config(load_config(None, []))
+    assert full.served_model(7) == "tiny-qwen2"

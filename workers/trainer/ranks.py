@@ -212,6 +212,10 @@ class RankEngine:
         # a DTensor's numel is the full tensor's: the same on every rank
         return sum(p.numel() for p in self.actor.engine.module.parameters())
 
+    def trainable_count(self) -> int:
+        """Parameters the optimizer updates (a LoRA adapter's only, with ``lora_rank``)."""
+        return sum(p.numel() for p in self.actor.engine.module.parameters() if p.requires_grad)
+
     def memory(self) -> dict[str, float]:
         """This rank's accelerator memory in GB: what torch allocated and what its caching
         allocator reserves (on CPU: the bytes of the parameters, gradients and optimizer
