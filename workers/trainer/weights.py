@@ -197,7 +197,10 @@ def load_adapter(url: str, name: str, path: Path, timeout: float) -> None:
     """Serve the LoRA adapter at ``path`` under ``name`` (vLLM's ``/v1/load_lora_adapter``,
     the base weights untouched)."""
     resp = _http.post(url.rstrip("/") + "/v1/load_lora_adapter",
-                      json={"lora_name": name, "lora_path": str(path.resolve())},
+                      # in place: loading a name again (a retried step, the keeper after
+                      # a failed load) replaces it instead of being refused
+                      json={"lora_name": name, "lora_path": str(path.resolve()),
+                            "load_inplace": True},
                       timeout=timeout)
     if resp.status_code != 200:
         raise WeightSyncError(f"{url}: /v1/load_lora_adapter {name} answered "
