@@ -173,6 +173,12 @@ def _send(state: GatewayState, rollout_id: str, lease_id: str, upstream: str, en
         finally:
             resp.release()
         err = _upstream_error(resp.status, data)
+        if resp.status == 404 and s.lora and body.get("model") != s.model:
+            # a server without the version's adapter (it restarted unseen, or missed a
+            # load): stale until the keeper has loaded it; the agent retries elsewhere
+            state.upstreams.mark_down(upstream, restarted=True)
+            raise retryable(f"inference server lacks adapter {body.get('model')} "
+                            f"({err.message})", s.retry_after_s, code="upstream_unavailable")
         if is_vllm_overflow(resp.status, err.message):
             err.code = CODE
             raise _overflowed(state, rollout_id, err)

@@ -479,6 +479,14 @@ def _lora_rules(cfg: dict[str, Any]) -> list[str]:
         out.append("inference.weight_sync: value 'transfer' sends whole weights; with "
                    "actor_rollout_ref.model.lora_rank set, each update's adapter (megabytes) "
                    "is loaded by name instead: use weight_sync disk")
+    if _get(cfg, "inference.sleep_level") == 2:
+        out.append("inference.sleep_level: value 2 drops the base weights while the engine "
+                   "sleeps, and with actor_rollout_ref.model.lora_rank only the adapter is "
+                   "loaded after: use sleep_level 1")
+    if _get(cfg, "trainer.keep_weight_versions") < 2:
+        out.append("trainer.keep_weight_versions: with actor_rollout_ref.model.lora_rank the "
+                   "servers serve the previous version's adapter too, from its folder: keep "
+                   "at least 2")
     if _get(cfg, "gateway.drain_mode") == "keep":
         out.append("gateway.drain_mode: value 'keep' cannot work with a LoRA adapter "
                    "(actor_rollout_ref.model.lora_rank): a frozen call names the previous "

@@ -125,6 +125,10 @@ def inference_command(cfg: Any) -> Command:
                  "--data-parallel-size", str(inf.data_parallel_size)]
         if sleep_mode(cfg, device):
             argv.append("--enable-sleep-mode")
+        if rank:
+            # each API server process keeps its own table of adapters: one, so every load
+            # and every call reach the same one (vLLM starts one per data-parallel rank)
+            argv += ["--api-server-count", "1"]
         return Command("inference", argv, env)
     argv += [
         "--kv-cache-memory-bytes", str(inf.kv_cache_memory_bytes),

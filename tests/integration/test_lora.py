@@ -51,22 +51,25 @@ def test_three_lora_steps_of_the_real_model(lora_stack, tmp_path, new_rollout):
         "logging.console=false", f"trainer.weights_dir={tmp_path / 'weights'}",
         f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}"])
     weights.use_api_key(inference_api_key(cfg))
+    ids = weights.probe_ids(MODEL)
+    base_before = weights.engine_probe_logprobs(url, NAME, ids)
     steps: list[dict] = []
     result = train(cfg, on_step=lambda s, m: steps.append(m))
     assert result["steps"] == 3
     tolerance = float(cfg.trainer.probe_tolerance)
     for m in steps:
-        # every rollout's calls reached the adapter of their version (an adapter that was
-        # not loaded is a 404, and the rollouts would fail)
+        # every rollout's calls reached the adapter of their version (one that was not
+        # loaded is a failed call, and its group would be dropped and re-queued)
         assert m["batch/groups"] == 2 and m["batch/rollouts"] == 8
+        assert m["training/async/n_dropped_groups"] == 0
         assert m["actor/grad_norm"] > 0 and m["batch/trained_tokens"] > 0
         # the probe asked the new version's adapter and found the trainer's adapted model
         assert m["weight_sync/probe_gap"] < tolerance
     # versions 1 (the run's start) to 4: each step unloaded the one before the previous
     assert [m["weight_sync/unloaded_adapters"] for m in steps] == [0, 1, 1]
     last = int(steps[-1]["policy/version"])
-    assert sorted(weights.served_adapters(url, NAME)) == [f"{NAME}-v{last - 1}",
-                                                          f"{NAME}-v{last}"]
+    served = sorted(weights.served_adapters(url, NAME), key=lambda n: int(n.rsplit("v", 1)[1]))
+    assert served == [f"{NAME}-v{last - 1}", f"{NAME}-v{last}"]
     assert weights.loaded_version(url) == str(last)
     # the exports are adapters: megabytes, not the model's 270 MB
     exported = sorted((tmp_path / "weights").glob("v*/adapter_model.safetensors"))
@@ -79,7 +82,9 @@ def test_three_lora_steps_of_the_real_model(lora_stack, tmp_path, new_rollout):
         timeout=120)
     assert answer.status_code == 200, answer.text
     assert answer.json()["model"] == f"{NAME}-v{last}"
-    ids = weights.probe_ids(MODEL)
-    base_lp = weights.engine_probe_logprobs(url, NAME, ids)
+    base_after = weights.engine_probe_logprobs(url, NAME, ids)
     adapted = weights.engine_probe_logprobs(url, f"{NAME}-v{last}", ids)
-    assert weights.mean_gap(base_lp, adapted) > 0  # the adapter changes the model
+    assert weights.mean_gap(base_before, base_after) < 1e-6  # only adapters were loaded
+    # the adapter moved the model by more than the probe's tolerance: the probe that passed
+    # at each step told the trained adapter from the base
+    assert weights.mean_gap(base_after, adapted) > tolerance

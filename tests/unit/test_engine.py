@@ -208,3 +208,18 @@ def test_policy_loss_mode_comes_from_config(one_rank):
     m = gpg.update(to_verl_batch(samples(), 0), 0)
     # GPG weighs log-probs, vanilla PPO ratios (1 on the first step): the losses differ
     assert m["actor/pg_loss"] != pytest.approx(metrics["actor/pg_loss"], abs=1e-6)
+
+
+def test_with_lora_the_reference_is_the_actor_without_its_adapter():
+    """A KL loss with LoRA scores the reference through the actor with its adapter disabled
+    (verl's way): no second copy of the base, and the reference stays the base model."""
+    trainer = engine("actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.actor.lr=5e-2",
+                     "actor_rollout_ref.actor.use_kl_loss=true")
+    assert trainer.ranks.ranks.engine.ref is None
+    vb = to_verl_batch(samples(), trainer.pad_id)
+    ref, actor = trainer.log_probs(vb, ref=True), trainer.log_probs(vb)
+    assert torch.equal(ref, actor)  # the adapter's B starts at zero
+    for step in range(2):
+        trainer.update(vb, step)
+    assert torch.allclose(trainer.log_probs(vb, ref=True), ref, atol=1e-6)
+    assert (trainer.log_probs(vb) - actor).abs().max() > 1e-3  # the adapter moved the actor

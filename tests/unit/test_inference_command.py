@@ -97,6 +97,11 @@ def test_lora_serves_adapters_at_run_time_up_to_the_rank():
     args, env = argv("inference.device=cpu", "actor_rollout_ref.model.lora_rank=12")
     assert "--enable-lora" in args and opt(args, "--max-lora-rank") == "16"  # vLLM's next
     assert opt(args, "--max-loras") == "2" and env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "1"
+    assert opt(args, "--max-cpu-loras") == "3"
+    # on GPU one API server: each keeps its own table of adapters
+    args, _ = argv("inference.device=cuda", "actor_rollout_ref.model.lora_rank=8",
+                   "inference.data_parallel_size=4")
+    assert opt(args, "--api-server-count") == "1"
     args, env = argv("inference.device=cpu")
     assert "--enable-lora" not in args and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
 
@@ -110,6 +115,10 @@ def test_lora_serves_adapters_at_run_time_up_to_the_rank():
     (["actor_rollout_ref.model.lora_rank=8", "inference.weight_sync=transfer"],
      "inference.weight_sync: value 'transfer' sends whole weights"),
     (["actor_rollout_ref.model.lora_rank=-1"], "actor_rollout_ref.model.lora_rank"),
+    (["actor_rollout_ref.model.lora_rank=8", "inference.sleep_level=2"],
+     "inference.sleep_level: value 2 drops the base weights"),
+    (["actor_rollout_ref.model.lora_rank=8", "trainer.keep_weight_versions=1"],
+     "trainer.keep_weight_versions: with actor_rollout_ref.model.lora_rank"),
 ])
 def test_a_lora_setting_the_servers_cannot_serve_is_a_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -97,7 +97,9 @@ class RankEngine:
         self.actor.reset()
         self.actor.set_loss_fn(partial(ppo_loss, config=self.actor_cfg))
         self.ref = None
-        if spec.use_kl_loss:
+        # with LoRA the reference is the actor with its adapter disabled (as verl does):
+        # no second copy of the base
+        if spec.use_kl_loss and not spec.lora_rank:
             # verl's forward-only engine parks the reference in pinned host memory, which a
             # CPU-only torch cannot pin: there the reference is a full engine that is only ever
             # run forward (its optimizer state is never created).
@@ -125,8 +127,10 @@ class RankEngine:
         td = vb.tensordict()
         self._meta(td, len(vb), self.spec.micro_batch_size, calculate_entropy=False,
                    compute_loss=False)
-        worker = self.ref if ref else self.actor
-        assert worker is not None, "a reference log-prob needs actor.use_kl_loss"
+        worker = self.ref if ref and self.ref is not None else self.actor
+        if ref and worker is self.actor:
+            assert self.spec.lora_rank, "a reference log-prob needs actor.use_kl_loss"
+            tu.assign_non_tensor(td, no_lora_adapter=True)
         out = worker.infer_batch(td)
         lp = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
         return lp * (vb.response_attention > 0)

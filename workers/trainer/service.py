@@ -320,7 +320,7 @@ class Published:
 def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
             timings: dict[str, float], metrics: Metrics,
             asleep: weights.Held = weights.NOTHING_HELD,
-            held: weights.Held = weights.NOTHING_HELD) -> Published:
+            held: weights.Held = weights.NOTHING_HELD, fresh_base: bool = False) -> Published:
     """Save the trainer's weights as the next version, load them into every reachable
     server, bump the policy version and resume the engines in ``held``.
 
@@ -351,7 +351,7 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
             metrics.update(trainer.release_memory("before_kv_cache_wake", offload=True))
             asleep.release(tags=["kv_cache"])
 
-    load = adapter_loader(path, settings, version, held.frozen_calls, metrics) \
+    load = adapter_loader(path, settings, version, held.frozen_calls, metrics, fresh_base) \
         if inf.lora and path is not None else None if path is not None else \
         transfer_loader(resident, settings, version, held.frozen_calls, metrics)
     loaded = switch_weights(client, list(inf.urls), path, version, held,
@@ -527,33 +527,44 @@ def disk_loader(path: Path, version: int, timeout: float, frozen_calls: bool) ->
 
 
 def adapter_loader(path: Path, settings: TrainerSettings, version: int, frozen_calls: bool,
-                   metrics: Metrics) -> Loader:
+                   metrics: Metrics, fresh_base: bool = False) -> Loader:
     """LoRA: each server serves ``version``'s adapter under its own name (the base weights
     stay), then stops serving the ones before the previous version: every call in flight
-    was drained at this pause, and a gateway process may still name the previous version
-    for a moment after the resume."""
+    was drained at this pause, and a call that outlived the drain (ended by the gateway,
+    perhaps not yet by the engine) names at most the previous one. ``fresh_base``: first
+    reload the base weights from the model (a run's start: a previous run may have left
+    others there)."""
     inf = settings.inference
     name = adapter_name(inf.served_model_name, version)
+    metrics.setdefault("weight_sync/unloaded_adapters", 0)
     keep = {name, adapter_name(inf.served_model_name, version - 1)}
     timeout = settings.reload_timeout_s
 
     def load(urls: list[str]) -> LoadOutcome:
         out = LoadOutcome()
-        unloaded = 0
         for url in urls:
             try:
+                if fresh_base:  # a run's start: the base as the model has it
+                    weights.reload_weights(url, settings.model_path, timeout)
                 weights.load_adapter(url, name, path, timeout)
                 weights.reset_prefix_cache(url, timeout, frozen_calls)
                 weights.set_version(url, version, timeout)
                 out.loaded.append(url)
-                for old in weights.served_adapters(url, inf.served_model_name):
-                    if old not in keep:
-                        unloaded += weights.unload_adapter(url, old, timeout)
             except requests.ConnectionError as exc:
                 out.unreachable[url] = f"{exc.__class__.__name__}: {exc}"
+                continue
             except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
                 out.failed[url] = f"{exc.__class__.__name__}: {exc}"
-        metrics["weight_sync/unloaded_adapters"] = unloaded
+                continue
+            try:  # the load stands whatever this does
+                for old in weights.served_adapters(url, inf.served_model_name):
+                    if old not in keep:
+                        metrics["weight_sync/unloaded_adapters"] = metrics.get(
+                            "weight_sync/unloaded_adapters", 0) + weights.unload_adapter(
+                            url, old, timeout)
+            except requests.RequestException as exc:
+                log.warning("%s: older adapters not unloaded (%s); the next load tries again",
+                            url, exc)
         return out
     return load
 
@@ -719,7 +730,7 @@ def _serve_resident(client: redis.Redis, settings: TrainerSettings, resident: Re
     with paused(pause, settings, beats, timings):
         pause.drain(settings.drain_timeout_s)
         require_pause(pause, "loading the weights")
-        published = publish(client, settings, resident, timings, metrics)
+        published = publish(client, settings, resident, timings, metrics, fresh_base=True)
         # what the servers held before is unknown: no "closer to new than old" check
         verify(client, settings, resident, published, None, metrics, timings)
     return published.version

@@ -196,11 +196,12 @@ def set_version(url: str, version: int, timeout: float) -> None:
 def load_adapter(url: str, name: str, path: Path, timeout: float) -> None:
     """Serve the LoRA adapter at ``path`` under ``name`` (vLLM's ``/v1/load_lora_adapter``,
     the base weights untouched)."""
+    # a name loaded again (a retried step, the keeper after a failed load) is unloaded
+    # first: vLLM refuses a name it serves, and its load_inplace re-reads the adapter's
+    # files on every engine step after
+    unload_adapter(url, name, timeout)
     resp = _http.post(url.rstrip("/") + "/v1/load_lora_adapter",
-                      # in place: loading a name again (a retried step, the keeper after
-                      # a failed load) replaces it instead of being refused
-                      json={"lora_name": name, "lora_path": str(path.resolve()),
-                            "load_inplace": True},
+                      json={"lora_name": name, "lora_path": str(path.resolve())},
                       timeout=timeout)
     if resp.status_code != 200:
         raise WeightSyncError(f"{url}: /v1/load_lora_adapter {name} answered "
