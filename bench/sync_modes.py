@@ -108,8 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                     t1 = t0  # no export: the gather feeds the buckets
                     sent = who.trainer.transfer_weights([url], dname, bucket, 600, key)
                     assert sent.loaded == [url], sent
-                    weights.reset_prefix_cache(url, 600)
-                    weights.set_version(url, version, 600)
+                    weights.after_load(url, 600, version=version)
                     moved[mode].append(sent.bytes_moved)
                     largest[mode] = max(largest[mode], sent.largest_bucket)
                 else:
@@ -121,7 +120,6 @@ def main(argv: list[str] | None = None) -> int:
                     if mode == "lora":
                         served = adapter_name(name, version)
                         weights.load_adapter(url, served, path, 600)
-                        weights.reset_prefix_cache(url, 600)
                         for old in weights.served_adapters(url, name):
                             if old != served:
                                 weights.unload_adapter(url, old)

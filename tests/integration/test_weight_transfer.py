@@ -80,8 +80,7 @@ def test_a_transfer_loads_what_a_reload_from_disk_loads(smol_trainer, smollm2_se
     sent = trainer.transfer_weights([url], "bfloat16", bucket, 120, inference_api_key(cfg))
     assert sent.loaded == [url] and not sent.failed and not sent.unreachable
     assert not glob.glob("/dev/shm/carryover-transfer-*")  # no bucket left behind
-    weights.reset_prefix_cache(url, 60)
-    weights.set_version(url, 2, 60)
+    weights.after_load(url, 60, version=2)
     # every tensor went (the tied head included), in buckets no larger than the setting
     # or the largest tensor (the 49,152 x 576 embeddings), several of them
     params = 134_515_008 + 49_152 * 576

@@ -145,9 +145,7 @@ class UpstreamKeeper:
             version = int(published["version"])
             if published.get("adapter"):  # LoRA: the base is as it started, the adapter goes
                 weights.load_adapter(url, published["adapter"], Path(published["path"]),
-                                     self.reload_timeout_s)
-                weights.reset_prefix_cache(url, self.reload_timeout_s, frozen)
-                weights.set_version(url, version, self.reload_timeout_s)
+                                     self.reload_timeout_s, frozen_calls=frozen, version=version)
             elif published.get("path"):
                 weights.reload_weights(url, Path(published["path"]), self.reload_timeout_s,
                                        frozen_calls=frozen, version=version)

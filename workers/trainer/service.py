@@ -335,11 +335,17 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     if asleep.urls:
         metrics.update(trainer.memory("after_update"))
     version = int(client.get(keys.policy_version()) or 0) + 1
-    path = None
-    if inf.lora:
-        path = export_adapter(settings, resident, version, timings)
-    elif inf.weight_sync == "disk":
-        path = export(settings, resident, version, timings)
+    # the export and the load of each mode (LoRA's adapter goes by disk, never by transfer:
+    # the config refuses the pair)
+    load: Loader
+    path = export(settings, resident, version, timings) \
+        if inf.lora or inf.weight_sync == "disk" else None
+    if inf.lora and path is not None:
+        load = adapter_loader(path, settings, version, held.frozen_calls, metrics, fresh_base)
+    elif path is not None:
+        load = disk_loader(path, version, settings.reload_timeout_s, held.frozen_calls)
+    else:
+        load = transfer_loader(resident, settings, version, held.frozen_calls, metrics)
 
     t = time.monotonic()
     if asleep.urls:
@@ -351,9 +357,6 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
             metrics.update(trainer.release_memory("before_kv_cache_wake", offload=True))
             asleep.release(tags=["kv_cache"])
 
-    load = adapter_loader(path, settings, version, held.frozen_calls, metrics, fresh_base) \
-        if inf.lora and path is not None else None if path is not None else \
-        transfer_loader(resident, settings, version, held.frozen_calls, metrics)
     loaded = switch_weights(client, list(inf.urls), path, version, held,
                             settings.reload_timeout_s, settings.upstream_check_s, asleep,
                             wake_kv_cache, load)
@@ -362,40 +365,34 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     return Published(version, path, loaded)
 
 
-def export_adapter(settings: TrainerSettings, resident: Resident, version: int,
-                   timings: dict[str, float]) -> Path:
-    """``version``'s LoRA adapter alone (``actor_rollout_ref.model.lora_rank``), in the
-    servers' dtype: megabytes, next to the base weights' gigabytes."""
-    inf = settings.inference
-    t = time.monotonic()
-    dtype = str(weights.engine_dtype(inf.dtype, settings.model_path)).removeprefix("torch.")
-    if resident.export_root is None:
-        resident.export_root = settings.weights_dir
-    path = weights.publish_version(
-        resident.export_root, version, settings.keep_weight_versions,
-        lambda tmp: resident.trainer.export_adapter(tmp, dtype))
-    timings["save"] = time.monotonic() - t
-    return path
+def _dtype_name(settings: TrainerSettings) -> str:
+    """The servers' dtype as torch names it (bfloat16, float32)."""
+    return str(weights.engine_dtype(settings.inference.dtype, settings.model_path)
+               ).removeprefix("torch.")
 
 
 def export(settings: TrainerSettings, resident: Resident, version: int,
            timings: dict[str, float]) -> Path:
-    """``version``'s export (``inference.weight_sync: disk``), in the servers' dtype."""
+    """``version``'s export in the servers' dtype: the whole model
+    (``inference.weight_sync: disk``), or with ``actor_rollout_ref.model.lora_rank`` the
+    adapter alone (megabytes, kept in ``weights_dir``: no shared memory needed)."""
     inf = settings.inference
     trainer = resident.trainer
     t = time.monotonic()
-    engine_dtype = weights.engine_dtype(inf.dtype, settings.model_path)
-    dtype = str(engine_dtype).replace("torch.", "")
-    if resident.export_root is None:
-        size = trainer.parameter_count() * engine_dtype.itemsize
+    dtype = _dtype_name(settings)
+    write = trainer.export_adapter if inf.lora else trainer.export_weights
+    if resident.export_root is None and inf.lora:
+        resident.export_root = settings.weights_dir
+    elif resident.export_root is None:
+        size = trainer.parameter_count() * weights.engine_dtype(
+            inf.dtype, settings.model_path).itemsize
         # rank 0 writes the export: shared memory only where it runs on this host
         resident.export_root = weights.export_root(
             settings.weights_dir, settings.weights_in_memory and trainer.exports_here,
             list(inf.urls), size, settings.keep_weight_versions)
         log.info("weight exports of %.2f GB go to %s", size / 1e9, resident.export_root)
-    path = weights.publish_version(
-        resident.export_root, version, settings.keep_weight_versions,
-        lambda tmp: trainer.export_weights(tmp, dtype))
+    path = weights.publish_version(resident.export_root, version,
+                                   settings.keep_weight_versions, lambda tmp: write(tmp, dtype))
     timings["save"] = time.monotonic() - t
     return path
 
@@ -546,9 +543,7 @@ def adapter_loader(path: Path, settings: TrainerSettings, version: int, frozen_c
             try:
                 if fresh_base:  # a run's start: the base as the model has it
                     weights.reload_weights(url, settings.model_path, timeout)
-                weights.load_adapter(url, name, path, timeout)
-                weights.reset_prefix_cache(url, timeout, frozen_calls)
-                weights.set_version(url, version, timeout)
+                weights.load_adapter(url, name, path, timeout, frozen_calls, version)
                 out.loaded.append(url)
             except requests.ConnectionError as exc:
                 out.unreachable[url] = f"{exc.__class__.__name__}: {exc}"
@@ -559,9 +554,8 @@ def adapter_loader(path: Path, settings: TrainerSettings, version: int, frozen_c
             try:  # the load stands whatever this does
                 for old in weights.served_adapters(url, inf.served_model_name):
                     if old not in keep:
-                        metrics["weight_sync/unloaded_adapters"] = metrics.get(
-                            "weight_sync/unloaded_adapters", 0) + weights.unload_adapter(
-                            url, old, timeout)
+                        metrics["weight_sync/unloaded_adapters"] += \
+                            weights.unload_adapter(url, old, timeout)
             except requests.RequestException as exc:
                 log.warning("%s: older adapters not unloaded (%s); the next load tries again",
                             url, exc)
@@ -575,7 +569,7 @@ def transfer_loader(resident: Resident, settings: TrainerSettings, version: int,
     through vLLM's weight-transfer routes (``transfer.py``), then each resets its prefix
     cache."""
     inf = settings.inference
-    dtype = str(weights.engine_dtype(inf.dtype, settings.model_path)).removeprefix("torch.")
+    dtype = _dtype_name(settings)
 
     def load(urls: list[str]) -> LoadOutcome:
         # a server that refuses connections now is not worth a gather of the whole model
@@ -597,8 +591,7 @@ def transfer_loader(resident: Resident, settings: TrainerSettings, version: int,
         out = LoadOutcome(unreachable={**down, **sent.unreachable}, failed=dict(sent.failed))
         for url in sent.loaded:
             try:
-                weights.reset_prefix_cache(url, settings.reload_timeout_s, frozen_calls)
-                weights.set_version(url, version, settings.reload_timeout_s)
+                weights.after_load(url, settings.reload_timeout_s, frozen_calls, version)
                 out.loaded.append(url)
             except (requests.RequestException, ValueError, weights.WeightSyncError) as exc:
                 out.failed[url] = f"{exc.__class__.__name__}: {exc}"
@@ -652,7 +645,7 @@ def send_again(resident: Resident, settings: TrainerSettings, url: str, version:
         "a checkpoint is under way); the step's own load reaches this server")
     lock = resident.trainer.ranks.lock
     # not waiting: the keeper holds the publish lock, and an update can take minutes
-    if resident.weights_version != version or not lock.acquire(blocking=False):
+    if not lock.acquire(blocking=False):
         raise busy
     try:  # no update starts meanwhile
         if resident.weights_version != version:

@@ -177,6 +177,13 @@ def reload_weights(url: str, path: Path, timeout: float = 600.0,
     if resp.status_code != 200:
         raise WeightSyncError(f"{url}: reload_weights answered {resp.status_code}: "
                               f"{resp.text[:300]}")
+    after_load(url, timeout, frozen_calls, version)
+
+
+def after_load(url: str, timeout: float, frozen_calls: bool = False,
+               version: int | None = None) -> None:
+    """What every load ends with, however the weights came: the prefix cache reset, then
+    the version recorded in the server (only now does it fully serve it)."""
     reset_prefix_cache(url, timeout, frozen_calls)
     if version is not None:
         set_version(url, version, timeout)
@@ -193,9 +200,10 @@ def set_version(url: str, version: int, timeout: float) -> None:
                               f"{resp.status_code}: {resp.text[:200]}")
 
 
-def load_adapter(url: str, name: str, path: Path, timeout: float) -> None:
+def load_adapter(url: str, name: str, path: Path, timeout: float, frozen_calls: bool = False,
+                 version: int | None = None) -> None:
     """Serve the LoRA adapter at ``path`` under ``name`` (vLLM's ``/v1/load_lora_adapter``,
-    the base weights untouched)."""
+    the base weights untouched), then ``after_load``."""
     # a name loaded again (a retried step, the keeper after a failed load) is unloaded
     # first: vLLM refuses a name it serves, and its load_inplace re-reads the adapter's
     # files on every engine step after
@@ -206,6 +214,7 @@ def load_adapter(url: str, name: str, path: Path, timeout: float) -> None:
     if resp.status_code != 200:
         raise WeightSyncError(f"{url}: /v1/load_lora_adapter {name} answered "
                               f"{resp.status_code}: {resp.text[:300]}")
+    after_load(url, timeout, frozen_calls, version)
 
 
 def unload_adapter(url: str, name: str, timeout: float = 60.0) -> bool:
