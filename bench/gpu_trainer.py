@@ -8,21 +8,24 @@ and gradient checkpointing, on synthetic groups whose rollout log-probs are the 
 (so the importance weights start near 1); ``--kl`` adds the reference (verl's forward-only
 engine on GPU) and its KL loss, ``--dynamic-bsz`` cuts micro-batches by tokens. After the
 updates: one export of the weights in the server's dtype, read back with safetensors and
-compared with the trainer's own, and the trainer's half of the collocated hand-over (memory
+compared with the trainer's own; with ``--ipc`` two weight syncs by CUDA IPC
+(``inference.transfer_engine: ipc``) into a second process that opens the handles as vLLM
+does, checked against that export; and the trainer's half of the collocated hand-over (memory
 after the update, after ``empty_cache``, after the offload ``--offload`` configures).
 
 Prints JSON: trained tokens/s, memory at each stage, the log-prob gap between the engine and
 a plain Hugging Face forward of the same weights, skipped (non-finite) steps, the export
 check. Thresholds fail the run (exit 1, one line per failed figure on stderr): the log-prob
-gap (``--max-gap``), any skipped step, an export that differs, memory not returned by the
-offload (``--min-offload-gib``, GPU) and tokens/s (``--min-tokens-per-s``).
+gap (``--max-gap``), any skipped step, an export (or a CUDA IPC sync) that differs, memory
+not returned by the offload (``--min-offload-gib``, GPU) and tokens/s
+(``--min-tokens-per-s``).
 
 Nothing is downloaded. ``--tiny`` is the CPU-sized variant CI runs (same code path).
 
 Usage: python -m bench.gpu_trainer [--tiny] [--steps 5] [--groups 16] [--n 4]
        [--prompt-len 256] [--response-len 256] [--micro 4] [--kl] [--dynamic-bsz]
        [--offload] [--sft-steps N] [--max-gap 0.05] [--min-tokens-per-s 0]
-       [--min-offload-gib 0] [--out DIR]
+       [--min-offload-gib 0] [--ipc] [--bucket-mb 256] [--out DIR]
 """
 
 from __future__ import annotations
@@ -96,6 +99,51 @@ def export_check(trainer, tmp: Path, dtype: str) -> dict[str, float]:
             "bytes": (tmp / "model.safetensors").stat().st_size, "export_s": export_s}
 
 
+def ipc_check(trainer, tmp: Path, dtype: str, bucket_mb: int) -> dict[str, object]:
+    """Two syncs by ``inference.transfer_engine: ipc`` into ``bench.ipc_receiver --open
+    cuda``, another process that maps each bucket's CUDA IPC export on this GPU as vLLM's
+    engine does (no vLLM on the check's machine); what it received must equal the export
+    (``export_check`` wrote it first)."""
+    import subprocess
+
+    import requests
+    import torch
+    from safetensors.torch import load_file
+
+    from bench.stack import free_port
+
+    port, folder = free_port(), tmp / "ipc"
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "bench.ipc_receiver", str(port),
+                             str(folder), "auto", "--open", "cuda"])
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                requests.get(url + "/health", timeout=1)
+                break
+            except requests.ConnectionError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    return {"error": "bench.ipc_receiver did not start"}
+                time.sleep(0.5)
+        seconds = []
+        for _ in range(2):  # the second without the first's CUDA IPC set-up
+            sent = trainer.transfer_weights([url], dtype, bucket_mb << 20, 600, None,
+                                            engine="ipc")
+            if sent.loaded != [url]:
+                return {"error": f"the receiver did not load: {sent.failed}"}
+            seconds.append(sent.seconds)
+    finally:
+        proc.kill()
+        proc.wait()
+    got = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    saved = load_file(str(tmp / "export" / "model.safetensors"))
+    differ = [k for k in saved if k not in got or not torch.equal(got[k], saved[k])]
+    return {"sync_s": seconds, "bytes": sent.bytes_moved, "buckets": sent.buckets,
+            "bucket_mb": bucket_mb, "tensors": len(got),
+            "differing_tensors": len(differ) + len(set(got) - set(saved))}
+
+
 def thresholds(result: dict, args: argparse.Namespace) -> list[str]:
     """The figures that fail the check, one line each."""
     failed = []
@@ -108,6 +156,10 @@ def thresholds(result: dict, args: argparse.Namespace) -> list[str]:
     if result["export"]["differing_tensors"]:
         failed.append(f"export: {result['export']['differing_tensors']} tensors differ from "
                       "the trainer's weights")
+    ipc = result.get("ipc") or {}
+    if "error" in ipc or ipc.get("differing_tensors"):
+        failed.append(f"ipc: {ipc.get('error') or ipc['differing_tensors']} "
+                      "(tensors received by CUDA IPC that differ from the export)")
     if result["trained_tokens_per_s"] < args.min_tokens_per_s:
         failed.append(f"trained_tokens_per_s {result['trained_tokens_per_s']:.0f} is below "
                       f"--min-tokens-per-s {args.min_tokens_per_s}")
@@ -138,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-tokens-per-s", type=float, default=0.0)
     ap.add_argument("--min-offload-gib", type=float, default=0.0,
                     help="fail if the offload returns less accelerator memory (GPU)")
+    ap.add_argument("--ipc", action="store_true",
+                    help="two weight syncs by CUDA IPC into a second process (GPU)")
+    ap.add_argument("--bucket-mb", type=int, default=256, help="the --ipc bucket")
     ap.add_argument("--out", default=None, help="where the model is built (default: a temp dir)")
     args = ap.parse_args(argv)
     if args.tiny:
@@ -225,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     # the trainer's half of the collocated hand-over, as a step runs it
     memory = trainer.memory("after_update")
     exported = export_check(trainer, out.parent / "export", "bfloat16")
+    ipc: dict[str, object] | None = None
+    if args.ipc:
+        ipc = ipc_check(trainer, out.parent, "bfloat16", args.bucket_mb) \
+            if device == "cuda" else {"skipped": "CUDA IPC needs a GPU"}
     memory.update(trainer.release_memory("before_weights_wake", offload=False))
     memory.update(trainer.release_memory("before_kv_cache_wake", offload=True))
     trainer.close()
@@ -248,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         "memory_gb": {k.removeprefix("memory/trainer_rank0_"): v for k, v in memory.items()},
         "memory_returned_by_offload_gib": (before - after) * 1e9 / 2**30
         if device == "cuda" else 0.0,
-        "export": exported,
+        "export": exported, "ipc": ipc,
         "logprob_gap_engine_vs_hf": {"mean": float(gap.mean()), "max": float(gap.max())},
         "skipped_steps": skipped,
         "build_model_s": build_s, "build_engine_s": engine_build_s,

@@ -15,6 +15,7 @@ from app.services.device import resolve as resolve_device
 
 DrainMode = Literal["wait", "keep", "abort", "continue"]
 WeightSync = Literal["disk", "transfer"]
+TransferEngine = Literal["shm", "ipc"]
 # the values vLLM's --max-lora-rank takes
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -45,6 +46,26 @@ def sleep_mode(cfg: Any, device: str) -> bool:
     return bool(setting)
 
 
+def transfer_engine(cfg: Any, device: str) -> TransferEngine:
+    """The engine of ``inference.weight_sync: transfer`` (``inference.transfer_engine``):
+    ``ipc`` (vLLM's CUDA IPC engine: each server worker maps the trainer's copy on its own
+    GPU) or ``shm`` (the project's engine: buckets in the host's shared memory). ``auto``:
+    ``ipc`` on GPU when the update is collocated (``trainer.pause_during_update`` auto or
+    true: trainer and servers share the GPUs), ``shm`` elsewhere. The server command and the
+    trainer both read it here, so they cannot disagree."""
+    value = str(cfg.inference.get("transfer_engine", "auto"))
+    if value == "auto":
+        pause = cfg.trainer.pause_during_update
+        return "ipc" if device == "cuda" and pause in ("auto", True) else "shm"
+    if value == "ipc" and device != "cuda":
+        raise ValueError(f"inference.transfer_engine: value 'ipc' hands GPU memory over, and "
+                         f"the servers run on {device}: use shm or auto")
+    if value not in get_args(TransferEngine):
+        raise ValueError(f"inference.transfer_engine: value {value!r} is not one of auto, "
+                         f"{', '.join(get_args(TransferEngine))}")
+    return cast(TransferEngine, value)
+
+
 @dataclass(frozen=True)
 class InferenceSettings:
     """The inference servers as the trainer drives them."""
@@ -57,6 +78,7 @@ class InferenceSettings:
     sleep_level: int
     data_parallel_size: int  # engine replicas inside each server: each is probed
     weight_sync: WeightSync = "disk"
+    transfer_engine: TransferEngine = "shm"
     transfer_bucket_bytes: int = 256 << 20
     transfer_checksums: bool = True
     lora: bool = False     # the servers serve each version as a LoRA adapter (adapter_name)
@@ -71,6 +93,7 @@ class InferenceSettings:
                    sleep_level=int(inf.sleep_level),
                    data_parallel_size=int(inf.data_parallel_size) if device == "cuda" else 1,
                    weight_sync=cast(WeightSync, str(inf.weight_sync)),
+                   transfer_engine=transfer_engine(cfg, device),
                    transfer_bucket_bytes=int(float(inf.transfer_bucket_mb) * (1 << 20)),
                    transfer_checksums=bool(inf.transfer_checksums),
                    lora=lora_rank(cfg) > 0)

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any, get_args
 
-from app.config.settings import DrainMode, WeightSync
+from app.config.settings import DrainMode, TransferEngine, WeightSync
 from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES
 
 # Sections whose content is handed to user code unchecked.
@@ -270,6 +270,7 @@ RULES: dict[str, Check] = {
     "actor_rollout_ref.model.lora_alpha": positive_int,
     "actor_rollout_ref.model.target_modules": lora_targets,
     "inference.weight_sync": one_of(*get_args(WeightSync)),
+    "inference.transfer_engine": one_of("auto", *get_args(TransferEngine)),
     "inference.transfer_bucket_mb": positive_num,
     "inference.transfer_checksums": boolean,
     "gateway.host": string,
@@ -453,6 +454,11 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
     if ok("inference.weight_sync", "inference.urls") \
             and _get(cfg, "inference.weight_sync") == "transfer":
         problems += _transfer_rules(cfg)
+    if ok("inference.transfer_engine", "inference.device") \
+            and _get(cfg, "inference.transfer_engine") == "ipc" \
+            and _get(cfg, "inference.device") == "cpu":
+        problems.append("inference.transfer_engine: value 'ipc' hands GPU memory over (CUDA "
+                        "IPC), and inference.device is cpu: use shm or auto")
     if ok("actor_rollout_ref.model.lora_rank") and _get(cfg, "actor_rollout_ref.model.lora_rank"):
         problems += _lora_rules(cfg)
     reload_s = _get(cfg, "trainer.reload_timeout_s")

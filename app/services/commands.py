@@ -17,7 +17,7 @@ from typing import Any
 
 from app.config.loader import REPO_ROOT, repo_path
 from app.config.secrets import inference_api_key
-from app.config.settings import MAX_LORA_RANKS, lora_rank, sleep_mode
+from app.config.settings import MAX_LORA_RANKS, lora_rank, sleep_mode, transfer_engine
 from app.services.device import resolve as resolve_device
 from app.services.transfer_wire import SHM_BACKEND
 from app.state.connection import is_external
@@ -98,10 +98,12 @@ def inference_command(cfg: Any) -> Command:
         if inf.enable_auto_tool_choice:
             argv.append("--enable-auto-tool-choice")
         argv += ["--tool-strict-level", str(inf.tool_strict_level)]
-    if inf.weight_sync == "transfer":
-        # vLLM's weight-transfer routes, with the engine the project registers through its
-        # plugin (workers/inference): the trainer hands buckets over in shared memory
-        argv += ["--weight-transfer-config", json.dumps({"backend": SHM_BACKEND})]
+    engine = transfer_engine(cfg, device) if inf.weight_sync == "transfer" else None
+    if engine is not None:
+        # vLLM's weight-transfer routes: its own CUDA IPC engine, or the one the project
+        # registers through its plugin (workers/inference), buckets in shared memory
+        argv += ["--weight-transfer-config",
+                 json.dumps({"backend": SHM_BACKEND if engine == "shm" else "ipc"})]
     rank = lora_rank(cfg)
     if rank:
         # each update's adapter is loaded at run time under a new name; the newest and the
@@ -119,6 +121,10 @@ def inference_command(cfg: Any) -> Command:
            "VLLM_API_KEY": inference_api_key(cfg)}
     if rank:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
+    if engine == "ipc":
+        # the HTTP route takes the IPC handles pickled, which vLLM unpickles only with this
+        # set: the dev routes must stay unreachable to all but the trainer (operations.md)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     if device == "cuda":
         argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization),
                  "--tensor-parallel-size", str(inf.tensor_parallel_size),

@@ -111,7 +111,7 @@ def test_scale_bench_json():
 
 def test_gpu_trainer_bench_tiny_json(tmp_path):
     r = run_bench("bench.gpu_trainer", "--tiny", "--kl", "--dynamic-bsz", "--steps", "3",
-                  "--out", str(tmp_path))
+                  "--ipc", "--out", str(tmp_path))
     assert r["benchmark"] == "gpu_trainer" and r["device"] == "cpu" and r["failed"] == []
     assert r["master_dtype"] == "float32" and r["compute_dtype"] == "bfloat16"
     assert len(r["update_seconds"]) == 3 and r["trained_tokens_per_s"] > 0
@@ -123,6 +123,7 @@ def test_gpu_trainer_bench_tiny_json(tmp_path):
     # the reference path: no KL before the first step moved the actor, some after
     assert len(r["kl_loss"]) == 3 and r["kl_loss"][0] == 0 and r["kl_loss"][-1] > 0
     assert r["export"]["tensors"] > 0 and r["export"]["differing_tensors"] == 0
+    assert r["ipc"] == {"skipped": "CUDA IPC needs a GPU"}  # on the GPU: two syncs, checked
     assert set(r["memory_gb"]) >= {"after_update_allocated_gb",
                                    "before_kv_cache_wake_allocated_gb"}
     # a threshold the figures miss fails the run, naming the figure

@@ -79,6 +79,36 @@ def test_weight_sync_transfer_turns_on_the_projects_transfer_engine():
     assert "--weight-transfer-config" not in args  # disk, the default
 
 
+def test_transfer_engine_is_cuda_ipc_on_shared_gpus_and_shm_elsewhere():
+    import json
+
+    from app.config.settings import InferenceSettings
+
+    def engine(*overrides: str) -> tuple[str, dict[str, str], str]:
+        over = ["inference.weight_sync=transfer", *overrides]
+        args, env = argv(*over)
+        served = InferenceSettings.from_config(load_config(None, over)).transfer_engine
+        return json.loads(opt(args, "--weight-transfer-config"))["backend"], env, served
+
+    # collocated on GPU (pause_during_update auto): vLLM's CUDA IPC engine, whose HTTP
+    # route takes pickled handles; the trainer reads the same choice
+    backend, env, trainer_side = engine("inference.device=cuda")
+    assert backend == trainer_side == "ipc"
+    assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
+    # servers on GPUs of their own, or asked for: the project's shared-memory engine
+    for over in (["trainer.pause_during_update=false"], ["inference.transfer_engine=shm"]):
+        backend, env, trainer_side = engine("inference.device=cuda", *over)
+        assert (backend, trainer_side) == ("carryover_shm", "shm")
+        assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
+    backend, _, trainer_side = engine("inference.device=cpu")
+    assert (backend, trainer_side) == ("carryover_shm", "shm")
+    with pytest.raises(ConfigError, match="inference.transfer_engine: value 'ipc' hands GPU "
+                                          "memory over"):
+        load_config(None, ["inference.device=cpu", "inference.transfer_engine=ipc"])
+    with pytest.raises(ConfigError, match="inference.transfer_engine: value 'nccl' must be"):
+        load_config(None, ["inference.transfer_engine=nccl"])
+
+
 def test_weight_sync_transfer_to_a_server_on_another_host_is_refused():
     with pytest.raises(ConfigError, match=r"inference.weight_sync: value 'transfer' hands the "
                                           r"weights over in this host's shared memory.*"

@@ -242,12 +242,14 @@ class EngineTrainer:
         self.ranks.call("export_adapter", [(str(path), dtype)] * self.size)
 
     def transfer_weights(self, urls: list[str], dtype: str, bucket_bytes: int,
-                         timeout: float, api_key: str | None) -> TransferResult:
+                         timeout: float, api_key: str | None, engine: str = "shm"
+                         ) -> TransferResult:
         """The weights, in ``dtype``, into every server in ``urls`` without an export
-        (``inference.weight_sync: transfer``); the caller names the version once each
+        (``inference.weight_sync: transfer``, with ``inference.transfer_engine``
+        ``engine``); the caller names the version once each
         server's prefix cache is reset."""
         out = self.ranks.call("transfer", urls=urls, dtype=dtype, bucket_bytes=bucket_bytes,
-                              timeout=timeout, api_key=api_key)[0]
+                              timeout=timeout, api_key=api_key, engine=engine)[0]
         return TransferResult(**out)
 
     @property

@@ -172,20 +172,26 @@ class RankEngine:
         return state
 
     def transfer(self, urls: list[str], dtype: str, bucket_bytes: int,
-                 timeout: float, api_key: str | None) -> dict[str, Any] | None:
+                 timeout: float, api_key: str | None, engine: str = "shm"
+                 ) -> dict[str, Any] | None:
         """Send the weights to ``urls`` through vLLM's weight-transfer routes
-        (``transfer.py``): every rank takes part in each tensor's gather, rank 0 sends.
+        (``transfer.py``) with ``engine`` (``shm``: rank 0 sends while the others take part
+        in each tensor's gather; ``ipc``: every rank hands its GPU's copy over).
         -> rank 0's ``TransferResult`` as a dict."""
         from dataclasses import asdict
 
-        from workers.trainer.transfer import ShmSender
+        from workers.trainer.transfer import IpcSender, ShmSender, drain
 
         params, _ = self.actor.engine.get_per_tensor_param()
-        sender = ShmSender(urls, bucket_bytes, timeout, api_key)
+        target = getattr(torch, dtype)
+        if engine == "ipc":
+            ipc = IpcSender(urls, bucket_bytes, timeout, api_key, is_sender=self.rank == 0)
+            result = ipc.send(params, target)
+            return asdict(result) if self.rank == 0 else None
         if self.rank != 0:
-            sender.drain(params)
+            drain(params)
             return None
-        return asdict(sender.send(params, getattr(torch, dtype)))
+        return asdict(ShmSender(urls, bucket_bytes, timeout, api_key).send(params, target))
 
     def export_adapter(self, path: str, dtype: str) -> None:
         """The LoRA adapter only (verl's peft parameters, in peft's names), in ``dtype``, as

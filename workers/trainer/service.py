@@ -581,7 +581,7 @@ def transfer_loader(resident: Resident, settings: TrainerSettings, version: int,
         try:
             sent = resident.trainer.transfer_weights(
                 urls, dtype, inf.transfer_bucket_bytes, settings.reload_timeout_s,
-                weights.api_key())
+                weights.api_key(), inf.transfer_engine)
         except Exception as exc:  # noqa: BLE001 - an error on the trainer's side, mid-way
             # any server may hold part of the version: each is failed (stale, not resumed)
             why = f"the transfer failed on the trainer: {exc.__class__.__name__}: {exc}"
