@@ -50,13 +50,15 @@ def transfer_engine(cfg: Any, device: str) -> TransferEngine:
     """The engine of ``inference.weight_sync: transfer`` (``inference.transfer_engine``):
     ``ipc`` (vLLM's CUDA IPC engine: each server worker maps the trainer's copy on its own
     GPU) or ``shm`` (the project's engine: buckets in the host's shared memory). ``auto``:
-    ``ipc`` on GPU when the update is collocated (``trainer.pause_during_update`` auto or
-    true: trainer and servers share the GPUs), ``shm`` elsewhere. The server command and the
-    trainer both read it here, so they cannot disagree."""
+    ``ipc`` when trainer and servers run on CUDA and the update is collocated
+    (``trainer.pause_during_update`` auto or true: they share the GPUs), ``shm`` elsewhere.
+    The server command and the trainer both read it here, so they cannot disagree."""
     value = str(cfg.inference.get("transfer_engine", "auto"))
     if value == "auto":
         pause = cfg.trainer.pause_during_update
-        return "ipc" if device == "cuda" and pause in ("auto", True) else "shm"
+        trainer_device = resolve_device(str(cfg.trainer.device))
+        return "ipc" if device == trainer_device == "cuda" and pause in ("auto", True) \
+            else "shm"
     if value == "ipc" and device != "cuda":
         raise ValueError(f"inference.transfer_engine: value 'ipc' hands GPU memory over, and "
                          f"the servers run on {device}: use shm or auto")

@@ -68,6 +68,7 @@ def rank_main(rank: int, world: int, init: str, urls: list[str], shm: str, resul
         out["error"] = f"{exc.__class__.__name__}: {exc}"
         out["trace"] = traceback.format_exc()
     finally:
+        out.update(buffers=len(made), shares=shares[0])
         torch.distributed.destroy_process_group()
         for path in made.values():
             path.unlink(missing_ok=True)
@@ -153,7 +154,18 @@ def test_every_gpu_gets_every_tensor_in_buckets_vllm_parses(tmp_path, receivers,
     routes = [c["route"] for c in calls]
     assert routes[:2] == ["/init_weight_transfer_engine", "/start_weight_update"]
     assert routes[-1] == "/finish_weight_update"
-    assert not list(Path("/dev/shm").glob(f"carryover-test-ipc-{tmp_path.name}*"))
+    # one bucket buffer per rank, and one for the tensor larger than a bucket
+    assert rank0["buffers"] == rank1["buffers"] == 2
+
+
+def test_no_export_is_made_when_no_server_takes_part(tmp_path):
+    # torch frees an exported buffer only once a reader releases it: an export no server
+    # opens would be GPU memory lost, so with no server left none is made
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    rank0, rank1 = run_ranks(tmp_path, [url])
+    assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)
+    assert url in rank0["result"]["unreachable"] and rank0["result"]["loaded"] == []
+    assert rank0["buffers"] == rank1["buffers"] == 0 and rank0["shares"] == 0
 
 
 def test_a_server_that_fails_is_dropped_and_the_other_loads(tmp_path, receivers):
@@ -184,3 +196,5 @@ def test_an_error_on_one_rank_fails_every_server_and_no_rank_hangs(tmp_path, rec
     calls = json.loads((out / "calls.json").read_text())
     assert [c["route"] for c in calls].count("/update_weights") == 2
     assert calls[-1]["route"] == "/finish_weight_update"
+    # no bucket after the failed one was exported: no server was left to open it
+    assert rank0["shares"] == rank1["shares"] == 3

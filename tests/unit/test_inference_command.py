@@ -92,12 +92,15 @@ def test_transfer_engine_is_cuda_ipc_on_shared_gpus_and_shm_elsewhere():
 
     # collocated on GPU (pause_during_update auto): vLLM's CUDA IPC engine, whose HTTP
     # route takes pickled handles; the trainer reads the same choice
-    backend, env, trainer_side = engine("inference.device=cuda")
+    backend, env, trainer_side = engine("inference.device=cuda", "trainer.device=cuda")
     assert backend == trainer_side == "ipc"
     assert env["VLLM_ALLOW_INSECURE_SERIALIZATION"] == "1"
     # servers on GPUs of their own, or asked for: the project's shared-memory engine
-    for over in (["trainer.pause_during_update=false"], ["inference.transfer_engine=shm"]):
-        backend, env, trainer_side = engine("inference.device=cuda", *over)
+    # (a CPU trainer has no GPU memory to hand over)
+    for over in (["trainer.pause_during_update=false"], ["inference.transfer_engine=shm"],
+                 ["trainer.device=cpu"]):
+        backend, env, trainer_side = engine("inference.device=cuda", "trainer.device=cuda",
+                                            *over)
         assert (backend, trainer_side) == ("carryover_shm", "shm")
         assert "VLLM_ALLOW_INSECURE_SERIALIZATION" not in env
     backend, _, trainer_side = engine("inference.device=cpu")

@@ -280,7 +280,10 @@ class IpcSender:
 
     Each rank copies a bucket's tensors into a buffer on its GPU; at each bucket's end the
     ranks gather their handles (and any error) to rank 0, which sends them to every
-    server, and a barrier keeps the buffer until the servers have read it. The bucket
+    server, and then tells every rank whether any server is left (which also keeps each
+    buffer until the servers have read it). Once none is, no rank makes another export.
+    Every export must be opened by exactly one server worker (each trainer GPU hosts one):
+    torch frees an exported buffer only once its reader releases it. The bucket
     boundaries follow from the tensors' sizes alone, so every rank reaches the same
     collectives whatever fails, and an error on any rank fails every server of the sync
     (that GPU's copy is not there) and is raised on its rank once the gather is done.
@@ -299,15 +302,22 @@ class IpcSender:
         self.share = share
         self._buffer: torch.Tensor | None = None
         self._error: BaseException | None = None
+        self._sending = True
 
     def send(self, tensors: Iterable[tuple[str, torch.Tensor]], dtype: torch.dtype
              ) -> TransferResult:
         t = time.monotonic()
         if self.is_sender:
             self.sessions.start({"packed": True})
-        self._buffer = self._guard(partial(self.allocate, self.bucket_bytes))
+        # no server to read an export: none is made (torch frees an exported buffer only
+        # once its reader releases it, so an export nobody opens is GPU memory lost)
+        self._sending = self._rank0_sends()
+        if self._sending:
+            self._buffer = self._guard(partial(self.allocate, self.bucket_bytes))
         packed, used = _Packed(), 0
         for name, tensor in tensors:
+            if not self._sending:
+                continue  # the gather goes on: every rank takes part in it
             size = tensor.numel() * dtype.itemsize
             if packed.names and used + size > self.bucket_bytes:
                 self._flush(packed, self._buffer)
@@ -322,7 +332,7 @@ class IpcSender:
                 continue
             self._pack(packed, used, name, tensor, dtype, self._buffer)
             used += size
-        if packed.names:
+        if packed.names and self._sending:
             self._flush(packed, self._buffer)
         if self.is_sender:
             self.sessions.finish()
@@ -334,6 +344,11 @@ class IpcSender:
         if self._error is not None:
             raise self._error
         return result
+
+    def _rank0_sends(self) -> bool:
+        """Whether rank 0 still has a server in the sync, as every rank learns it (a
+        collective: it also keeps each rank's buffer until the servers have read it)."""
+        return bool(_gather(bool(self.sessions.live) if self.is_sender else None)[0])
 
     def _pack(self, packed: _Packed, at: int, name: str, tensor: torch.Tensor,
               dtype: torch.dtype, buffer: torch.Tensor | None) -> None:
@@ -370,7 +385,7 @@ class IpcSender:
                             base64.b64encode(pickle.dumps(merged)).decode("ascii")}
                 self.sessions.update(info, f"bucket {self.sessions.result.buckets}",
                                      packed.nbytes)
-        _barrier()
+        self._sending = self._rank0_sends()
 
     def _guard(self, step: Callable[[], T]) -> T | None:
         """Run a step of this rank's part; an error is kept (and the rank goes on through
