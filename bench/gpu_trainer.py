@@ -106,10 +106,10 @@ def ipc_check(trainer, tmp: Path, dtype: str, bucket_mb: int) -> dict[str, objec
     (``export_check`` wrote it first)."""
     import subprocess
 
-    import requests
     import torch
     from safetensors.torch import load_file
 
+    from bench.gateway import wait_http
     from bench.stack import free_port
 
     port, folder = free_port(), tmp / "ipc"
@@ -117,15 +117,10 @@ def ipc_check(trainer, tmp: Path, dtype: str, bucket_mb: int) -> dict[str, objec
     proc = subprocess.Popen([sys.executable, "-m", "bench.ipc_receiver", str(port),
                              str(folder), "auto", "--open", "cuda"])
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                requests.get(url + "/health", timeout=1)
-                break
-            except requests.ConnectionError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    return {"error": "bench.ipc_receiver did not start"}
-                time.sleep(0.5)
+        try:
+            wait_http(url + "/health", 120)
+        except TimeoutError:
+            return {"error": "bench.ipc_receiver did not start"}
         seconds = []
         for _ in range(2):  # the second without the first's CUDA IPC set-up
             sent = trainer.transfer_weights([url], dtype, bucket_mb << 20, 600, None,

@@ -12,18 +12,16 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import subprocess
-import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 import pytest
-import requests
 import torch
 from safetensors.torch import load_file
 
 from bench.stack import free_port
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_http
 
 BUCKET = 1536  # bytes: the tensors below (bf16) fill 4 buckets, and "big" (3200) goes alone
 
@@ -91,16 +89,8 @@ def receivers(tmp_path: Path):
                 argv += ["--fail-at", str(fail_at[i])]
             procs.append(subprocess.Popen(argv, cwd=REPO))
             out.append((f"http://127.0.0.1:{port}", folder))
-        deadline = time.monotonic() + 120
         for url, _ in out:
-            while True:
-                try:
-                    requests.get(url + "/health", timeout=1)
-                    break
-                except requests.ConnectionError:
-                    assert time.monotonic() < deadline, "the stand-in did not start"
-                    assert all(p.poll() is None for p in procs), "the stand-in exited"
-                    time.sleep(0.2)
+            wait_http(url + "/health", 120)
         return out
 
     yield start

@@ -288,8 +288,7 @@ class IpcSender:
     collectives whatever fails, and an error on any rank fails every server of the sync
     (that GPU's copy is not there) and is raised on its rank once the gather is done.
 
-    ``allocate`` and ``share`` make the buffer and its handle (CUDA by default);
-    ``collective`` is whether the trainer's ranks form a process group."""
+    ``allocate`` and ``share`` make the buffer and its handle (CUDA by default)."""
 
     def __init__(self, urls: list[str], bucket_bytes: int, timeout: float,
                  api_key: str | None, is_sender: bool,
@@ -314,24 +313,23 @@ class IpcSender:
         self._sending = self._rank0_sends()
         if self._sending:
             self._buffer = self._guard(partial(self.allocate, self.bucket_bytes))
-        packed, used = _Packed(), 0
+        packed = _Packed()
         for name, tensor in tensors:
             if not self._sending:
                 continue  # the gather goes on: every rank takes part in it
             size = tensor.numel() * dtype.itemsize
-            if packed.names and used + size > self.bucket_bytes:
+            if packed.names and packed.nbytes + size > self.bucket_bytes:
                 self._flush(packed, self._buffer)
-                packed, used = _Packed(), 0
+                packed = _Packed()
             if size > self.bucket_bytes:
                 # a tensor larger than the bucket goes alone, in a buffer of its own
                 one_off = self._guard(partial(self.allocate, size))
                 alone = _Packed()
-                self._pack(alone, 0, name, tensor, dtype, one_off)
+                self._pack(alone, name, tensor, dtype, one_off)
                 self._flush(alone, one_off)
                 del one_off
                 continue
-            self._pack(packed, used, name, tensor, dtype, self._buffer)
-            used += size
+            self._pack(packed, name, tensor, dtype, self._buffer)
         if packed.names and self._sending:
             self._flush(packed, self._buffer)
         if self.is_sender:
@@ -350,9 +348,11 @@ class IpcSender:
         collective: it also keeps each rank's buffer until the servers have read it)."""
         return bool(_gather(bool(self.sessions.live) if self.is_sender else None)[0])
 
-    def _pack(self, packed: _Packed, at: int, name: str, tensor: torch.Tensor,
-              dtype: torch.dtype, buffer: torch.Tensor | None) -> None:
-        size = tensor.numel() * dtype.itemsize
+    def _pack(self, packed: _Packed, name: str, tensor: torch.Tensor, dtype: torch.dtype,
+              buffer: torch.Tensor | None) -> None:
+        """``tensor`` appended to ``packed`` and, where this rank has a buffer, copied into
+        it at the bucket's end."""
+        at, size = packed.nbytes, tensor.numel() * dtype.itemsize
         packed.names.append(name)
         packed.dtype_names.append(str(dtype).removeprefix("torch."))
         packed.shapes.append(list(tensor.shape))
