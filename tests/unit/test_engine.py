@@ -149,6 +149,37 @@ def test_padded_rows_change_nothing(one_rank):
     assert max_diff(weights, padded.full_weights()) < 1e-7
 
 
+def forward_shapes(trainer: EngineTrainer) -> list[tuple[int, int]]:
+    """Records the [rows, tokens] of every forward the actor's model runs."""
+    shapes: list[tuple[int, int]] = []
+    module = trainer.ranks.ranks.engine.actor.engine.module
+    module.register_forward_pre_hook(
+        lambda _m, args, kw: shapes.append(tuple((kw.get("input_ids") if "input_ids" in kw
+                                                  else args[0]).shape)), with_kwargs=True)
+    return shapes
+
+
+def test_micro_batches_are_even_and_hold_rows_of_like_length(one_rank):
+    """13 rows at a micro-batch of 8 run as 2 x 7 (one padding row of two tokens), each
+    micro-batch padded only to its own longest row; the log-probs come back in the rows'
+    order and the step is the same."""
+    _, metrics, weights = one_rank
+    trainer = engine("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=8")
+    shapes = forward_shapes(trainer)
+    vb = to_verl_batch(samples(), 0)
+    whole = engine()
+    assert torch.allclose(trainer.log_probs(vb), whole.log_probs(vb), atol=1e-6)
+    whole.close()
+    lengths = sorted((vb.prompt_mask.sum(1) + vb.response_attention.sum(1)).tolist() + [2])
+    assert shapes == [(7, max(lengths[:7])), (7, max(lengths[7:]))]
+    shapes.clear()
+    m = trainer.update(vb, 0)
+    assert len(shapes) == 4 and sum(rows for rows, _ in shapes) == 28  # old + new log-probs
+    assert m["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    assert max_diff(weights, trainer.full_weights()) < 1e-5
+    trainer.close()
+
+
 def test_a_non_finite_gradient_skips_the_step():
     trainer = engine()
     before = trainer.full_weights()

@@ -9,7 +9,10 @@ non-finite step, the per-tensor weight export and sharded checkpoints.
 
 Invariants:
 - Every mini-batch is padded with all-masked rows to divide evenly over ranks and
-  micro-batches; padding never changes a loss or a gradient (``verl_batch``).
+  micro-batches; padding never changes a loss or a gradient (``verl_batch``). The
+  micro-batches are the fewest that ``ppo_micro_batch_size_per_gpu`` allows, made as even as
+  the rows allow, so at most one padding row per micro-batch is needed; rows are sorted by
+  length and dealt out to the ranks, since each micro-batch is padded to its longest row.
 - Mini-batches hold whole prompt groups (the GRPO/RLOO index never straddles two steps).
 - A step whose gradient norm is not finite leaves the weights unchanged (verl skips the
   optimizer step) and is counted in ``actor/skipped_steps``.
@@ -62,10 +65,26 @@ def _rank_group(cfg: Any, spec: EngineSpec) -> LocalRanks | SpawnedRanks | RayRa
     return LocalRanks(spec) if n == 1 else SpawnedRanks(spec, n)
 
 
-def _split(vb: VerlBatch, ranks: int) -> list[tuple[VerlBatch]]:
-    """Contiguous equal slices, one per rank (``vb`` already divides evenly)."""
-    per = len(vb) // ranks
-    return [(vb.select(list(range(r * per, (r + 1) * per))),) for r in range(ranks)]
+def layout(rows: int, ranks: int, micro: int | None) -> tuple[int, int | None]:
+    """(rows after padding, rows per micro-batch) for ``rows`` over ``ranks``: the fewest
+    micro-batches of at most ``micro`` rows on each rank, all of one size (verl requires it),
+    as small as that allows. 10 rows at micro 8 run as 2 x 5, not as 2 x 8 with 6 padding
+    rows. ``micro`` None = one micro-batch per rank (or verl's token-count cut)."""
+    per_rank = -(-rows // ranks)
+    if not micro:
+        return per_rank * ranks, None
+    count = -(-per_rank // micro)
+    size = -(-per_rank // count)
+    return ranks * count * size, size
+
+
+def _shards(vb: VerlBatch, ranks: int) -> list[list[int]]:
+    """Row indices of ``vb`` for each rank (``vb`` divides evenly): sorted by length and dealt
+    out in turn, so a rank's consecutive micro-batches hold rows of like length (verl pads
+    each micro-batch to its longest row) and every rank gets like work."""
+    lengths = (vb.prompt_mask.sum(1) + vb.response_attention.sum(1)).tolist()
+    order = sorted(range(len(vb)), key=lambda i: lengths[i])
+    return [order[r::ranks] for r in range(ranks)]
 
 
 def _memory_metrics(stage: str, per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -127,16 +146,22 @@ class EngineTrainer:
     def lr_at(self, step: int) -> float:
         return lr_at(self.cfg, step)
 
-    def _row_multiple(self) -> int:
-        return self.size * (self.spec.micro_batch_size or 1)
+    def _layout(self, rows: int) -> tuple[int, int | None]:
+        micro = None if self.spec.use_dynamic_bsz else self.spec.micro_batch_size
+        return layout(rows, self.size, micro)
 
     def log_probs(self, vb: VerlBatch, ref: bool = False) -> torch.Tensor:
         """[B, R] log-probs of ``vb``'s response tokens under the engine's current weights
         (or the reference's), at each row's temperature."""
-        padded = vb.padded(self._row_multiple())
-        parts = self.ranks.call("log_probs", _split(padded, self.size), ref=ref)
-        width = vb.responses.shape[1]
-        return torch.cat([p[:, :width] for p in parts])[: len(vb)]
+        total, micro = self._layout(len(vb))
+        padded = vb.padded_to(total)
+        shards = _shards(padded, self.size)
+        parts = self.ranks.call("log_probs", [(padded.select(s),) for s in shards], ref=ref,
+                                micro=micro)
+        out = torch.zeros(len(padded), vb.responses.shape[1])
+        for rows, part in zip(shards, parts, strict=True):
+            out[rows] = part[:, : out.shape[1]]
+        return out[: len(vb)]
 
     def probe_log_probs(self, ids: list[int]) -> list[float]:
         """Log-probs of ``ids[1:]`` after ``ids[0]`` at temperature 1, through the engine's own
@@ -160,14 +185,12 @@ class EngineTrainer:
                   ) -> list[tuple[VerlBatch, dict[str, torch.Tensor]]]:
         """The mini-batch ``rows`` of ``vb``, padded to divide evenly, cut into one slice per
         rank with the matching slices of the per-token ``fields``."""
-        mb = vb.select(rows).padded(self._row_multiple())
+        total, _ = self._layout(len(rows))
+        mb = vb.select(rows).padded_to(total)
         idx = torch.as_tensor(rows + [rows[0]] * (len(mb) - len(rows)))  # padding: any row
         mb_fields = {k: v[idx] for k, v in fields.items()}
-        out = []
-        for rank, (part,) in enumerate(_split(mb, self.size)):
-            n = len(part)
-            out.append((part, {k: v[rank * n:(rank + 1) * n] for k, v in mb_fields.items()}))
-        return out
+        return [(mb.select(s), {k: v[s] for k, v in mb_fields.items()})
+                for s in _shards(mb, self.size)]
 
     def update(self, vb: VerlBatch, step: int = 0) -> dict[str, float]:
         actor = self.cfg.actor_rollout_ref.actor
@@ -193,7 +216,8 @@ class EngineTrainer:
         for _ in range(int(actor.ppo_epochs)):
             for rows in self._mini_batches(trained):
                 out = self.ranks.call("train", self._per_rank(trained, rows, fields), lr=lr,
-                                      global_batch_size=len(rows))[0]
+                                      global_batch_size=len(rows),
+                                      micro=self._layout(len(rows))[1])[0]
                 grad_norm = float(out.get("grad_norm", float("nan")))
                 if not math.isfinite(grad_norm):
                     skipped += 1

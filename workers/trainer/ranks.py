@@ -119,14 +119,14 @@ class RankEngine:
             micro_batch_size_per_gpu=int(micro or rows), pad_token_id=int(spec.pad_id),
             global_token_num=None, **extra)
 
-    def log_probs(self, vb: Any, ref: bool = False) -> torch.Tensor:
-        """[rows, R] log-probs of the response tokens (0 where nothing is scored)."""
+    def log_probs(self, vb: Any, ref: bool = False, micro: int | None = None) -> torch.Tensor:
+        """[rows, R] log-probs of the response tokens (0 where nothing is scored), in
+        micro-batches of ``micro`` rows (None = all at once, or verl's token-count cut)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
         td = vb.tensordict()
-        self._meta(td, len(vb), self.spec.micro_batch_size, calculate_entropy=False,
-                   compute_loss=False)
+        self._meta(td, len(vb), micro, calculate_entropy=False, compute_loss=False)
         worker = self.ref if ref and self.ref is not None else self.actor
         if ref and worker is self.actor:
             assert self.spec.lora_rank, "a reference log-prob needs actor.use_kl_loss"
@@ -136,14 +136,15 @@ class RankEngine:
         return lp * (vb.response_attention > 0)
 
     def train(self, vb: Any, fields: dict[str, torch.Tensor], lr: float,
-              global_batch_size: int) -> dict[str, Any]:
-        """One optimizer step on this rank's rows (micro-batches accumulate)."""
+              global_batch_size: int, micro: int | None = None) -> dict[str, Any]:
+        """One optimizer step on this rank's rows (micro-batches of ``micro`` rows
+        accumulate)."""
         from verl.utils import tensordict_utils as tu
 
         for group in self.actor.engine.optimizer.param_groups:
             group["lr"] = lr
         td = vb.tensordict(**fields)
-        self._meta(td, len(vb), self.spec.micro_batch_size,
+        self._meta(td, len(vb), micro,
                    calculate_entropy=float(self.spec.entropy_coeff) > 0,
                    compute_loss=True, global_batch_size=int(global_batch_size))
         out = self.actor.train_batch(td)

@@ -63,15 +63,24 @@ class VerlBatch:
 
     def padded(self, multiple: int) -> VerlBatch:
         """This batch with all-masked rows appended up to a multiple of ``multiple``."""
-        extra = (-len(self)) % max(multiple, 1)
-        if extra == 0:
+        return self.padded_to(len(self) + (-len(self)) % max(multiple, 1))
+
+    def padded_to(self, rows: int) -> VerlBatch:
+        """This batch with all-masked rows appended up to ``rows`` rows."""
+        extra = rows - len(self)
+        if extra <= 0:
             return self
-        # A padding row copies row 0's tokens (a valid sequence, so the forward pass is
-        # well-defined) with every loss mask at zero.
-        rep = [0] * extra
-        pad = self.select(rep)
+        # A padding row is row 0's last prompt token and first response token: a valid
+        # sequence of two (the forward pass is well-defined, and a micro-batch of padding
+        # rows costs next to nothing), with every loss mask at zero.
+        pad = self.select([0] * extra)
         zero = torch.zeros_like(pad.response_mask)
-        pad = replace(pad, response_mask=zero, rollout_log_probs=zero.clone(),
+        prompt_mask = torch.zeros_like(pad.prompt_mask)
+        prompt_mask[:, -1] = 1
+        attention = torch.zeros_like(pad.response_attention)
+        attention[:, 0] = 1
+        pad = replace(pad, prompt_mask=prompt_mask, response_attention=attention,
+                      response_mask=zero, rollout_log_probs=zero.clone(),
                       rewards=torch.zeros_like(pad.rewards))
         cat = torch.cat
         return VerlBatch(
