@@ -236,6 +236,8 @@ RULES: dict[str, Check] = {
     "algorithm.rollout_correction.rollout_is_threshold": optional(positive_num),
     "algorithm.rollout_correction.rollout_rs": one_of(*ROLLOUT_RS_MODES),
     "algorithm.rollout_correction.rollout_rs_threshold": optional(positive_num),
+    "algorithm.rollout_correction.bypass_mode": boolean,
+    "algorithm.rollout_correction.loss_type": one_of("ppo_clip", "reinforce"),
     "redis.url": optional(url),
     "redis.host": string,
     "redis.port": port,
@@ -400,6 +402,13 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             "algorithm.rollout_correction.rollout_rs_threshold: value null must be a positive "
             f"number when rollout_rs is {rc['rollout_rs']!r}"
         )
+    loss_mode = _get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode")
+    if rc["bypass_mode"] is True and loss_mode != "vanilla":
+        problems.append(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: value {_fmt(loss_mode)} cannot be "
+            "used with algorithm.rollout_correction.bypass_mode (verl's bypass loss is PPO's "
+            "clip or REINFORCE, chosen by algorithm.rollout_correction.loss_type): set it to "
+            "vanilla or turn bypass_mode off")
     backend = _get(cfg, "controller.backend")
     agent = _get(cfg, "controller.agent")
     if ok("controller.backend", "controller.agent") and backend == "python" and not re.match(

@@ -17,8 +17,8 @@ ADV_ESTIMATORS: dict[str, bool] = {"grpo": True, "rloo": True}
 
 # POLICY_LOSS_REGISTRY, every name but those this trainer cannot feed, with why.
 POLICY_LOSSES_LEFT_OUT: dict[str, str] = {
-    "bypass_mode": "reads a rollout_correction section inside policy_loss, which the trainer "
-                   "does not pass (it applies algorithm.rollout_correction itself)",
+    "bypass_mode": "not a loss_mode here: algorithm.rollout_correction.bypass_mode selects "
+                   "it, with the correction settings it reads",
 }
 POLICY_LOSSES: tuple[str, ...] = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg",
                                   "clip_cov", "kl_cov", "geo_mean", "dro", "cispo")

@@ -157,6 +157,13 @@ INVALID = [
     (["trainer.device=tpu"], "trainer.device: value 'tpu' must be one of 'auto', 'cpu', 'cuda'"),
     (["trainer.reload_timeout_s=60"],
      "trainer.reload_timeout_s: value 60 must be at least inference.startup_timeout_s (180)"),
+    (["algorithm.rollout_correction.bypass_mode=true",
+      "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
+     "actor_rollout_ref.actor.policy_loss.loss_mode: value 'gspo' cannot be used with "
+     "algorithm.rollout_correction.bypass_mode"),
+    (["algorithm.rollout_correction.loss_type=ppo"],
+     "algorithm.rollout_correction.loss_type: value 'ppo' must be one of 'ppo_clip', "
+     "'reinforce'"),
     (["data=3"], "data: is a section, not a value"),
     (["data.train_batch_size"], "data.train_batch_size: override must look like a.b.c=value"),
 ]

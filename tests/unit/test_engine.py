@@ -254,3 +254,40 @@ def test_with_lora_the_reference_is_the_actor_without_its_adapter():
         trainer.update(vb, step)
     assert torch.allclose(trainer.log_probs(vb, ref=True), ref, atol=1e-6)
     assert (trainer.log_probs(vb) - actor).abs().max() > 1e-3  # the adapter moved the actor
+
+
+def test_bypass_mode_takes_the_rollout_log_probs_as_the_old_policy_s():
+    """verl's bypass mode: no forward for the old log-probs (one pass over the rows, not
+    two), PPO's ratio against the policy that sampled. With rollout log-probs equal to the
+    engine's own, the step is the decoupled one; with others, the ratio moves off 1 and
+    clips on the first step, where the decoupled ratio is exactly 1."""
+    bypass = ("algorithm.rollout_correction.bypass_mode=true",
+              "algorithm.rollout_correction.rollout_is=null")
+    on_policy = samples()
+    scorer = engine()
+    lp = scorer.log_probs(to_verl_batch(on_policy, 0))
+    scorer.close()
+    vb = to_verl_batch(on_policy, 0)
+    for i, s in enumerate(on_policy):  # rows follow the samples, the two-turn one aside
+        if s.rollout_id != "mt":
+            s.rollout_logprobs = lp[i][vb.response_mask[i] > 0].tolist()
+    vb_on = to_verl_batch(on_policy, 0)
+    row = vb_on.rollout_ids.index("mt")
+    vb_on.rollout_log_probs[row] = lp[row] * vb_on.response_mask[row]
+
+    decoupled = engine()
+    m_dec = decoupled.update(vb_on, 0)
+    w_dec = decoupled.full_weights()
+    decoupled.close()
+    trainer = engine(*bypass)
+    shapes = forward_shapes(trainer)
+    m_by = trainer.update(vb_on, 0)
+    assert len(shapes) == 1  # the training pass only
+    assert m_by["actor/grad_norm"] == pytest.approx(m_dec["actor/grad_norm"], rel=1e-4)
+    assert max_diff(w_dec, trainer.full_weights()) < 1e-5
+    trainer.close()
+
+    off = engine(*bypass)
+    m_off = off.update(to_verl_batch(samples(), 0), 0)  # rollout log-probs far from the policy
+    off.close()
+    assert m_dec["actor/pg_clipfrac"] == 0.0 and m_off["actor/pg_clipfrac"] > 0.1

@@ -196,7 +196,10 @@ class EngineTrainer:
         actor = self.cfg.actor_rollout_ref.actor
         algo = self.cfg.algorithm
         lr = self.lr_at(step)
-        old_log_prob = self.log_probs(vb)
+        # bypass mode: the policy that sampled is the old policy (no forward for it); the
+        # loss computes the correction and the rejection itself
+        bypass = self.spec.bypass is not None
+        old_log_prob = vb.rollout_log_probs if bypass else self.log_probs(vb)
         fields: dict[str, torch.Tensor] = {"old_log_probs": old_log_prob}
         if actor.use_kl_loss:
             fields["ref_log_prob"] = self.log_probs(vb, ref=True)
@@ -204,11 +207,13 @@ class EngineTrainer:
         fields["advantages"] = compute_advantages(
             algo.adv_estimator, vb.rewards, mask, vb.group_ids,
             bool(algo.norm_adv_by_std_in_grpo), vb.rollout_ids, vb.rowless)
-        is_weights, mask, rc_metrics = rollout_correction(
-            old_log_prob, vb.rollout_log_probs, mask, algo.rollout_correction)
-        if is_weights is not None:
-            fields["rollout_is_weights"] = is_weights
-        rc_metrics.update(constrained_is_metrics(is_weights, mask, vb.constrained))
+        rc_metrics: dict[str, float] = {}
+        if not bypass:
+            is_weights, mask, rc_metrics = rollout_correction(
+                old_log_prob, vb.rollout_log_probs, mask, algo.rollout_correction)
+            if is_weights is not None:
+                fields["rollout_is_weights"] = is_weights
+            rc_metrics.update(constrained_is_metrics(is_weights, mask, vb.constrained))
         trained = replace(vb, response_mask=mask)  # after rollout correction's rejection
 
         metrics: dict[str, list[float]] = {}

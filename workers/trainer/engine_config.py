@@ -55,6 +55,8 @@ class EngineSpec:
     use_kl_loss: bool
     kl_loss_coef: float
     kl_loss_type: str
+    # algorithm.rollout_correction in verl's bypass mode, which the loss applies itself
+    bypass: dict[str, Any] | None = None
     # LoRA (verl's names, actor_rollout_ref.model): rank 0 trains every weight
     lora_rank: int = 0
     lora_alpha: int = 16
@@ -96,8 +98,20 @@ def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
         use_kl_loss=bool(actor.use_kl_loss),
         kl_loss_coef=float(actor.kl_loss_coef),
         kl_loss_type=str(actor.kl_loss_type),
+        bypass=bypass_settings(cfg),
         **lora_settings(cfg),
     )
+
+
+def bypass_settings(cfg: Any) -> dict[str, Any] | None:
+    """``algorithm.rollout_correction`` as verl's ``RolloutCorrectionConfig`` fields when
+    ``bypass_mode`` is on, else None."""
+    rc = cfg.algorithm.rollout_correction
+    if not rc.get("bypass_mode", False):
+        return None
+    return {"rollout_is": rc.rollout_is, "rollout_is_threshold": rc.rollout_is_threshold,
+            "rollout_rs": rc.rollout_rs, "rollout_rs_threshold": rc.rollout_rs_threshold,
+            "bypass_mode": True, "loss_type": str(rc.get("loss_type", "ppo_clip"))}
 
 
 def lora_settings(cfg: Any) -> dict[str, Any]:
@@ -149,13 +163,19 @@ def worker_config(spec: EngineSpec, forward_only: bool) -> Any:
 def actor_config(spec: EngineSpec) -> Any:
     """verl's ``ActorConfig`` as its ``ppo_loss`` reads it. The batch-size fields are verl's
     validation inputs only: mini- and micro-batches are cut by the controller."""
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig
     from verl.workers.config import ActorConfig, PolicyLossConfig
 
     clip = spec.clip_ratio
+    # bypass mode: verl's own loss for it, which reads the correction from policy_loss (as
+    # verl's apply_bypass_mode sets it up)
+    policy_loss = PolicyLossConfig(loss_mode=spec.loss_mode) if spec.bypass is None else \
+        PolicyLossConfig(loss_mode="bypass_mode",
+                         rollout_correction=RolloutCorrectionConfig(**spec.bypass))
     return ActorConfig(
         strategy="fsdp", clip_ratio=clip, clip_ratio_low=clip, clip_ratio_high=clip,
         loss_agg_mode=spec.loss_agg_mode, rollout_n=1, ppo_mini_batch_size=1,
         ppo_micro_batch_size_per_gpu=1, use_torch_compile=False,
-        policy_loss=PolicyLossConfig(loss_mode=spec.loss_mode),
+        policy_loss=policy_loss,
         entropy_coeff=spec.entropy_coeff, use_kl_loss=spec.use_kl_loss,
         kl_loss_coef=spec.kl_loss_coef, kl_loss_type=spec.kl_loss_type)
