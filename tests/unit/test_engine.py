@@ -291,3 +291,47 @@ def test_bypass_mode_takes_the_rollout_log_probs_as_the_old_policy_s():
     m_off = off.update(to_verl_batch(samples(), 0), 0)  # rollout log-probs far from the policy
     off.close()
     assert m_dec["actor/pg_clipfrac"] == 0.0 and m_off["actor/pg_clipfrac"] > 0.1
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_no_micro_batch_is_made_only_of_rows_without_a_trained_token(ranks):
+    """Padding rows (two tokens, the shortest) go one to a micro-batch: sorted with the rest
+    they would share the first micro-batches, and a micro-batch with no trained token has
+    nothing to normalise a per-micro-batch figure by (verl's bypass loss raises on it, and
+    one rank raising hangs the others in their collectives)."""
+    from workers.trainer.engine import _shards, layout
+
+    base = to_verl_batch(samples(), 0)
+    for rows in range(1, len(base) + 1):
+        for micro in range(2, 9):
+            total, size = layout(rows, ranks, micro)
+            vb = base.select(list(range(rows))).padded_to(total)
+            shards = _shards(vb, ranks, size)
+            assert sorted(i for s in shards for i in s) == list(range(total))
+            for shard in shards:
+                assert len(shard) == total // ranks
+                for start in range(0, len(shard), size):
+                    chunk = shard[start:start + size]
+                    if rows >= total // size:  # enough rows for every micro-batch
+                        assert vb.response_mask[chunk].sum() > 0, (rows, micro, shard)
+
+
+def test_rows_without_a_trained_token_are_not_run():
+    """A row whose every call is masked (over-long, or rejected) adds nothing to the loss:
+    it is left out of the training pass, and the step is the same. In bypass mode at one
+    row per micro-batch it would otherwise be a micro-batch verl's loss refuses."""
+    vb = to_verl_batch(samples(), 0)
+    vb.response_mask[0] = 0
+    vb.rollout_log_probs[0] = 0
+    trainer = engine("algorithm.rollout_correction.bypass_mode=true",
+                     "algorithm.rollout_correction.rollout_is=null",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1")
+    shapes = forward_shapes(trainer)
+    m = trainer.update(vb, 0)
+    assert len(shapes) == len(vb) - 1  # one row per micro-batch, the dead row left out
+    whole = engine("algorithm.rollout_correction.bypass_mode=true",
+                   "algorithm.rollout_correction.rollout_is=null")
+    assert m["actor/grad_norm"] == pytest.approx(whole.update(vb, 0)["actor/grad_norm"],
+                                                 rel=1e-5)
+    trainer.close()
+    whole.close()

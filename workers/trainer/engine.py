@@ -11,8 +11,9 @@ Invariants:
 - Every mini-batch is padded with all-masked rows to divide evenly over ranks and
   micro-batches; padding never changes a loss or a gradient (``verl_batch``). The
   micro-batches are the fewest that ``ppo_micro_batch_size_per_gpu`` allows, made as even as
-  the rows allow, so at most one padding row per micro-batch is needed; rows are sorted by
-  length and dealt out to the ranks, since each micro-batch is padded to its longest row.
+  the rows allow, so there are fewer padding rows than micro-batches, and they go one to a
+  micro-batch; the other rows are sorted by length and dealt out to the ranks, since each
+  micro-batch is padded to its longest row. Rows without a trained token are not trained.
 - Mini-batches hold whole prompt groups (the GRPO/RLOO index never straddles two steps).
 - A step whose gradient norm is not finite leaves the weights unchanged (verl skips the
   optimizer step) and is counted in ``actor/skipped_steps``.
@@ -78,13 +79,30 @@ def layout(rows: int, ranks: int, micro: int | None) -> tuple[int, int | None]:
     return ranks * count * size, size
 
 
-def _shards(vb: VerlBatch, ranks: int) -> list[list[int]]:
-    """Row indices of ``vb`` for each rank (``vb`` divides evenly): sorted by length and dealt
-    out in turn, so a rank's consecutive micro-batches hold rows of like length (verl pads
-    each micro-batch to its longest row) and every rank gets like work."""
+def _shards(vb: VerlBatch, ranks: int, micro: int | None) -> list[list[int]]:
+    """Row indices of ``vb`` for each rank (``vb`` divides evenly into ranks and micro-batches
+    of ``micro`` rows): sorted by length and dealt out in turn, so a rank's consecutive
+    micro-batches hold rows of like length (verl pads each micro-batch to its longest row)
+    and every rank gets like work. Rows without a trained token (padding) go one to a
+    micro-batch first: one made only of them has no token to normalise a per-micro-batch
+    figure by (verl's bypass loss refuses it) and would be wasted work."""
+    per = len(vb) // ranks
+    size = min(micro or per, per)
+    tokens = vb.response_mask.sum(1).tolist()
     lengths = (vb.prompt_mask.sum(1) + vb.response_attention.sum(1)).tolist()
-    order = sorted(range(len(vb)), key=lambda i: lengths[i])
-    return [order[r::ranks] for r in range(ranks)]
+    by_length = sorted(range(len(vb)), key=lambda i: lengths[i])
+    # position p of the dealt order -> rank p % ranks, micro-batch (p // ranks) // size
+    slots = [[(g * size + t) * ranks + r for t in range(size)]
+             for g in range(per // size) for r in range(ranks)]
+    order: list[int | None] = [None] * len(vb)
+    for j, row in enumerate(i for i in by_length if tokens[i] == 0):
+        slot = j % len(slots)
+        while order[slots[slot][-1]] is not None:  # that micro-batch is full of them
+            slot = (slot + 1) % len(slots)
+        order[next(p for p in slots[slot] if order[p] is None)] = row
+    live = iter(i for i in by_length if tokens[i] > 0)
+    filled = [p if p is not None else next(live) for p in order]
+    return [filled[r::ranks] for r in range(ranks)]
 
 
 def _memory_metrics(stage: str, per_rank: list[dict[str, float]]) -> dict[str, float]:
@@ -155,7 +173,7 @@ class EngineTrainer:
         (or the reference's), at each row's temperature."""
         total, micro = self._layout(len(vb))
         padded = vb.padded_to(total)
-        shards = _shards(padded, self.size)
+        shards = _shards(padded, self.size, micro)
         parts = self.ranks.call("log_probs", [(padded.select(s),) for s in shards], ref=ref,
                                 micro=micro)
         out = torch.zeros(len(padded), vb.responses.shape[1])
@@ -185,12 +203,12 @@ class EngineTrainer:
                   ) -> list[tuple[VerlBatch, dict[str, torch.Tensor]]]:
         """The mini-batch ``rows`` of ``vb``, padded to divide evenly, cut into one slice per
         rank with the matching slices of the per-token ``fields``."""
-        total, _ = self._layout(len(rows))
+        total, micro = self._layout(len(rows))
         mb = vb.select(rows).padded_to(total)
         idx = torch.as_tensor(rows + [rows[0]] * (len(mb) - len(rows)))  # padding: any row
         mb_fields = {k: v[idx] for k, v in fields.items()}
         return [(mb.select(s), {k: v[s] for k, v in mb_fields.items()})
-                for s in _shards(mb, self.size)]
+                for s in _shards(mb, self.size, micro)]
 
     def update(self, vb: VerlBatch, step: int = 0) -> dict[str, float]:
         actor = self.cfg.actor_rollout_ref.actor
@@ -220,9 +238,12 @@ class EngineTrainer:
         skipped = 0
         for _ in range(int(actor.ppo_epochs)):
             for rows in self._mini_batches(trained):
-                out = self.ranks.call("train", self._per_rank(trained, rows, fields), lr=lr,
+                # rows without a trained token (every call masked) add nothing to the loss,
+                # whose normalisers are the token count and global_batch_size: not run
+                live = [i for i in rows if trained.response_mask[i].sum() > 0] or rows
+                out = self.ranks.call("train", self._per_rank(trained, live, fields), lr=lr,
                                       global_batch_size=len(rows),
-                                      micro=self._layout(len(rows))[1])[0]
+                                      micro=self._layout(len(live))[1])[0]
                 grad_norm = float(out.get("grad_norm", float("nan")))
                 if not math.isfinite(grad_norm):
                     skipped += 1
