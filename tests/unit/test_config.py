@@ -161,6 +161,10 @@ INVALID = [
       "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
      "actor_rollout_ref.actor.policy_loss.loss_mode: value 'gspo' cannot be used with "
      "algorithm.rollout_correction.bypass_mode"),
+    (["algorithm.rollout_correction.bypass_mode=true", "trainer.ranks=2",
+      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
+     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: value 1 cannot be used with "
+     "algorithm.rollout_correction.bypass_mode over 2 ranks"),
     (["algorithm.rollout_correction.loss_type=ppo"],
      "algorithm.rollout_correction.loss_type: value 'ppo' must be one of 'ppo_clip', "
      "'reinforce'"),
