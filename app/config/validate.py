@@ -351,6 +351,29 @@ RULES: dict[str, Check] = {
 }
 
 
+def _bypass_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """What verl's bypass loss (``algorithm.rollout_correction.bypass_mode``) cannot take."""
+    problems = []
+    loss_mode = _get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode")
+    if loss_mode != "vanilla":
+        problems.append(
+            f"actor_rollout_ref.actor.policy_loss.loss_mode: value {_fmt(loss_mode)} cannot be "
+            "used with algorithm.rollout_correction.bypass_mode (verl's bypass loss is PPO's "
+            "clip or REINFORCE, chosen by algorithm.rollout_correction.loss_type): set it to "
+            "vanilla or turn bypass_mode off")
+    micro = _get(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    tr = cfg["trainer"]
+    ranks = max(tr["ranks"], tr["nnodes"] * tr["n_gpus_per_node"]) \
+        if ok("trainer.ranks", "trainer.nnodes", "trainer.n_gpus_per_node") else 1
+    if micro == 1 and ranks > 1 and not _get(cfg, "actor_rollout_ref.actor.use_dynamic_bsz"):
+        problems.append(
+            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: value 1 cannot be used "
+            f"with algorithm.rollout_correction.bypass_mode over {ranks} ranks: a batch that "
+            "does not divide over them leaves a rank a micro-batch of padding alone, with no "
+            "trained token, which verl's bypass loss refuses; use 2 or more")
+    return problems
+
+
 def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
     """Rules between keys; a rule is checked only when each key it reads is valid alone."""
 
@@ -402,24 +425,8 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             "algorithm.rollout_correction.rollout_rs_threshold: value null must be a positive "
             f"number when rollout_rs is {rc['rollout_rs']!r}"
         )
-    loss_mode = _get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode")
-    if rc["bypass_mode"] is True and loss_mode != "vanilla":
-        problems.append(
-            f"actor_rollout_ref.actor.policy_loss.loss_mode: value {_fmt(loss_mode)} cannot be "
-            "used with algorithm.rollout_correction.bypass_mode (verl's bypass loss is PPO's "
-            "clip or REINFORCE, chosen by algorithm.rollout_correction.loss_type): set it to "
-            "vanilla or turn bypass_mode off")
-    micro = _get(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    tr = cfg["trainer"]
-    ranks = max(tr["ranks"], tr["nnodes"] * tr["n_gpus_per_node"]) \
-        if ok("trainer.ranks", "trainer.nnodes", "trainer.n_gpus_per_node") else 1
-    if rc["bypass_mode"] is True and micro == 1 and ranks > 1 \
-            and not _get(cfg, "actor_rollout_ref.actor.use_dynamic_bsz"):
-        problems.append(
-            f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: value 1 cannot be used "
-            f"with algorithm.rollout_correction.bypass_mode over {ranks} ranks: a batch that "
-            "does not divide over them leaves a rank a micro-batch of padding alone, with no "
-            "trained token, which verl's bypass loss refuses; use 2 or more")
+    if rc["bypass_mode"] is True:
+        problems += _bypass_rules(cfg, ok)
     backend = _get(cfg, "controller.backend")
     agent = _get(cfg, "controller.agent")
     if ok("controller.backend", "controller.agent") and backend == "python" and not re.match(

@@ -142,7 +142,7 @@ def test_micro_batches_of_one_give_the_same_gradient():
 def test_padded_rows_change_nothing(one_rank):
     _, metrics, weights = one_rank
     padded = engine()
-    vb = to_verl_batch(samples(), 0).padded(8)
+    vb = to_verl_batch(samples(), 0).padded_to(16)
     assert len(vb) == 16 and vb.real == 13 and vb.response_mask[13:].sum() == 0
     m = padded.update(vb, 0)
     assert m["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-6)

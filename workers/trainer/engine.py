@@ -234,13 +234,14 @@ class EngineTrainer:
             rc_metrics.update(constrained_is_metrics(is_weights, mask, vb.constrained))
         trained = replace(vb, response_mask=mask)  # after rollout correction's rejection
 
+        # rows without a trained token (every call masked) add nothing to the loss, whose
+        # normalisers are the token count and global_batch_size: not run
+        has_tokens = (mask.sum(1) > 0).tolist()
         metrics: dict[str, list[float]] = {}
         skipped = 0
         for _ in range(int(actor.ppo_epochs)):
             for rows in self._mini_batches(trained):
-                # rows without a trained token (every call masked) add nothing to the loss,
-                # whose normalisers are the token count and global_batch_size: not run
-                live = [i for i in rows if trained.response_mask[i].sum() > 0] or rows
+                live = [i for i in rows if has_tokens[i]] or rows
                 out = self.ranks.call("train", self._per_rank(trained, live, fields), lr=lr,
                                       global_batch_size=len(rows),
                                       micro=self._layout(len(live))[1])[0]

@@ -10,7 +10,7 @@ Invariants:
 - ``response_mask`` is 1 exactly at the tokens the policy sampled (less those of a call
   masked out: ``algorithm.overlong.mask``); ``rollout_log_probs`` is the engine's log-prob
   at every sampled token and 0 elsewhere.
-- Rows added by ``padded`` have an all-zero ``response_mask`` (and no reward): every loss and
+- Rows added by ``padded_to`` have an all-zero ``response_mask`` (and no reward): every loss and
   every token count verl computes ignores them, so padding a batch to divide evenly over
   ranks or micro-batches changes nothing.
 """
@@ -60,10 +60,6 @@ class VerlBatch:
             [self.calls[i] for i in rows], real=sum(1 for i in rows if i < self.real),
             rowless=self.rowless,
             constrained=None if self.constrained is None else self.constrained[idx])
-
-    def padded(self, multiple: int) -> VerlBatch:
-        """This batch with all-masked rows appended up to a multiple of ``multiple``."""
-        return self.padded_to(len(self) + (-len(self)) % max(multiple, 1))
 
     def padded_to(self, rows: int) -> VerlBatch:
         """This batch with all-masked rows appended up to ``rows`` rows."""
