@@ -371,6 +371,14 @@ def _bypass_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
             f"with algorithm.rollout_correction.bypass_mode over {ranks} ranks: a batch that "
             "does not divide over them leaves a rank a micro-batch of padding alone, with no "
             "trained token, which verl's bypass loss refuses; use 2 or more")
+    if ranks > 1 and _get(cfg, "actor_rollout_ref.actor.use_dynamic_bsz") is True:
+        problems.append(
+            f"actor_rollout_ref.actor.use_dynamic_bsz: value true cannot be used with "
+            f"algorithm.rollout_correction.bypass_mode over {ranks} ranks: verl cuts every "
+            "rank's rows into as many micro-batches as the busiest rank needs, which can leave "
+            "a padding row in a micro-batch of its own with no trained token; verl's bypass "
+            "loss refuses it and the other ranks wait for it forever. Use a fixed "
+            "ppo_micro_batch_size_per_gpu of 2 or more")
     return problems
 
 

@@ -138,6 +138,7 @@ def test_manifest_fields_and_client_model_round_trip(tmp_path, standin):
     assert env["OPENAI_API_KEY"] == "secret-token" and env["OPENAI_MODEL"] == "policy"
     assert json.loads(env["CARRYOVER_SAMPLE"]) == {"text": "abc"}
     assert json.loads(env["CARRYOVER_AGENT_SETTINGS"]) == {"k": 1} and env["EXTRA"] == "x"
+    assert float(env["CARRYOVER_MAX_WAIT_S"]) == llm.max_wait_s  # the agent's retry budget
 
     class Raw:
         data = json.dumps(body)

@@ -165,6 +165,11 @@ INVALID = [
       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
      "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: value 1 cannot be used with "
      "algorithm.rollout_correction.bypass_mode over 2 ranks"),
+    # verl's token-count cut can leave a padding row alone, which hangs the step
+    (["algorithm.rollout_correction.bypass_mode=true", "trainer.ranks=2",
+      "actor_rollout_ref.actor.use_dynamic_bsz=true"],
+     "actor_rollout_ref.actor.use_dynamic_bsz: value true cannot be used with "
+     "algorithm.rollout_correction.bypass_mode over 2 ranks"),
     (["algorithm.rollout_correction.loss_type=ppo"],
      "algorithm.rollout_correction.loss_type: value 'ppo' must be one of 'ppo_clip', "
      "'reinforce'"),

@@ -103,6 +103,7 @@ def build_job(kcfg: Any, *, command: str, llm: LLMEndpoint, gateway_url: str, sa
            "OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_KEY": llm.api_key,
            "OPENAI_MODEL": llm.model, "CARRYOVER_ROLLOUT_ID": llm.rollout_id,
            "CARRYOVER_REWARD_URL": f"{base}/reward",
+           "CARRYOVER_MAX_WAIT_S": str(llm.max_wait_s),
            "CARRYOVER_SAMPLE": json.dumps(sample),
            "CARRYOVER_AGENT_SETTINGS": json.dumps(settings)}
     labels = job_labels(run_id, group_id, index, attempt, dict(kcfg.labels or {}))

@@ -72,6 +72,10 @@ class Resident:
     probe_ids: list[int]
     probe_prev: list[float] | None = None  # the probe of the weights the servers hold
     restored_step: int | None = None       # the checkpoint this process started from
+    steps_done: int = 0                    # the run's updates its weights hold
+    # an update ran that no recorded step holds (its step failed after it): these weights
+    # are not the run's, and a retry of the step must not train on top of them
+    unrecorded: bool = False
     published: bool = False                # the servers hold this process's weights
     saves: checkpoint.BackgroundSaves = field(default_factory=checkpoint.BackgroundSaves)
     export_root: Path | None = None        # where this process's exports go (decided once)
@@ -113,7 +117,11 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Reside
     resumed run, or a restarted worker)."""
     global _resident
     if _resident is not None and _resident.run_id == run_id:
-        return _resident
+        if not _resident.unrecorded:
+            return _resident
+        log.warning("run %s: an earlier attempt updated this trainer's weights and failed "
+                    "before its step was recorded; reloading the last checkpoint instead of "
+                    "training on top of that update", run_id)
     close_resident()
     trainer = EngineTrainer(cfg, str(settings.model_path))
     resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path))
@@ -121,7 +129,7 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Reside
     latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
     if latest is not None:
         meta = checkpoint.load_checkpoint(trainer, latest)
-        resident.restored_step = meta["step"]
+        resident.restored_step = resident.steps_done = meta["step"]
         log.info("run %s: restored trainer state from %s (step %d)", run_id, latest,
                  meta["step"])
     keeper = running_keeper()
@@ -210,6 +218,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
     version = published.version
     metrics.update(step_metrics(stats, version, timings))
     record(client, run_id, step, group_ids, metrics, settings)
+    resident.unrecorded, resident.steps_done = False, step + 1
     save_if_due(client, settings, resident, run_id, step, version, metrics)
     return metrics
 
@@ -299,6 +308,7 @@ def update(resident: Resident, samples: list[Sample], stats: BatchStats, step: i
     t = time.monotonic()
     trainer = resident.trainer
     resident.weights_version = None
+    resident.unrecorded = True  # until the step is recorded
     if not samples:  # every call was cut at max_tokens and masked (algorithm.overlong.mask)
         log.warning("step %d trains nothing: all %d trainable calls were cut at max_tokens "
                     "and masked out (algorithm.overlong.mask)", step,
@@ -747,16 +757,34 @@ def _restore_servers(client: redis.Redis, settings: TrainerSettings, resident: R
             "trainer/rolled_back_updates": lost}
 
 
+def holds_latest(client: redis.Redis, resident: Resident, run_id: str) -> bool:
+    """``resident``'s weights are run ``run_id``'s latest: every update it ran was recorded,
+    its last step has a stored result, and no later step has one (no other trainer worker
+    trained past it meanwhile)."""
+    if resident.run_id != run_id or resident.unrecorded:
+        return False
+    n = resident.steps_done
+    return (n == 0 or bool(client.exists(keys.run_step_result(run_id, n - 1)))) \
+        and not client.exists(keys.run_step_result(run_id, n))
+
+
 def init_run(client: redis.Redis, run_id: str) -> Metrics:
-    """Load the run's policy into this worker (from its last checkpoint, if any) and make
-    every inference server serve exactly it (a previous run may have left other weights
-    there). Verified by the probe."""
+    """Load the run's policy into this worker (from its last checkpoint, if any; kept as it
+    is when this worker's trainer already holds the run's latest weights) and make every
+    inference server serve exactly it (a previous run may have left other weights there).
+    Verified by the probe."""
     cfg, settings = _task_start(client, run_id)
     metrics: Metrics = {}
     # the build is inside the heartbeat: a 7B engine or a checkpoint restore takes minutes,
     # and the driver must see a trainer at work, not "no trainer worker took the task"
     with Beats(client, keys.trainer_heartbeat(run_id, "init"), settings.heartbeat_s) as beats:
-        close_resident()
+        if _resident is not None and holds_latest(client, _resident, run_id):
+            # a restarted driver: this worker's trainer is the run's, reloading the last
+            # checkpoint would throw away the updates made since
+            log.info("run %s: this worker's trainer holds the run's latest weights (%d "
+                     "updates); kept", run_id, _resident.steps_done)
+        else:
+            close_resident()
         resident = resident_trainer(run_id, cfg, settings)
         version = _serve_resident(client, settings, resident, beats, metrics)
     metrics["policy/version"] = version

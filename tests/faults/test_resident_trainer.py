@@ -1,0 +1,91 @@
+"""The trainer a worker keeps between a run's steps: a retry of a step that failed after its
+update starts again from the recorded weights (not from that update), and a restarted
+driver's ``init_run`` keeps the weights of the steps trained since the last checkpoint,
+unless another trainer worker trained past them."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from app.config import load_config
+from app.state import keys
+from tests.conftest import free_port, standin_gateway
+from tests.faults.test_engine_sleep import _prepared_run
+from tests.unit.test_engine import max_diff
+from workers.trainer import service
+from workers.trainer.settings import TrainerSettings
+
+
+@pytest.fixture(scope="module")
+def upstream(redis_service, tmp_root):
+    with standin_gateway(tmp_root, "resident-tests") as (_, _, upstreams):
+        yield upstreams[0][0]
+
+
+@pytest.fixture
+def resident():
+    yield
+    if service._resident is not None:
+        service._resident.close()
+    service._resident = None
+
+
+def _cfg(url: str, tmp_path):
+    # the stand-in scores every probe token -1: a tolerance that admits it
+    return load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
+                              f"inference.urls=[{url}]", "trainer.device=cpu",
+                              f"trainer.weights_dir={tmp_path / 'w'}",
+                              f"trainer.checkpoint_dir={tmp_path / 'c'}",
+                              "trainer.reload_timeout_s=2", "inference.startup_timeout_s=2",
+                              "trainer.probe_tolerance=100", "trainer.total_steps=10",
+                              "trainer.save_freq=10", "actor_rollout_ref.rollout.n=2"])
+
+
+def _weights() -> dict:
+    assert service._resident is not None
+    return {k: v.clone() for k, v in service._resident.trainer.full_weights().items()}
+
+
+def test_a_retry_of_a_step_that_failed_after_its_update_starts_from_the_recorded_weights(
+        redis_client, tmp_path, resident):
+    run_id = "retry-run"
+    cfg = _cfg(f"http://127.0.0.1:{free_port()}", tmp_path)  # nobody listens: the load fails
+    _prepared_run(redis_client, run_id, cfg)
+    settings = TrainerSettings.from_config(cfg)
+    first = service.resident_trainer(run_id, cfg, settings)
+    first.published = True  # the servers hold these weights: no first load of them
+    before = _weights()
+    with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
+        service.train_step(redis_client, run_id, 0)
+    assert redis_client.get(keys.run_step_result(run_id, 0)) is None
+    assert max_diff(before, _weights()) > 0  # the update ran before the load failed
+    # the step's next attempt (the driver re-sends it) gets the run's weights, not those
+    # of an update no recorded step holds: trained on top, its groups would count twice
+    again = service.resident_trainer(run_id, cfg, settings)
+    assert again is not first and not again.published
+    assert max_diff(before, _weights()) == 0
+
+
+def test_a_restarted_driver_keeps_the_updates_since_the_last_checkpoint(
+        upstream, redis_client, tmp_path, resident):
+    run_id = "kept-run"
+    cfg = _cfg(upstream, tmp_path)
+    _prepared_run(redis_client, run_id, cfg)
+    service.init_run(redis_client, run_id)
+    initial = _weights()
+    service.train_step(redis_client, run_id, 0)
+    trained, kept = _weights(), service._resident
+    assert max_diff(initial, trained) > 0
+    # the driver restarts (--resume) and asks the same worker to take the run up again:
+    # no checkpoint holds step 0's update, and it is not thrown away
+    m = service.init_run(redis_client, run_id)
+    assert service._resident is kept and max_diff(trained, _weights()) == 0
+    assert m["policy/version"] > 0  # the servers were given the kept weights again
+    # another trainer worker trained step 1 meanwhile: this one's weights are behind it,
+    # so the run's are loaded (here no checkpoint yet: the initial weights)
+    redis_client.set(keys.run_step_result(run_id, 1), json.dumps({}))
+    service.init_run(redis_client, run_id)
+    assert service._resident is not kept and max_diff(initial, _weights()) == 0
