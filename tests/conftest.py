@@ -152,6 +152,18 @@ def celery_workers(supervisor, redis_service):
 
 
 @pytest.fixture
+def real_trainer():
+    """A test that builds the trainer worker's resident trainer in this process: closed
+    after it, so the next test starts without one."""
+    yield
+    from workers.trainer import service
+
+    if service._resident is not None:
+        service._resident.close()
+    service._resident = None
+
+
+@pytest.fixture
 def new_rollout(redis_client, cfg):
     """Create rollouts the way the rollout task does; returns (rollout_id, token, base_url)."""
     from workers.rollout.episode import _start_attempt

@@ -97,14 +97,6 @@ def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
     behave(upstream, "ok")
 
 
-@pytest.fixture
-def real_trainer():
-    yield
-    if service._resident is not None:
-        service._resident.close()
-    service._resident = None
-
-
 def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, real_trainer):
     """A collocated step through verl's engine: the engine sleeps, the update, the export,
     then the weights wake alone, the load, the trainer gives its memory back on every rank,

@@ -25,14 +25,6 @@ def upstream(redis_service, tmp_root):
         yield upstreams[0][0]
 
 
-@pytest.fixture
-def resident():
-    yield
-    if service._resident is not None:
-        service._resident.close()
-    service._resident = None
-
-
 def _cfg(url: str, tmp_path):
     # the stand-in scores every probe token -1: a tolerance that admits it
     return load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
@@ -50,7 +42,7 @@ def _weights() -> dict:
 
 
 def test_a_retry_of_a_step_that_failed_after_its_update_starts_from_the_recorded_weights(
-        redis_client, tmp_path, resident):
+        redis_client, tmp_path, real_trainer):
     run_id = "retry-run"
     cfg = _cfg(f"http://127.0.0.1:{free_port()}", tmp_path)  # nobody listens: the load fails
     _prepared_run(redis_client, run_id, cfg)
@@ -70,7 +62,7 @@ def test_a_retry_of_a_step_that_failed_after_its_update_starts_from_the_recorded
 
 
 def test_a_restarted_driver_keeps_the_updates_since_the_last_checkpoint(
-        upstream, redis_client, tmp_path, resident):
+        upstream, redis_client, tmp_path, real_trainer):
     run_id = "kept-run"
     cfg = _cfg(upstream, tmp_path)
     _prepared_run(redis_client, run_id, cfg)
