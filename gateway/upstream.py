@@ -15,10 +15,11 @@ gateway process routes around the members of that set (re-read at most every
 ``stale_refresh_s``) until the trainer's upstream keeper has loaded the current weights into
 it again.
 
-Where the servers sleep around updates (``sleep_check``), the check also asks each healthy
-one ``/is_sleeping``: an engine asleep while no pause is held was left so by a trainer that
-died mid-update (vLLM can crash serving a request asleep), and is skipped until it is woken
-(the keeper does that).
+The check also asks each healthy one ``/is_paused`` (and ``/is_sleeping`` where the servers
+sleep around updates, ``sleep_check``): an engine paused or asleep while no pause is held was
+left so by a trainer that died mid-update. Paused, vLLM schedules no new request (a call sent
+there would hang); asleep, it can crash serving one. It is skipped until the keeper has
+taken it back.
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ class Upstreams:
         self._unhealthy: set[str] = set()
         self._failures: dict[str, int] = {}
         self._seen_healthy: set[str] = set()
-        self._asleep: set[str] = set()   # left asleep with no pause held
+        self._held: set[str] = set()   # left paused or asleep with no pause held
         self.sleep_check = sleep_check
         self.health_every_s = health_every_s
         self.client = client
@@ -246,7 +247,7 @@ class Upstreams:
 
     def _usable(self, url: str, now: float, stale: set[str]) -> bool:
         return (self._down_until.get(url, 0.0) <= now and url not in stale
-                and url not in self._unhealthy and url not in self._asleep)
+                and url not in self._unhealthy and url not in self._held)
 
     def check_health(self, timeout_s: float = 5.0) -> dict[str, bool]:
         """GET every server's ``/health``; -> {url: passed}. A server is skipped after two
@@ -267,8 +268,8 @@ class Upstreams:
                 status = exc.__class__.__name__
             passed = status == 200
             results[url] = passed
-            if passed and self.sleep_check:
-                self._check_sleep(url, timeout_s)
+            if passed:
+                self._check_held(url, timeout_s)
             with self._lock:
                 was_unhealthy = url in self._unhealthy
                 # a proxy's 502/504 twice in a row (once may be a hiccup of the proxy)
@@ -291,25 +292,34 @@ class Upstreams:
                 self.mark_down(url, restarted=True)
         return results
 
-    def _check_sleep(self, url: str, timeout_s: float) -> None:
+    def _check_held(self, url: str, timeout_s: float) -> None:
+        routes = ["/is_paused", *(["/is_sleeping"] if self.sleep_check else [])]
         try:
-            status, body = self._pools[url].fetch("/is_sleeping", timeout_s)
-            asleep = status == 200 and json.loads(body).get("is_sleeping") is True
+            held = [r.removeprefix("/is_") for r in routes if self._reports(url, r, timeout_s)]
+            # read after the engine: a step pauses the gateway before the engines and
+            # resumes it after them, so an engine held within a live pause is the step's
             paused = self.client is not None and bool(self.client.exists(keys.paused()))
         except (OSError, http.client.HTTPException, ValueError, redis.RedisError):
             return  # no answer: the health check decides
-        orphan = asleep and not paused  # asleep during a pause is the update's own sleep
+        orphan = bool(held) and not paused
         with self._lock:
-            was = url in self._asleep
+            was = url in self._held
             if orphan:
-                self._asleep.add(url)
-            elif not asleep:
-                self._asleep.discard(url)
+                self._held.add(url)
+            elif not held:
+                self._held.discard(url)
         if orphan and not was:
-            log.warning("inference server %s is asleep with no pause held (a trainer died "
-                        "mid-update?); skipped until it is woken", url)
-        elif was and not asleep:
-            log.warning("inference server %s is awake again", url)
+            log.warning("inference server %s is %s with no pause held (a trainer died "
+                        "mid-update?); skipped until the keeper takes it back", url,
+                        " and ".join(held))
+        elif was and not held:
+            log.warning("inference server %s serves again", url)
+
+    def _reports(self, url: str, route: str, timeout_s: float) -> bool:
+        """The engine answers ``route`` (``/is_paused``) with true; a server without the
+        route (no dev mode, no sleep mode) does not."""
+        status, body = self._pools[url].fetch(route, timeout_s)
+        return status == 200 and json.loads(body).get(route.removeprefix("/")) is True
 
     def _check_forever(self) -> None:
         while True:

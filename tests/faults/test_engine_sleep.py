@@ -21,7 +21,7 @@ from app.state import keys
 from app.state.pause import Pause
 from app.state.records import CapturedCall, GroupRecord, SiblingResult
 from gateway.upstream import Upstreams
-from tests.conftest import standin_gateway
+from tests.conftest import free_port, standin_gateway
 from tests.faults.test_worker_kills import wait_for
 from workers.trainer import service, weights
 from workers.trainer.keeper import UpstreamKeeper
@@ -48,6 +48,26 @@ def test_sleep_and_wake_are_checked(upstream):
         with pytest.raises(weights.EngineSleepError, match=why):
             weights.sleep_engines([upstream], 1)
     behave(upstream, "ok")
+
+
+def test_a_server_that_died_asleep_is_left_out_of_the_wake(upstream):
+    """A server that went to sleep and then died (its process is gone: connection refused)
+    is left out when the weights wake; the others wake, and the load that follows marks
+    it stale (it comes back fresh). A server that answers but refuses to wake is still an
+    error."""
+    behave(upstream, "ok")
+    dead = f"http://127.0.0.1:{free_port()}"
+    requests.post(upstream + "/standin/sleep", json={"clear_events": True}, timeout=5)
+    held = weights.sleep_engines([upstream], 1)
+    held.urls.insert(0, dead)  # it slept, then died
+    try:
+        held.wake(["weights"])
+        assert held.urls == [upstream]
+        assert events(upstream) == ["sleep", "wake_up:weights"]
+        held.release(tags=["kv_cache"])
+        assert requests.get(upstream + "/is_sleeping", timeout=5).json()["is_sleeping"] is False
+    finally:
+        held.release(check=False)
 
 
 def _collocated_cfg(upstream: str, tmp_path, *overrides: str):
@@ -176,10 +196,27 @@ from app.state.pause import Pause
 from workers.trainer import weights
 client = redis.Redis.from_url(sys.argv[1], decode_responses=True)
 Pause(client).pause(pause_ttl_s=float(sys.argv[3]))  # a lease the trainer would extend
-weights.sleep_engines([sys.argv[2]], 1)
-print("asleep", flush=True)
+if sys.argv[4] == "sleep":
+    weights.sleep_engines([sys.argv[2]], 1)
+else:
+    weights.pause_engines([sys.argv[2]], "keep")
+print("held", flush=True)
 import time; time.sleep(600)
 """
+
+
+def _kill_a_trainer_holding(redis_client, upstream: str, what: str, lease_s: float) -> None:
+    """A trainer that held the gateway's pause and put the engine to ``what`` (sleep,
+    pause), SIGKILLed there."""
+    kw = redis_client.connection_pool.connection_kwargs
+    redis_url = f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, redis_url, upstream,
+                             str(lease_s), what], stdout=subprocess.PIPE, env=os.environ)
+    try:
+        assert proc.stdout.readline().strip() == b"held"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
 
 
 def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_client, tmp_path):
@@ -191,16 +228,8 @@ def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_clie
     gateway = Upstreams([upstream], client=redis_client, sleep_check=True, stale_refresh_s=0)
     keeper = UpstreamKeeper(redis_client, [upstream], "m", 0.1, sleep_check=True)
     settings = TrainerSettings.from_config(_collocated_cfg(upstream, tmp_path))
-    kw = redis_client.connection_pool.connection_kwargs
-    redis_url = f"redis://{kw['host']}:{kw['port']}/{kw.get('db', 0)}"
     lease_s = 10.0  # long enough for the checks below on a slow machine
-    proc = subprocess.Popen([sys.executable, "-c", _KILLED_TRAINER, redis_url, upstream,
-                             str(lease_s)], stdout=subprocess.PIPE, env=os.environ)
-    try:
-        assert proc.stdout.readline().strip() == b"asleep"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(10)
+    _kill_a_trainer_holding(redis_client, upstream, "sleep", lease_s)
 
     def asleep() -> bool:
         return requests.get(upstream + "/is_sleeping", timeout=5).json()["is_sleeping"]
@@ -208,14 +237,14 @@ def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_clie
     try:
         # while the dead trainer's pause lives, the sleep is an update's own: left alone
         assert Pause(redis_client).is_paused()
-        assert keeper.tick() == [] and service.wake_orphans(redis_client, settings) == []
+        assert keeper.tick() == [] and service.take_back_orphans(redis_client, settings) == []
         gateway.check_health(timeout_s=2)
         assert asleep() and gateway.pick("r") == upstream
         wait_for(lambda: not Pause(redis_client).is_paused(), 3 * lease_s,
                  "the dead trainer's pause to end")
         gateway.check_health(timeout_s=2)
         assert gateway.pick("r") is None   # asleep with no pause held: no call goes to it
-        assert service.wake_orphans(redis_client, settings) == [upstream]   # the next task
+        assert service.take_back_orphans(redis_client, settings) == [upstream]   # the next task
         assert not asleep()
         # woken, it is stale until the keeper has loaded the current weights (none are
         # published here: it is only taken back)
@@ -230,6 +259,51 @@ def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_clie
     finally:
         redis_client.srem(keys.upstreams_stale(), upstream)
         requests.post(upstream + "/standin/sleep", json={"asleep": False}, timeout=5)
+
+
+def test_an_engine_left_paused_by_a_killed_trainer_is_resumed(upstream, redis_client,
+                                                              tmp_path):
+    """Without sleep (``drain_mode: keep``), a trainer SIGKILLed between the engines'
+    /pause and their /resume leaves them paused: vLLM schedules no new request, so every
+    agent's call would hang there. Once the dead trainer's pause lease runs out, the
+    gateway does not route to it, the next trainer task marks it stale, and the keeper
+    reloads the current weights into it (the dead trainer may have been mid-load) and
+    resumes it."""
+    behave(upstream, "ok")
+    gateway = Upstreams([upstream], client=redis_client, stale_refresh_s=0)
+    keeper = UpstreamKeeper(redis_client, [upstream], "m", 0.1)
+    settings = TrainerSettings.from_config(load_config(None, [
+        *json.loads(os.environ["CARRYOVER_OVERRIDES"]), f"inference.urls=[{upstream}]",
+        "gateway.drain_mode=keep"]))
+    lease_s = 10.0
+
+    def engine_paused() -> bool:
+        return requests.get(upstream + "/is_paused", timeout=5).json()["is_paused"]
+
+    _kill_a_trainer_holding(redis_client, upstream, "pause", lease_s)
+    try:
+        assert Pause(redis_client).is_paused()   # the dead trainer's lease: its own pause
+        assert keeper.tick() == [] and service.take_back_orphans(redis_client, settings) == []
+        gateway.check_health(timeout_s=2)
+        assert engine_paused() and gateway.pick("r") == upstream
+        wait_for(lambda: not Pause(redis_client).is_paused(), 3 * lease_s,
+                 "the dead trainer's pause to end")
+        gateway.check_health(timeout_s=2)
+        assert gateway.pick("r") is None   # paused with no pause held: calls would hang
+        assert service.take_back_orphans(redis_client, settings) == [upstream]
+        assert redis_client.sismember(keys.upstreams_stale(), upstream)
+        assert engine_paused()   # not resumed on weights a dead load may have half written
+        assert keeper.tick() == [upstream]
+        assert not engine_paused()
+        assert not redis_client.sismember(keys.upstreams_stale(), upstream)
+        gateway.check_health(timeout_s=2)
+        assert gateway.pick("r") == upstream
+        # the keeper's tick finds one left paused between tasks too
+        requests.post(upstream + "/pause", params={"mode": "keep"}, timeout=5)
+        assert keeper.tick() == [upstream] and not engine_paused()
+    finally:
+        redis_client.srem(keys.upstreams_stale(), upstream)
+        requests.post(upstream + "/resume", timeout=5)
 
 
 def test_the_keeper_reloads_a_server_that_restarted_unseen(upstream, redis_client, tmp_path):

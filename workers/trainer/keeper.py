@@ -11,9 +11,9 @@ reload never interleaves with a weight update.
 Each load also records its policy version inside the server (vLLM's
 ``/update_weight_version``), and the keeper reads it back (``/weight_info``): a server that
 restarted without the keeper seeing it down (behind a load balancer that answered for it)
-says "default" again, and is reloaded like any stale one. Where the engines sleep around
-updates, the keeper also wakes one left asleep with no pause held (a trainer that died
-between sleep and wake skipped its own ``finally``).
+says "default" again, and is reloaded like any stale one. The keeper also takes back an
+engine left paused (or, where the engines sleep around updates, asleep) with no pause held:
+a trainer that died between pausing it and resuming it skipped its own ``finally``.
 """
 
 from __future__ import annotations
@@ -51,8 +51,11 @@ class UpstreamKeeper:
 
     def configure(self, urls: list[str], model_name: str, tolerance: float,
                   reload_timeout_s: float = 600.0, dp_size: int = 1,
-                  sleep_check: bool = False) -> None:
-        """Follow the running run's config (it may name other servers than the worker's)."""
+                  sleep_check: bool = False, every_s: float | None = None) -> None:
+        """Follow the running run's config (it may name other servers than the worker's,
+        and check them at another interval, ``trainer.upstream_check_s``)."""
+        if every_s is not None:
+            self.every_s = every_s
         self.urls = [u.rstrip("/") for u in urls]
         self.model_name = model_name
         self.tolerance = tolerance
@@ -113,17 +116,30 @@ class UpstreamKeeper:
                                 "a load): reloading it", url, held, version)
                     self.client.sadd(keys.upstreams_stale(), url)
                     stale.add(url)
-            if url not in stale and self.sleep_check and weights.in_state(url, weights.SLEEP):
-                # a trainer died between sleep and wake; asleep the engine may have dropped
-                # its weights (level 2), so it is reloaded, not only woken
-                log.warning("inference server %s is asleep with no pause held (a trainer died "
-                            "between sleep and wake): waking and reloading it", url)
+            left = self._left_held(url) if url not in stale else []
+            if left:
+                # a trainer died between pausing (or putting to sleep) the engine and
+                # taking it back: it may have been mid-load, and asleep the engine may have
+                # dropped its weights (level 2), so it is reloaded, not only resumed
+                log.warning("inference server %s is %s with no pause held (a trainer died "
+                            "mid-update): reloading and resuming it", url, " and ".join(left))
                 self.client.sadd(keys.upstreams_stale(), url)
                 stale.add(url)
+                # what a step of another process published meanwhile
+                published = self.client.hgetall(keys.policy_published())
             if url in stale:
                 self.restore(url, published)
                 restored.append(url)
         return restored
+
+    def _left_held(self, url: str) -> list[str]:
+        """What ``url``'s engine was left in (``["paused"]``, ``["asleep"]``) by a dead
+        trainer: the state, with no pause held once it was read (a step pauses the gateway
+        before the engines and resumes it after them, so a state read within a live pause
+        is that step's)."""
+        changes = [weights.PAUSE, *([weights.SLEEP] if self.sleep_check else [])]
+        left = [c.state_key.removeprefix("is_") for c in changes if weights.in_state(url, c)]
+        return left if left and not Pause(self.client).is_paused() else []
 
     def restore(self, url: str, published: dict[str, str]) -> None:
         """Put the last published weights into ``url`` (called with ``publish_lock``
@@ -138,7 +154,7 @@ class UpstreamKeeper:
             self.client.srem(keys.upstreams_stale(), url)
             return
         if published:
-            weights.wake_if_asleep(url)
+            weights.wake_if_asleep(url, self.reload_timeout_s)
             # calls frozen in an engine a failed step left paused: their KV goes with the
             # old weights, so they recompute it on the new ones
             frozen = weights.in_state(url, weights.PAUSE)
@@ -162,7 +178,8 @@ class UpstreamKeeper:
                                 None, self.tolerance,
                                 json.loads(published.get("probe_ids", "null")), self.dp_size)
         else:
-            weights.wake_if_asleep(url)
+            weights.wake_if_asleep(url, self.reload_timeout_s)
+            weights.resume_if_paused(url)
         self.client.srem(keys.upstreams_stale(), url)
         if published:
             log.warning("inference server %s is back: loaded and verified policy version %s "

@@ -136,7 +136,8 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Reside
     if keeper is not None:
         inf = settings.inference
         keeper.configure(list(inf.urls), inf.served_model_name, settings.probe_tolerance,
-                         settings.reload_timeout_s, inf.data_parallel_size, inf.sleep_mode)
+                         settings.reload_timeout_s, inf.data_parallel_size, inf.sleep_mode,
+                         settings.upstream_check_s)
         keeper.send_weights = partial(send_again, resident, settings) \
             if inf.weight_sync == "transfer" else None
     _resident = resident
@@ -156,28 +157,37 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> Metrics:
 
 def _task_start(client: redis.Redis, run_id: str) -> tuple[Any, TrainerSettings]:
     """What every trainer task does first: the run's config and settings, the servers' key,
-    and the engines a dead trainer left asleep woken."""
+    and the engines a dead trainer left paused or asleep taken back."""
     cfg = run_config(client, run_id)
     settings = TrainerSettings.from_config(cfg)
     weights.use_api_key(inference_api_key(cfg))
-    wake_orphans(client, settings)
+    take_back_orphans(client, settings)
     return cfg, settings
 
 
-def wake_orphans(client: redis.Redis, settings: TrainerSettings) -> list[str]:
-    """Wake the engines a dead trainer left asleep (SIGKILL, OOM or an NCCL fault between
-    sleep and wake skips its ``finally``), unless a live pause holds them (its step wakes
-    them itself). Asleep, an engine may have dropped its weights (sleep level 2): each one
-    woken is stale until the upstream keeper has reloaded it."""
+def take_back_orphans(client: redis.Redis, settings: TrainerSettings) -> list[str]:
+    """Take back the engines a dead trainer left paused or asleep (SIGKILL, OOM or an NCCL
+    fault between pausing them and resuming them skips its ``finally``), unless a live pause
+    holds them (its step takes them back itself). -> those found. Each one is stale until
+    the upstream keeper has reloaded it (the dead trainer may have been mid-load; asleep,
+    an engine may have dropped its weights, sleep level 2): one asleep is woken now
+    (vLLM can crash serving a request asleep), one paused stays paused until reloaded."""
     inf = settings.inference
-    if not inf.sleep_mode or Pause(client).is_paused():
+    if Pause(client).is_paused():
         return []
-    woken = [u for u in inf.urls if weights.wake_if_asleep(u)]
-    for url in woken:
-        log.warning("inference server %s was asleep with no pause held (a trainer died "
-                    "between sleep and wake): woken, and stale until reloaded", url)
+    asleep = [u for u in inf.urls if inf.sleep_mode and weights.in_state(u, weights.SLEEP)]
+    paused = [u for u in inf.urls if weights.in_state(u, weights.PAUSE)]
+    if Pause(client).is_paused():  # a step took the engines meanwhile: their state is its
+        return []
+    for url in asleep:
+        weights.wake_if_asleep(url, settings.reload_timeout_s)
+    found = sorted(set(asleep) | set(paused), key=list(inf.urls).index)
+    for url in found:
+        log.warning("inference server %s was %s with no pause held (a trainer died "
+                    "mid-update): stale until the upstream keeper has reloaded it", url,
+                    "asleep (woken)" if url in asleep else "paused")
         client.sadd(keys.upstreams_stale(), url.rstrip("/"))
-    return woken
+    return found
 
 
 def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
@@ -291,7 +301,9 @@ def sleep_engines(settings: TrainerSettings, step: int) -> weights.Held:
     """The engines asleep, their accelerator memory lent to the update (checked)."""
     inf = settings.inference
     try:
-        return weights.sleep_engines(list(inf.urls), inf.sleep_level)
+        # the memory moves of the model's size, as a load does: the load's timeout
+        return weights.sleep_engines(list(inf.urls), inf.sleep_level,
+                                     settings.reload_timeout_s)
     except weights.EngineSleepError as exc:
         raise StepError(f"step {step} not trained: {exc}") from exc
 
@@ -698,7 +710,7 @@ def _reload_reachable(client: redis.Redis, urls: list[str], load: Loader, versio
             held.forget(url)
             if url.rstrip("/") in asleep.urls:
                 asleep.forget(url)
-                weights.wake_engines([url], check=False)
+                weights.wake_engines([url], asleep.timeout, check=False)
             failed[url] = why
             log.error("inference server %s did not load version %d: %s; it is not "
                       "resumed, and serves nobody until the upstream keeper has loaded "

@@ -93,7 +93,7 @@ def _start_upstream_keeper(sender: Any = None, **_: Any) -> None:
     inf = InferenceSettings.from_config(cfg)
     keeper.configure(list(inf.urls), inf.served_model_name, float(cfg.trainer.probe_tolerance),
                      float(cfg.trainer.reload_timeout_s), inf.data_parallel_size,
-                     inf.sleep_mode)
+                     inf.sleep_mode, float(cfg.trainer.upstream_check_s))
 
 
 @worker_shutdown.connect

@@ -24,6 +24,10 @@ from safetensors.torch import save_file
 
 log = logging.getLogger(__name__)
 
+# Pause and resume move no weights (seconds at most); sleep and wake move the model's memory
+# and are given the load's timeout (trainer.reload_timeout_s) by their callers.
+ENGINE_CONTROL_TIMEOUT_S = 120.0
+
 # A fixed sequence for the probe: prompt + response ids scored through prompt_logprobs.
 PROBE_TEXT = ("The quick brown fox jumps over the lazy dog. Weights were loaded, and this "
               "sentence checks that the server now scores text as the trainer does.")
@@ -455,8 +459,8 @@ class Held:
     are released (unchecked: a failure is already on its way) on any way out that did not
     release them first."""
 
-    def __init__(self, change: EngineChange, urls: list[str], timeout: float = 120.0,
-                 frozen_calls: bool = False) -> None:
+    def __init__(self, change: EngineChange, urls: list[str],
+                 timeout: float = ENGINE_CONTROL_TIMEOUT_S, frozen_calls: bool = False) -> None:
         self.change = change
         self.urls = urls
         self.timeout = timeout
@@ -470,12 +474,20 @@ class Held:
     def wake(self, tags: list[str]) -> None:
         """Wake only ``tags`` of every sleeping engine (vLLM's ``/wake_up?tags=``: weights
         before the load, the KV cache after the trainer gave its memory back). The engines
-        stay held: a failure later still wakes them fully on the way out."""
+        stay held: a failure later still wakes them fully on the way out. One whose
+        process is gone (connection refused) is left out: it holds no memory, and the
+        load that follows finds it unreachable and marks it stale."""
         c = self.change
-        for url in self.urls:
+        for url in list(self.urls):
             try:
                 resp = _http.post(url + c.undo_route, params={"tags": tags},
                                   timeout=self.timeout)
+            except requests.ConnectionError as exc:
+                log.warning("%s: unreachable when its %s were to wake (%s); left out, it "
+                            "gets the new weights when it is back", url, ",".join(tags),
+                            exc.__class__.__name__)
+                self.forget(url)
+                continue
             except requests.RequestException as exc:
                 raise c.error(f"{url}: {c.undo_route}?tags={','.join(tags)} failed: "
                               f"{exc}") from exc
@@ -517,7 +529,7 @@ NOTHING_HELD = Held(PAUSE, [])
 
 
 def change_engines(urls: list[str], change: EngineChange, params: dict[str, object],
-                   timeout: float = 120.0, frozen_calls: bool = False) -> Held:
+                   timeout: float = ENGINE_CONTROL_TIMEOUT_S, frozen_calls: bool = False) -> Held:
     """Post ``change.route`` to every server and check that each reports the new state; on
     any failure the servers already changed are changed back and ``change.error`` names
     the server, why and the fix. -> the servers changed (unreachable ones are skipped
@@ -546,7 +558,8 @@ def change_engines(urls: list[str], change: EngineChange, params: dict[str, obje
     return done
 
 
-def pause_engines(urls: list[str], mode: str, timeout: float = 120.0) -> Held:
+def pause_engines(urls: list[str], mode: str, timeout: float = ENGINE_CONTROL_TIMEOUT_S
+                  ) -> Held:
     """Pause generation in every server (vLLM ``/pause``): ``keep`` freezes the requests in
     flight inside the engine, ``abort`` ends them. Weights are never loaded under running
     requests. A server that cannot be reached is skipped (the reload marks it stale; it
@@ -554,18 +567,21 @@ def pause_engines(urls: list[str], mode: str, timeout: float = 120.0) -> Held:
     return change_engines(urls, PAUSE, {"mode": mode}, timeout, frozen_calls=mode == "keep")
 
 
-def resume_engines(urls: list[str], timeout: float = 120.0, check: bool = True) -> None:
+def resume_engines(urls: list[str], timeout: float = ENGINE_CONTROL_TIMEOUT_S,
+                   check: bool = True) -> None:
     Held(PAUSE, [u.rstrip("/") for u in urls], timeout).release(check)
 
 
-def sleep_engines(urls: list[str], level: int, timeout: float = 120.0) -> Held:
+def sleep_engines(urls: list[str], level: int, timeout: float = ENGINE_CONTROL_TIMEOUT_S
+                  ) -> Held:
     """Put every server to sleep (vLLM sleep mode: level 1 offloads the weights and drops the
     KV cache, level 2 drops both) so the update gets the memory; one that stays awake fails
     the step before the update starts."""
     return change_engines(urls, SLEEP, {"level": level}, timeout)
 
 
-def wake_engines(urls: list[str], timeout: float = 120.0, check: bool = True) -> None:
+def wake_engines(urls: list[str], timeout: float = ENGINE_CONTROL_TIMEOUT_S,
+                 check: bool = True) -> None:
     Held(SLEEP, [u.rstrip("/") for u in urls], timeout).release(check)
 
 
@@ -587,12 +603,12 @@ def _undo_if(url: str, change: EngineChange, timeout: float) -> bool:
     return True
 
 
-def wake_if_asleep(url: str, timeout: float = 120.0) -> bool:
+def wake_if_asleep(url: str, timeout: float = ENGINE_CONTROL_TIMEOUT_S) -> bool:
     """Wake an engine left asleep (its trainer died between sleep and wake)."""
     return _undo_if(url, SLEEP, timeout)
 
 
-def resume_if_paused(url: str, timeout: float = 120.0) -> bool:
+def resume_if_paused(url: str, timeout: float = ENGINE_CONTROL_TIMEOUT_S) -> bool:
     """Resume an engine left paused (a step whose load failed did not resume it)."""
     return _undo_if(url, PAUSE, timeout)
 
