@@ -1,12 +1,14 @@
 """The trainer a worker keeps between a run's steps: a retry of a step that failed after its
 update starts again from the recorded weights (not from that update), and a restarted
 driver's ``init_run`` keeps the weights of the steps trained since the last checkpoint,
-unless another trainer worker trained past them."""
+unless another trainer worker trained past them. A step that fails after its export leaves
+the published export in place, however few versions are kept."""
 
 from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +27,7 @@ def upstream(redis_service, tmp_root):
         yield upstreams[0][0]
 
 
-def _cfg(url: str, tmp_path):
+def _cfg(url: str, tmp_path, *overrides: str):
     # the stand-in scores every probe token -1: a tolerance that admits it
     return load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
                               f"inference.urls=[{url}]", "trainer.device=cpu",
@@ -33,7 +35,8 @@ def _cfg(url: str, tmp_path):
                               f"trainer.checkpoint_dir={tmp_path / 'c'}",
                               "trainer.reload_timeout_s=2", "inference.startup_timeout_s=2",
                               "trainer.probe_tolerance=100", "trainer.total_steps=10",
-                              "trainer.save_freq=10", "actor_rollout_ref.rollout.n=2"])
+                              "trainer.save_freq=10", "actor_rollout_ref.rollout.n=2",
+                              *overrides])
 
 
 def _weights() -> dict:
@@ -81,3 +84,24 @@ def test_a_restarted_driver_keeps_the_updates_since_the_last_checkpoint(
     redis_client.set(keys.run_step_result(run_id, 1), json.dumps({}))
     service.init_run(redis_client, run_id)
     assert service._resident is not kept and max_diff(initial, _weights()) == 0
+
+
+def test_a_failed_step_keeps_the_published_export(upstream, redis_client, tmp_path,
+                                                  real_trainer):
+    """With ``keep_weight_versions: 1`` the next export must not delete the published one
+    before it is verified: the step below fails at the load, and the keeper still has the
+    published weights to load into a server that restarts."""
+    run_id = "keep-one"
+    cfg = _cfg(upstream, tmp_path, "trainer.keep_weight_versions=1")
+    _prepared_run(redis_client, run_id, cfg)
+    service.init_run(redis_client, run_id)
+    published = Path(redis_client.hget(keys.policy_published(), "path"))
+    assert published.is_dir()
+    # the same run, its only server gone: the step exports, then cannot load
+    _prepared_run(redis_client, run_id, _cfg(f"http://127.0.0.1:{free_port()}", tmp_path,
+                                             "trainer.keep_weight_versions=1"))
+    with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
+        service.train_step(redis_client, run_id, 0)
+    assert redis_client.get(keys.run_step_result(run_id, 0)) is None
+    assert Path(redis_client.hget(keys.policy_published(), "path")) == published
+    assert (published / "model.safetensors").is_file()

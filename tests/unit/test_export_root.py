@@ -51,3 +51,30 @@ def test_a_gone_deployments_exports_are_freed(tmp_path):
     gone_dir.rmdir()
     assert weights.export_root(disk, True, LOCAL, 1, 2, shm=shm) == mine
     assert not gone.exists() and mine.exists()
+
+
+def _versions(root):
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("v"))
+
+
+def test_the_published_version_outlives_a_failed_one(tmp_path):
+    """With one version kept, writing the next must not delete the published one before
+    the next is verified: a failed step would leave the keeper nothing to load into a
+    restarted server. Exports never number more than the versions kept plus one, and
+    once a version is verified, the versions kept."""
+    def write(tmp):
+        (tmp / "model.safetensors").write_bytes(b"w")
+
+    v1 = weights.publish_version(tmp_path, 1, 1, write)
+    v2 = weights.publish_version(tmp_path, 2, 1, write, published=v1)   # its probe fails
+    assert _versions(tmp_path) == ["v000001", "v000002"] and v1.is_dir()
+    v3 = weights.publish_version(tmp_path, 3, 1, write, published=v1)   # the retry
+    assert _versions(tmp_path) == ["v000001", "v000003"] and not v2.exists()
+    weights.prune_versions(tmp_path, 1)                                 # v3 was verified
+    assert _versions(tmp_path) == ["v000003"] and v3.is_dir()
+    for version, keep in ((4, 2), (5, 2), (6, 2)):
+        weights.publish_version(tmp_path, version, keep, write,
+                                published=tmp_path / f"v{version - 1:06d}")
+        assert len(_versions(tmp_path)) <= keep + 1
+        weights.prune_versions(tmp_path, keep)
+    assert _versions(tmp_path) == ["v000005", "v000006"]

@@ -360,7 +360,8 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     # the export and the load of each mode (LoRA's adapter goes by disk, never by transfer:
     # the config refuses the pair)
     load: Loader
-    path = export(settings, resident, version, timings) \
+    path = export(settings, resident, version, timings,
+                  client.hget(keys.policy_published(), "path") or None) \
         if inf.lora or inf.weight_sync == "disk" else None
     if inf.lora and path is not None:
         load = adapter_loader(path, settings, version, held.frozen_calls, metrics, fresh_base)
@@ -394,10 +395,12 @@ def _dtype_name(settings: TrainerSettings) -> str:
 
 
 def export(settings: TrainerSettings, resident: Resident, version: int,
-           timings: dict[str, float]) -> Path:
+           timings: dict[str, float], published: str | None = None) -> Path:
     """``version``'s export in the servers' dtype: the whole model
     (``inference.weight_sync: disk``), or with ``actor_rollout_ref.model.lora_rank`` the
-    adapter alone (megabytes, kept in ``weights_dir``: no shared memory needed)."""
+    adapter alone (megabytes, kept in ``weights_dir``: no shared memory needed). The
+    ``published`` export is kept whatever ``keep_weight_versions`` says until this one is
+    verified."""
     inf = settings.inference
     trainer = resident.trainer
     t = time.monotonic()
@@ -414,7 +417,8 @@ def export(settings: TrainerSettings, resident: Resident, version: int,
             list(inf.urls), size, settings.keep_weight_versions)
         log.info("weight exports of %.2f GB go to %s", size / 1e9, resident.export_root)
     path = weights.publish_version(resident.export_root, version,
-                                   settings.keep_weight_versions, lambda tmp: write(tmp, dtype))
+                                   settings.keep_weight_versions, lambda tmp: write(tmp, dtype),
+                                   Path(published) if published else None)
     timings["save"] = time.monotonic() - t
     return path
 
@@ -457,6 +461,8 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
         "adapter": served if settings.inference.lora else "",
         "model": settings.inference.served_model_name,
         "probe": json.dumps(expected), "probe_ids": json.dumps(ids)})
+    if published.path is not None:  # verified: the exports before it beyond those kept go
+        weights.prune_versions(published.path.parent, settings.keep_weight_versions)
 
 
 def step_metrics(stats: BatchStats, version: int, timings: dict[str, float]) -> Metrics:

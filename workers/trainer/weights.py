@@ -55,21 +55,39 @@ class WeightSyncError(RuntimeError):
     pass
 
 
-def publish_version(root: Path, version: int, keep: int, write: Callable[[Path], None]
-                    ) -> Path:
+def publish_version(root: Path, version: int, keep: int, write: Callable[[Path], None],
+                    published: Path | None = None) -> Path:
     """``root/vNNNNNN`` written by ``write(dir)`` into a temporary directory and renamed, so
-    a server never reads a half-written version; older versions beyond ``keep`` pruned."""
+    a server never reads a half-written version. Before the write, versions are pruned to
+    the newest ``keep - 1`` and ``published`` (the one the servers are known to hold: the
+    new one is not verified yet, and the upstream keeper loads ``published`` into a server
+    that restarts), so at most ``keep + 1`` exist while it is written; once the new one is
+    verified, :func:`prune_versions` leaves ``keep``."""
     out = root / f"v{version:06d}"
     tmp = root / f".v{version:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    root.mkdir(parents=True, exist_ok=True)
+    newest = _versions(root)[-(keep - 1):] if keep > 1 else []
+    held = published.resolve() if published is not None else None
+    for old in _versions(root):
+        if old not in newest and old.resolve() != held and old != out:
+            shutil.rmtree(old, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
-    versions = sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v"))
-    for old in versions[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def prune_versions(root: Path, keep: int) -> None:
+    """Leave the newest ``keep`` versions in ``root`` (called once the newest is verified)."""
+    for old in _versions(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _versions(root: Path) -> list[Path]:
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("v")) \
+        if root.is_dir() else []
 
 
 SHM = Path("/dev/shm")
