@@ -60,7 +60,8 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
               keys.group_results(group_id), keys.run_prompt_failures(run),
               keys.run_quarantined(run)],
         args=[group_id, outcome, str(time.time()), group.seq, group.sample_index,
-              int(limit or 0), (failed[0].error or "") if failed else ""])
+              int(limit or 0), (failed[0].error or "") if failed else "",
+              retention.GUARD_TTL_S])
     if answer == "duplicate":
         log.info("group %s: completion already recorded (duplicate callback)", group_id)
     elif answer == "dropped":
@@ -99,10 +100,10 @@ def equal_rewards(results: Iterable[SiblingResult], metric: str) -> bool:
 # KEYS: group, group_done, run_active, run_ready, run_requeue, run, run_wakeup, group_results,
 #       run_prompt_failures, run_quarantined
 # ARGV: group id, outcome (complete | dropped | filtered), completed_at, seq, sample index,
-#       max prompt failures, the last error
+#       max prompt failures, the last error, the guard's TTL (s)
 _COMPLETE = """
 if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return 'cancelled' end
-if not redis.call('SET', KEYS[2], '1', 'NX') then return 'duplicate' end
+if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[8]) then return 'duplicate' end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'completed_at', ARGV[3])
 local answer = ARGV[2]
 if ARGV[2] == 'complete' then

@@ -10,8 +10,9 @@ stored, with the Celery results of the group's siblings and chord callback (copi
 sibling results). The group record and its sibling results (a few KB) expire
 ``trainer.trained_data_ttl_s`` later: long enough to look at what a step trained, short
 enough that a long run keeps about 80 bytes per trained rollout. The exactly-once guards
-(``group_done``, ``group_trained``) keep the run's lifetime of the rest (a week): a late
-duplicate callback must still find its group done.
+(``group_done``, ``group_trained``) live ``GUARD_TTL_S`` (a week, as the rollout records
+left behind by a crash do): a late duplicate callback or a retried step must still find them,
+and a long run must not keep one per group for ever.
 
 Groups that are never trained (dropped, cancelled) keep their data for ``UNTRAINED_TTL_S``,
 since siblings may still be stopping and a debugging user may want to look.
@@ -26,6 +27,7 @@ import redis
 from app.state import keys
 
 UNTRAINED_TTL_S = 3600
+GUARD_TTL_S = 7 * 24 * 3600
 
 
 def _rollout_keys(rollout_ids: list[str]) -> list[str]:

@@ -264,6 +264,9 @@ def test_early_chord_callback_is_completed_by_the_last_sibling(redis_client, tmp
     assert redis_client.hget(keys.group(gid), "status") == "complete"
     assert redis_client.zscore(keys.run_ready("early"), gid) == 0
     assert finish_group(redis_client, gid) == "duplicate"
+    # the exactly-once guard lives a week, not for ever (a long run would keep one per group)
+    from app.state.retention import GUARD_TTL_S
+    assert GUARD_TTL_S - 60 < redis_client.ttl(keys.group_done(gid)) <= GUARD_TTL_S
 
 
 def test_driver_killed_and_resumed_keeps_its_carry_over(stack, tmp_path):

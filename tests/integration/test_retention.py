@@ -27,4 +27,18 @@ def test_release_trained(redis_client):
     assert not any(r.exists(keys.rollout(x), keys.rollout_calls(x)) for x in rids)
     assert not r.exists(*(retention.celery_result_key(t) for t in ("t0", "t1", "cb")))
     assert 0 < r.ttl(keys.group(gid)) <= 120 and 0 < r.ttl(keys.group_results(gid)) <= 120
-    assert r.ttl(keys.group_done(gid)) == -1  # the exactly-once guard stays
+    assert r.ttl(keys.group_done(gid)) == -1  # the exactly-once guard keeps its own TTL
+
+
+def test_a_groups_training_claim_lives_a_week(redis_client):
+    """A group is claimed for one step (``group_trained``): a retry of that step claims it
+    again, another step does not, and the claim expires with the run's other guards
+    instead of staying for ever."""
+    from workers.trainer.service import _claim_groups
+
+    r = redis_client
+    gid = "claim-g0"
+    assert _claim_groups(r, [gid], 3) == [gid]
+    assert _claim_groups(r, [gid], 3) == [gid]   # the step's retry
+    assert _claim_groups(r, [gid], 4) == []      # never trained twice
+    assert retention.GUARD_TTL_S - 60 < r.ttl(keys.group_trained(gid)) <= retention.GUARD_TTL_S

@@ -253,7 +253,8 @@ def _claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[
     claimed = []
     for gid in group_ids:
         key = keys.group_trained(gid)
-        if client.set(key, step, nx=True) or client.get(key) == str(step):
+        if client.set(key, step, nx=True, ex=retention.GUARD_TTL_S) \
+                or client.get(key) == str(step):
             claimed.append(gid)
         else:
             log.error("group %s was already trained at step %s; not training it again",
