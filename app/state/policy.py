@@ -5,8 +5,10 @@ servers; the gateway labels every call it captures with it. A crash that loses t
 last second of writes under ``appendfsync everysec``) would bring back the old number while
 the servers hold the new weights: calls would be labelled with a version that did not serve
 them, and the next update would reuse the number for other weights. The trainer worker
-remembers the last version it published and, when Redis answers again after an outage, puts
-it back if Redis holds less (never lowering it: another trainer may have gone further).
+remembers the last version it published (``published_here``, set at the bump itself: a step
+that then fails storing its result, or a run's start, counts too) and, when Redis answers
+again after an outage, puts it back if Redis holds less (never lowering it: another trainer
+may have gone further).
 """
 
 from __future__ import annotations
@@ -46,8 +48,10 @@ class PublishedVersion:
         self._lock = threading.Lock()
 
     def published(self, version: int) -> None:
+        # the latest, not the highest: after a Redis emptied on purpose (a new store) the
+        # numbers start again, and the old run's are not this store's to restore
         with self._lock:
-            self.version = max(self.version, int(version))
+            self.version = int(version)
 
     def check(self, client: redis.Redis) -> int | None:
         with self._lock:
@@ -70,3 +74,7 @@ class PublishedVersion:
                 log.warning("could not check the policy version after an outage: %s", exc)
 
         threading.Thread(target=run, name="policy-version-check", daemon=True).start()
+
+
+# The last version this process bumped the policy to (a trainer worker's; 0 elsewhere).
+published_here = PublishedVersion()

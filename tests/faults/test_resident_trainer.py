@@ -2,7 +2,8 @@
 update starts again from the recorded weights (not from that update), and a restarted
 driver's ``init_run`` keeps the weights of the steps trained since the last checkpoint,
 unless another trainer worker trained past them. A step that fails after its export leaves
-the published export in place, however few versions are kept."""
+the published export in place, however few versions are kept, and a version bump a Redis
+crash lost is put back."""
 
 from __future__ import annotations
 
@@ -105,3 +106,25 @@ def test_a_failed_step_keeps_the_published_export(upstream, redis_client, tmp_pa
     assert redis_client.get(keys.run_step_result(run_id, 0)) is None
     assert Path(redis_client.hget(keys.policy_published(), "path")) == published
     assert (published / "model.safetensors").is_file()
+
+
+def test_a_version_bump_lost_in_a_redis_crash_is_put_back(upstream, redis_client, tmp_path,
+                                                          real_trainer):
+    """The trainer worker remembers each version it makes the servers serve as soon as it
+    bumps it, the start of a run's included: a Redis crash that loses the bump (and the step
+    then fails storing its result) is repaired when Redis is back, instead of the next
+    update reusing the number for other weights."""
+    from app.state.policy import published_here
+
+    run_id = "bump-run"
+    cfg = _cfg(upstream, tmp_path)
+    _prepared_run(redis_client, run_id, cfg)
+    version = service.init_run(redis_client, run_id)["policy/version"]
+    redis_client.set(keys.policy_version(), version - 1)   # the crash lost the bump
+    assert published_here.check(redis_client) == version - 1
+    assert int(redis_client.get(keys.policy_version())) == version
+    # a store emptied on purpose starts the numbers again: the old ones are not restored
+    redis_client.delete(keys.policy_version())
+    assert service.init_run(redis_client, run_id)["policy/version"] == 1
+    assert published_here.check(redis_client) is None
+    assert int(redis_client.get(keys.policy_version())) == 1

@@ -44,6 +44,7 @@ from app.config.settings import adapter_name
 from app.state import keys, retention
 from app.state.cached_reads import POLICY_VERSION_MAX_AGE_S
 from app.state.pause import Pause
+from app.state.policy import published_here
 from app.state.runs import run_config
 from workers.trainer import checkpoint, weights
 from workers.trainer.batch import BatchStats, Sample, collect_samples
@@ -658,6 +659,7 @@ def switch_weights(client: redis.Redis, urls: list[str], path: Path | None, vers
     loaded = _reload_reachable(client, urls, load, version, wait_s, every_s, held, asleep)
     before_bump()
     client.set(keys.policy_version(), version)
+    published_here.published(version)  # put back if a Redis crash loses this write
     if held.urls:
         time.sleep(2 * POLICY_VERSION_MAX_AGE_S)
         held.release()

@@ -19,13 +19,12 @@ from celery.signals import worker_ready, worker_shutdown
 from app.celery_app import celery_app, task_redis
 from app.state import keys
 from app.state.connection import outage_for
-from app.state.policy import PublishedVersion
+from app.state.policy import published_here
 
 log = logging.getLogger(__name__)
 
-# The last policy version this worker published, put back if a Redis crash loses its bump
-# (app/state/policy.py); watched from the worker's first update on.
-_published = PublishedVersion()
+# The last policy version this worker published is put back if a Redis crash loses its bump
+# (app/state/policy.py); watched from the worker's first trainer task on.
 _watching: list[bool] = []
 
 
@@ -33,7 +32,7 @@ def _watch_outages() -> None:
     if not _watching:
         _watching.append(True)
         outage_for(celery_app.conf.broker_url).listeners.append(
-            lambda began, ended: _published.check_soon(task_redis()))
+            lambda began, ended: published_here.check_soon(task_redis()))
 
 
 # The steps this worker process trained, with their metrics (the last few). A step's stored
@@ -60,10 +59,6 @@ def train_step(run_id: str, step: int) -> dict:
     _trained[(run_id, int(step))] = metrics
     while len(_trained) > TRAINED_KEPT:
         del _trained[next(iter(_trained))]
-    if metrics.get("policy/version"):
-        # checked only when an outage ends: a Redis emptied on purpose (a new store, a
-        # test's flush) is not a crash, and its version is not this worker's to restore
-        _published.published(int(metrics["policy/version"]))
     return metrics
 
 
@@ -71,6 +66,7 @@ def train_step(run_id: str, step: int) -> dict:
 def init_run(run_id: str) -> dict:
     from workers.trainer.service import init_run as init
 
+    _watch_outages()
     return init(task_redis(), run_id)
 
 
