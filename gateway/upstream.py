@@ -295,10 +295,15 @@ class Upstreams:
     def _check_held(self, url: str, timeout_s: float) -> None:
         routes = ["/is_paused", *(["/is_sleeping"] if self.sleep_check else [])]
         try:
-            held = [r.removeprefix("/is_") for r in routes if self._reports(url, r, timeout_s)]
-            # read after the engine: a step pauses the gateway before the engines and
-            # resumes it after them, so an engine held within a live pause is the step's
-            paused = self.client is not None and bool(self.client.exists(keys.paused()))
+            # the pause read after the engine: a step pauses the gateway before the engines
+            # and resumes it after them, so an engine held within a live pause is the
+            # step's; the engine read again, as a step may have ended in between
+            for _ in range(2):
+                held = [r.removeprefix("/is_") for r in routes
+                        if self._reports(url, r, timeout_s)]
+                paused = self.client is not None and bool(self.client.exists(keys.paused()))
+                if not held or paused:
+                    break
         except (OSError, http.client.HTTPException, ValueError, redis.RedisError):
             return  # no answer: the health check decides
         orphan = bool(held) and not paused

@@ -53,8 +53,7 @@ def test_sleep_and_wake_are_checked(upstream):
 def test_a_server_that_died_asleep_is_left_out_of_the_wake(upstream):
     """A server that went to sleep and then died (its process is gone: connection refused)
     is left out when the weights wake; the others wake, and the load that follows marks
-    it stale (it comes back fresh). A server that answers but refuses to wake is still an
-    error."""
+    it stale (it comes back fresh)."""
     behave(upstream, "ok")
     dead = f"http://127.0.0.1:{free_port()}"
     requests.post(upstream + "/standin/sleep", json={"clear_events": True}, timeout=5)
@@ -261,14 +260,26 @@ def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_clie
         requests.post(upstream + "/standin/sleep", json={"asleep": False}, timeout=5)
 
 
+def _published(redis_client, tmp_path, version: int) -> None:
+    """``version`` recorded as published (verified) and current, as a step leaves it."""
+    ids = weights.PROBE_IDS
+    (tmp_path / f"v{version}").mkdir(exist_ok=True)
+    redis_client.hset(keys.policy_published(), mapping={
+        "version": version, "path": str(tmp_path / f"v{version}"), "model": "m",
+        # the stand-in scores every probe token -1
+        "probe": json.dumps([-1.0] * (len(ids) - 1)), "probe_ids": json.dumps(ids)})
+    redis_client.set(keys.policy_version(), version)
+
+
 def test_an_engine_left_paused_by_a_killed_trainer_is_resumed(upstream, redis_client,
                                                               tmp_path):
     """Without sleep (``drain_mode: keep``), a trainer SIGKILLed between the engines'
     /pause and their /resume leaves them paused: vLLM schedules no new request, so every
     agent's call would hang there. Once the dead trainer's pause lease runs out, the
     gateway does not route to it, the next trainer task marks it stale, and the keeper
-    reloads the current weights into it (the dead trainer may have been mid-load) and
-    resumes it."""
+    loads the published weights into it (the dead trainer may have been mid-load), then
+    resumes it. If the dead trainer had bumped the version past the published one, the
+    server waits, stale, for the next step's load instead."""
     behave(upstream, "ok")
     gateway = Upstreams([upstream], client=redis_client, stale_refresh_s=0)
     keeper = UpstreamKeeper(redis_client, [upstream], "m", 0.1)
@@ -276,6 +287,8 @@ def test_an_engine_left_paused_by_a_killed_trainer_is_resumed(upstream, redis_cl
         *json.loads(os.environ["CARRYOVER_OVERRIDES"]), f"inference.urls=[{upstream}]",
         "gateway.drain_mode=keep"]))
     lease_s = 10.0
+    _published(redis_client, tmp_path, 3)
+    requests.post(upstream + "/update_weight_version", json={"new_version": "3"}, timeout=5)
 
     def engine_paused() -> bool:
         return requests.get(upstream + "/is_paused", timeout=5).json()["is_paused"]
@@ -293,16 +306,31 @@ def test_an_engine_left_paused_by_a_killed_trainer_is_resumed(upstream, redis_cl
         assert service.take_back_orphans(redis_client, settings) == [upstream]
         assert redis_client.sismember(keys.upstreams_stale(), upstream)
         assert engine_paused()   # not resumed on weights a dead load may have half written
+        requests.post(upstream + "/standin/sleep", json={"clear_events": True}, timeout=5)
         assert keeper.tick() == [upstream]
+        assert events(upstream) == ["collective_rpc:reload_weights", "reset_prefix_cache",
+                                    "resume"]   # loaded, then resumed
         assert not engine_paused()
         assert not redis_client.sismember(keys.upstreams_stale(), upstream)
         gateway.check_health(timeout_s=2)
         assert gateway.pick("r") == upstream
-        # the keeper's tick finds one left paused between tasks too
+        # left paused by a trainer that died after bumping the version to 4, unverified:
+        # loading version 3 would serve it labelled 4, so the server waits for the next load
+        requests.post(upstream + "/pause", params={"mode": "keep"}, timeout=5)
+        redis_client.set(keys.policy_version(), 4)
+        assert keeper.tick() == [] and engine_paused()
+        assert redis_client.sismember(keys.upstreams_stale(), upstream)
+        _published(redis_client, tmp_path, 4)   # the next step verified version 4
+        assert keeper.tick() == [upstream] and not engine_paused()
+        # what was last published is another model's (another config's run): nothing of
+        # this model's to load, and the engine is still taken back
+        redis_client.hset(keys.policy_published(), "model", "other")
         requests.post(upstream + "/pause", params={"mode": "keep"}, timeout=5)
         assert keeper.tick() == [upstream] and not engine_paused()
+        assert not redis_client.sismember(keys.upstreams_stale(), upstream)
     finally:
         redis_client.srem(keys.upstreams_stale(), upstream)
+        redis_client.delete(keys.policy_published(), keys.policy_version())
         requests.post(upstream + "/resume", timeout=5)
 
 
@@ -311,12 +339,7 @@ def test_the_keeper_reloads_a_server_that_restarted_unseen(upstream, redis_clien
     serves its initial weights. It says so in /weight_info ("default", not the version it
     was given), and the keeper reloads it."""
     requests.post(upstream + "/standin/sleep", json={"clear_events": True}, timeout=5)
-    ids = weights.PROBE_IDS
-    (tmp_path / "v3").mkdir()
-    redis_client.hset(keys.policy_published(), mapping={
-        "version": 3, "path": str(tmp_path / "v3"), "model": "m",
-        # the stand-in scores every probe token -1
-        "probe": json.dumps([-1.0] * (len(ids) - 1)), "probe_ids": json.dumps(ids)})
+    _published(redis_client, tmp_path, 3)
     keeper = UpstreamKeeper(redis_client, [upstream], "m", 0.01)
     try:
         requests.post(upstream + "/update_weight_version", json={"new_version": "3"}, timeout=5)
@@ -328,4 +351,4 @@ def test_the_keeper_reloads_a_server_that_restarted_unseen(upstream, redis_clien
         assert weights.loaded_version(upstream) == "3"
         assert not redis_client.sismember(keys.upstreams_stale(), upstream)
     finally:
-        redis_client.delete(keys.policy_published())
+        redis_client.delete(keys.policy_published(), keys.policy_version())

@@ -104,6 +104,7 @@ def test_a_failed_step_keeps_the_published_export(upstream, redis_client, tmp_pa
     with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
         service.train_step(redis_client, run_id, 0)
     assert redis_client.get(keys.run_step_result(run_id, 0)) is None
+    assert (published.parent / "v000002").is_dir()   # the step did export
     assert Path(redis_client.hget(keys.policy_published(), "path")) == published
     assert (published / "model.safetensors").is_file()
 
@@ -119,7 +120,9 @@ def test_a_version_bump_lost_in_a_redis_crash_is_put_back(upstream, redis_client
     run_id = "bump-run"
     cfg = _cfg(upstream, tmp_path)
     _prepared_run(redis_client, run_id, cfg)
+    redis_client.set(keys.policy_version(), 5)   # the run's numbers went that far
     version = service.init_run(redis_client, run_id)["policy/version"]
+    assert version == 6
     redis_client.set(keys.policy_version(), version - 1)   # the crash lost the bump
     assert published_here.check(redis_client) == version - 1
     assert int(redis_client.get(keys.policy_version())) == version

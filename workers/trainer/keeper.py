@@ -47,6 +47,7 @@ class UpstreamKeeper:
         # weight_sync transfer: sends the trainer's weights to one server (url, version,
         # frozen_calls); set by the trainer service while it holds a run's trainer
         self.send_weights: Callable[[str, int, bool], None] | None = None
+        self._waiting: set[str] = set()   # stale, waiting for an unverified version's step
         self.configure(urls, model_name, tolerance, reload_timeout_s, dp_size, sleep_check)
 
     def configure(self, urls: list[str], model_name: str, tolerance: float,
@@ -98,6 +99,12 @@ class UpstreamKeeper:
         version = int(published["version"]) if published and \
             published.get("model") == self.model_name else None
         owned = Pause(self.client).is_paused()
+        # a version bumped past the published one: a step loaded it and died (or its probe
+        # failed) before verifying it. Restoring the published weights would serve them
+        # under the newer label: the servers wait, stale, for the next step's load
+        current = int(self.client.get(keys.policy_version()) or 0)
+        unverified = current > version if version is not None \
+            else not published and current > 0
         restored = []
         for url in list(self.urls):
             if not self.healthy(url):
@@ -127,8 +134,17 @@ class UpstreamKeeper:
                 stale.add(url)
                 # what a step of another process published meanwhile
                 published = self.client.hgetall(keys.policy_published())
+            if url in stale and unverified:
+                if url not in self._waiting:
+                    self._waiting.add(url)
+                    log.warning("inference server %s stays stale: policy version %d was "
+                                "loaded but never verified (its step failed), and the last "
+                                "verified one is %s; the next update loads it", url, current,
+                                version)
+                continue
             if url in stale:
                 self.restore(url, published)
+                self._waiting.discard(url)
                 restored.append(url)
         return restored
 
@@ -138,8 +154,26 @@ class UpstreamKeeper:
         before the engines and resumes it after them, so a state read within a live pause
         is that step's)."""
         changes = [weights.PAUSE, *([weights.SLEEP] if self.sleep_check else [])]
-        left = [c.state_key.removeprefix("is_") for c in changes if weights.in_state(url, c)]
-        return left if left and not Pause(self.client).is_paused() else []
+
+        def held() -> list[str]:
+            return [c.state_key.removeprefix("is_") for c in changes
+                    if weights.in_state(url, c)]
+
+        # read twice: a step that ended between the first reads resumed the engine before
+        # its pause ended, so the second read of the engine finds it running (only two
+        # whole steps in between could fool both)
+        for _ in range(2):
+            left = held()
+            if not left or Pause(self.client).is_paused():
+                return []
+        return left
+
+    def _no_step_began(self, url: str) -> None:
+        """Raise if a step (of another trainer process) took the pause while this restore
+        ran: the engines are its own now, not to be resumed or declared restored."""
+        if Pause(self.client).is_paused():
+            raise weights.WeightSyncError(
+                f"{url}: a step began while the keeper restored it; left to that step's load")
 
     def restore(self, url: str, published: dict[str, str]) -> None:
         """Put the last published weights into ``url`` (called with ``publish_lock``
@@ -151,6 +185,9 @@ class UpstreamKeeper:
             log.warning("inference server %s is back; the last published weights are of "
                         "model %r, not %r (%s): not loaded, it serves its initial model",
                         url, published.get("model"), self.model_name, published["path"])
+            weights.wake_if_asleep(url, self.reload_timeout_s)
+            self._no_step_began(url)
+            weights.resume_if_paused(url)
             self.client.srem(keys.upstreams_stale(), url)
             return
         if published:
@@ -172,6 +209,7 @@ class UpstreamKeeper:
                     f"{url}: policy version {version} went to the servers by weight transfer "
                     "and no trainer in this process can send it again; the next update loads "
                     "it (stale meanwhile)")
+            self._no_step_began(url)
             weights.resume_if_paused(url)
             weights.verify_sync(url, published.get("adapter") or self.model_name,
                                 json.loads(published["probe"]),
@@ -179,7 +217,9 @@ class UpstreamKeeper:
                                 json.loads(published.get("probe_ids", "null")), self.dp_size)
         else:
             weights.wake_if_asleep(url, self.reload_timeout_s)
+            self._no_step_began(url)
             weights.resume_if_paused(url)
+        self._no_step_began(url)
         self.client.srem(keys.upstreams_stale(), url)
         if published:
             log.warning("inference server %s is back: loaded and verified policy version %s "

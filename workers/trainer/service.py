@@ -153,16 +153,17 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> Metrics:
         return dict(json.loads(done))
     cfg, settings = _task_start(client, run_id)
     with Beats(client, keys.trainer_heartbeat(run_id, str(step)), settings.heartbeat_s) as beats:
+        take_back_orphans(client, settings)
         return _train_step(client, run_id, step, cfg, settings, beats)
 
 
 def _task_start(client: redis.Redis, run_id: str) -> tuple[Any, TrainerSettings]:
-    """What every trainer task does first: the run's config and settings, the servers' key,
-    and the engines a dead trainer left paused or asleep taken back."""
+    """What every trainer task does first: the run's config and settings, and the servers'
+    key. Then, inside the task's heartbeat (a wake can take minutes), it takes back the
+    engines a dead trainer left paused or asleep (:func:`take_back_orphans`)."""
     cfg = run_config(client, run_id)
     settings = TrainerSettings.from_config(cfg)
     weights.use_api_key(inference_api_key(cfg))
-    take_back_orphans(client, settings)
     return cfg, settings
 
 
@@ -799,6 +800,7 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
     # the build is inside the heartbeat: a 7B engine or a checkpoint restore takes minutes,
     # and the driver must see a trainer at work, not "no trainer worker took the task"
     with Beats(client, keys.trainer_heartbeat(run_id, "init"), settings.heartbeat_s) as beats:
+        take_back_orphans(client, settings)
         if _resident is not None and holds_latest(client, _resident, run_id):
             # a restarted driver: this worker's trainer is the run's, reloading the last
             # checkpoint would throw away the updates made since

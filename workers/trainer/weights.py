@@ -67,10 +67,12 @@ def publish_version(root: Path, version: int, keep: int, write: Callable[[Path],
     tmp = root / f".v{version:06d}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     root.mkdir(parents=True, exist_ok=True)
-    newest = _versions(root)[-(keep - 1):] if keep > 1 else []
     held = published.resolve() if published is not None else None
-    for old in _versions(root):
-        if old not in newest and old.resolve() != held and old != out:
+    # a failed step's export of this same number (the retry's) counts as nothing kept
+    others = [v for v in _versions(root) if v != out]
+    newest = others[-(keep - 1):] if keep > 1 else []
+    for old in [*others, out]:
+        if old.is_dir() and old not in newest and old.resolve() != held:
             shutil.rmtree(old, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
@@ -501,6 +503,9 @@ class Held:
                 resp = _http.post(url + c.undo_route, params={"tags": tags},
                                   timeout=self.timeout)
             except requests.ConnectionError as exc:
+                if not refused(exc):  # a timeout or a reset: it may be alive, and asleep
+                    raise c.error(f"{url}: {c.undo_route}?tags={','.join(tags)} failed: "
+                                  f"{exc}") from exc
                 log.warning("%s: unreachable when its %s were to wake (%s); left out, it "
                             "gets the new weights when it is back", url, ",".join(tags),
                             exc.__class__.__name__)
@@ -612,10 +617,26 @@ def in_state(url: str, change: EngineChange, timeout: float = 10.0) -> bool:
         return False
 
 
+def refused(exc: BaseException) -> bool:
+    """The connection was refused: nothing listens there (the server's process is gone),
+    as opposed to a timeout or a reset, where a live server may be behind."""
+    seen: list[BaseException] = []
+    todo: list[object] = [exc]
+    while todo:
+        e = todo.pop()
+        if not isinstance(e, BaseException) or any(e is x for x in seen) or len(seen) > 16:
+            continue
+        if isinstance(e, ConnectionRefusedError):
+            return True
+        seen.append(e)
+        todo += [e.__cause__, e.__context__, getattr(e, "reason", None), *e.args[:1]]
+    return False
+
+
 def _undo_if(url: str, change: EngineChange, timeout: float) -> bool:
     """Take one engine out of ``change``'s state if it reports being in it (checked);
     -> whether it was."""
-    if not in_state(url, change, timeout):
+    if not in_state(url, change):
         return False
     Held(change, [url.rstrip("/")], timeout).release(check=True)
     return True
