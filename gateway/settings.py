@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.config.loader import repo_path
 from app.config.secrets import admin_token, inference_api_key
+from app.config.serving import gateway_view
 from app.config.settings import InferenceSettings, adapter_name, lora_rank
 from app.state.connection import resolve_redis_url
 
@@ -37,6 +38,9 @@ class GatewaySettings:
     inference_api_key: str = ""   # sent to the servers; agents never see it
     tool_call_parser: str | None = None  # inference.tool_call_parser: where calls start
     lora: bool = False            # each policy version is served as its own LoRA adapter
+    # the config keys this gateway serves by, for the driver to compare with a run's
+    # (app/config/serving.py); empty for settings not built from a config
+    serves: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def served_model(self, version: int) -> str:
         """What a call admitted at policy ``version`` is sent to: with LoRA that version's
@@ -73,4 +77,5 @@ class GatewaySettings:
             tool_call_parser=str(cfg.inference.tool_call_parser)
             if cfg.inference.get("tool_call_parser") else None,
             lora=lora_rank(cfg) > 0,
+            serves=gateway_view(cfg),
         )

@@ -18,6 +18,7 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
+from app.config import ConfigError
 from app.config.loader import repo_path
 from app.driver.collector import Collector, Starved
 from app.driver.evaluation import Evaluator
@@ -33,6 +34,21 @@ log = logging.getLogger(__name__)
 
 class TrainingFailed(RuntimeError):
     pass
+
+
+def _require_gateway_agrees(cfg: Any) -> None:
+    """Refuse a run whose config differs from the running gateway's on what the gateway
+    serves by (``app/config/serving.py``): it would train on what it did not ask for."""
+    from app.services.health import gateway_disagreements
+
+    found = gateway_disagreements(cfg)
+    refused, noted = found if found is not None else ([], [])
+    for line in noted:
+        log.warning("%s (the default of calls whose agent sets none)", line)
+    if refused:
+        raise ConfigError([*refused, "the gateway reads its own config, once, when the stack "
+                           "starts: start the stack with this run's config (carryover up with "
+                           "the same file and overrides), or give the run the stack's values"])
 
 
 def new_run_id() -> str:
@@ -78,8 +94,10 @@ def train(cfg: Any, resume: str | None = None, *,
     # app/driver/recovery.py): the last second of acknowledged writes may be gone.
     watch = OutageWatch(url)
     if resume:
+        cfg = run_config(client, resume)  # the run keeps the config it started with
+    _require_gateway_agrees(cfg)
+    if resume:
         run_id = resume
-        cfg = run_config(client, run_id)  # the run keeps the config it started with
     else:
         run_id = run_id or new_run_id()
         Collector.create_run(client, run_id, OmegaConf.to_container(cfg, resolve=True),

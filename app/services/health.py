@@ -68,6 +68,24 @@ def check_gateway(cfg: Any, timeout: float = 2.0) -> PartStatus:
         return PartStatus("gateway", False, f"{url}: {exc.__class__.__name__}")
 
 
+def gateway_disagreements(cfg: Any, timeout: float = 5.0
+                          ) -> tuple[list[str], list[str]] | None:
+    """Where the running gateway serves by other values than ``cfg`` says
+    (app/config/serving.py): one line per key, (refusing the run, only noted); None when
+    the gateway does not answer (the run reports a gateway that is down on its own)."""
+    from app.config.secrets import admin_token
+    from app.config.serving import disagreements, gateway_view
+
+    url = cfg.gateway.url.rstrip("/")
+    try:
+        resp = requests.get(url + "/admin/state", timeout=timeout,
+                            headers={"Authorization": f"Bearer {admin_token(cfg)}"})
+        serves = resp.json().get("serves") if resp.status_code == 200 else None
+    except (requests.RequestException, ValueError):
+        return None
+    return disagreements(gateway_view(cfg), serves) if isinstance(serves, dict) else None
+
+
 def check_workers(timeout: float = 2.0) -> list[PartStatus]:
     import celery
 

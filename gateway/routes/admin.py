@@ -47,4 +47,5 @@ def show_state():
     return jsonify({"paused": state.pause.is_paused(),
                     "inflight": state.pause.live_leases(),
                     "upstreams": state.upstreams.urls,
-                    "upstreams_healthy": state.upstreams.healthy()})
+                    "upstreams_healthy": state.upstreams.healthy(),
+                    "serves": state.settings.serves})

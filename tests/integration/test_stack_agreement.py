@@ -1,0 +1,60 @@
+"""A run whose config differs from the running gateway's on what the gateway serves by (its
+sampling, the model, the LoRA switch, the tokenizer) is refused before anything starts,
+naming each key; a run that agrees goes on."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from app.config import ConfigError, load_config
+from app.driver.loop import _require_gateway_agrees
+from app.services.health import gateway_disagreements
+from tests.conftest import free_port, standin_gateway
+
+
+@pytest.fixture(scope="module")
+def hot_gateway(redis_service, tmp_root):
+    """A gateway started with a rollout temperature of 0.7."""
+    with standin_gateway(tmp_root, "agreement-tests",
+                         "actor_rollout_ref.rollout.temperature=0.7") as (url, _, upstreams):
+        yield url, upstreams[0][0]
+
+
+def _cfg(gateway: str, upstream: str, *overrides: str):
+    return load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
+                              f"gateway.url={gateway}", f"inference.urls=[{upstream}]",
+                              *overrides])
+
+
+def test_a_run_that_differs_from_the_gateway_is_refused(hot_gateway):
+    gateway, upstream = hot_gateway
+    run = _cfg(gateway, upstream, "actor_rollout_ref.rollout.temperature=1.0",
+               "actor_rollout_ref.model.lora_rank=8")
+    found = gateway_disagreements(run)
+    assert found is not None
+    refused, noted = found
+    assert len(refused) == 2 and noted == []
+    assert refused[0].startswith("actor_rollout_ref.rollout.temperature: the running "
+                                 "gateway serves with 0.7, this run's config says 1.0")
+    assert refused[1].startswith("actor_rollout_ref.model.lora_rank:")
+    with pytest.raises(ConfigError, match="temperature.*\n.*lora_rank.*\n.*carryover up"):
+        _require_gateway_agrees(run)
+
+
+def test_a_run_that_agrees_goes_on(hot_gateway):
+    gateway, upstream = hot_gateway
+    run = _cfg(gateway, upstream, "actor_rollout_ref.rollout.temperature=0.70")
+    assert gateway_disagreements(run) == ([], [])
+    _require_gateway_agrees(run)
+    # the default max_tokens (what a call gets when its agent sets none) is only reported
+    longer = _cfg(gateway, upstream, "actor_rollout_ref.rollout.temperature=0.7",
+                  "actor_rollout_ref.rollout.max_tokens=64")
+    assert gateway_disagreements(longer) == ([], [
+        "actor_rollout_ref.rollout.max_tokens: the running gateway serves with 16, this "
+        "run's config says 64"])
+    _require_gateway_agrees(longer)
+    # a gateway that does not answer is not a disagreement (the run reports it as down)
+    assert gateway_disagreements(_cfg(f"http://127.0.0.1:{free_port()}", upstream)) is None
