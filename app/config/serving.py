@@ -5,7 +5,7 @@ Every gateway process reads its settings once, from the config its stack was sta
 the two differ on one of these keys the run trains on what it did not ask for, silently: a
 rollout temperature the gateway enforces but the trainer does not model, a LoRA adapter the
 gateway never sends calls to, another tokenizer or chat template for the token continuity.
-The gateway reports its view in ``/healthz``, and the driver refuses a run whose config
+The gateway reports its view in ``/admin/state``, and the driver refuses a run whose config
 says otherwise, naming each key.
 """
 

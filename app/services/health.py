@@ -6,6 +6,7 @@ calls with short timeouts so a down part is reported, not waited on.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,8 @@ import requests
 
 from app.config.secrets import inference_api_key
 from app.state.connection import connect, redact, resolve_redis_url
+
+log = logging.getLogger(__name__)
 
 WORKER_QUEUES = ("rollout", "groups", "trainer")
 
@@ -80,6 +83,10 @@ def gateway_disagreements(cfg: Any, timeout: float = 5.0
     try:
         resp = requests.get(url + "/admin/state", timeout=timeout,
                             headers={"Authorization": f"Bearer {admin_token(cfg)}"})
+        if resp.status_code in (401, 403):
+            log.warning("the gateway at %s refused this process's admin token (%d): this "
+                        "run's config is not compared with what the gateway serves by", url,
+                        resp.status_code)
         serves = resp.json().get("serves") if resp.status_code == 200 else None
     except (requests.RequestException, ValueError):
         return None

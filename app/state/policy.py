@@ -6,9 +6,10 @@ last second of writes under ``appendfsync everysec``) would bring back the old n
 the servers hold the new weights: calls would be labelled with a version that did not serve
 them, and the next update would reuse the number for other weights. The trainer worker
 remembers the last version it published (``published_here``, set at the bump itself: a step
-that then fails storing its result, or a run's start, counts too) and, when Redis answers
-again after an outage, puts it back if Redis holds less (never lowering it: another trainer
-may have gone further).
+that then fails storing its result, or a run's start, counts too) and the record of the last
+one it verified (``policy_published``, which the upstream keeper loads into a restarted
+server) and, when Redis answers again after an outage, puts them back if Redis holds less
+(never lowering them: another trainer may have gone further).
 """
 
 from __future__ import annotations
@@ -40,12 +41,30 @@ def restore_version(client: redis.Redis, version: int) -> int | None:
     return None if before < 0 else before
 
 
+# KEYS: policy_published; ARGV: version, then field, value pairs. Writes the record when
+# Redis holds none or an older one.
+_RAISE_PUBLISHED = """
+local now = tonumber(redis.call('HGET', KEYS[1], 'version') or '-1')
+if now < tonumber(ARGV[1]) then
+  redis.call('HSET', KEYS[1], unpack(ARGV, 2))
+  return 1
+end
+return 0
+"""
+
+
 class PublishedVersion:
-    """The last version this process published, put back after each Redis outage."""
+    """The last version this process published, and the last it verified (the record the
+    upstream keeper loads into a restarted server), put back after each Redis outage."""
 
     def __init__(self) -> None:
         self.version = 0
+        self.record: dict[str, str] = {}
         self._lock = threading.Lock()
+
+    def verified(self, record: dict[str, str]) -> None:
+        with self._lock:
+            self.record = dict(record)
 
     def published(self, version: int) -> None:
         # the latest, not the highest: after a Redis emptied on purpose (a new store) the
@@ -54,8 +73,14 @@ class PublishedVersion:
             self.version = int(version)
 
     def check(self, client: redis.Redis) -> int | None:
+        """Put back what Redis lost; -> the version Redis held before, if it was lower."""
         with self._lock:
-            version = self.version
+            version, record = self.version, dict(self.record)
+        if record and int(client.eval(
+                _RAISE_PUBLISHED, 1, keys.policy_published(), record["version"],
+                *[x for kv in record.items() for x in kv])):
+            log.warning("published policy version %s restored after a Redis outage (the "
+                        "crash lost its record)", record["version"])
         if version <= 0:
             return None
         before = restore_version(client, version)
@@ -76,5 +101,6 @@ class PublishedVersion:
         threading.Thread(target=run, name="policy-version-check", daemon=True).start()
 
 
-# The last version this process bumped the policy to (a trainer worker's; 0 elsewhere).
+# The last version this process bumped the policy to and the last it verified (a trainer
+# worker's; nothing elsewhere).
 published_here = PublishedVersion()

@@ -114,7 +114,8 @@ def test_a_version_bump_lost_in_a_redis_crash_is_put_back(upstream, redis_client
     """The trainer worker remembers each version it makes the servers serve as soon as it
     bumps it, the start of a run's included: a Redis crash that loses the bump (and the step
     then fails storing its result) is repaired when Redis is back, instead of the next
-    update reusing the number for other weights."""
+    update reusing the number for other weights. So is the record of the last verified
+    version, which the keeper loads into a server that restarts."""
     from app.state.policy import published_here
 
     run_id = "bump-run"
@@ -126,8 +127,32 @@ def test_a_version_bump_lost_in_a_redis_crash_is_put_back(upstream, redis_client
     redis_client.set(keys.policy_version(), version - 1)   # the crash lost the bump
     assert published_here.check(redis_client) == version - 1
     assert int(redis_client.get(keys.policy_version())) == version
+    # and the verified record the keeper loads into a restarted server
+    record = redis_client.hgetall(keys.policy_published())
+    redis_client.delete(keys.policy_published())
+    assert published_here.check(redis_client) is None   # the version was not lost this time
+    assert redis_client.hgetall(keys.policy_published()) == record
     # a store emptied on purpose starts the numbers again: the old ones are not restored
     redis_client.delete(keys.policy_version())
     assert service.init_run(redis_client, run_id)["policy/version"] == 1
     assert published_here.check(redis_client) is None
     assert int(redis_client.get(keys.policy_version())) == 1
+
+
+def test_a_run_start_resumes_an_engine_a_dead_trainer_left_paused(upstream, redis_client,
+                                                                  tmp_path, real_trainer):
+    """A trainer killed between the engines' /pause and /resume leaves them paused; the
+    re-sent step (or a driver's restart) loads the weights with no engine pause of its own
+    (``drain_mode: wait``), and must resume that engine too: paused, it schedules nothing,
+    so the probe would wait on it and the step would fail again at every retry."""
+    import requests
+
+    run_id = "left-paused"
+    _prepared_run(redis_client, run_id, _cfg(upstream, tmp_path))
+    requests.post(upstream + "/pause", params={"mode": "keep"}, timeout=5).raise_for_status()
+    try:
+        service.init_run(redis_client, run_id)
+        assert requests.get(upstream + "/is_paused", timeout=5).json()["is_paused"] is False
+        assert not redis_client.sismember(keys.upstreams_stale(), upstream)
+    finally:
+        requests.post(upstream + "/resume", timeout=5)

@@ -105,6 +105,8 @@ class UpstreamKeeper:
         current = int(self.client.get(keys.policy_version()) or 0)
         unverified = current > version if version is not None \
             else not published and current > 0
+        if not unverified:
+            self._waiting.clear()
         restored = []
         for url in list(self.urls):
             if not self.healthy(url):

@@ -458,12 +458,14 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     resident.probe_prev = expected
     resident.published = True
     timings["probe"] = time.monotonic() - t
-    client.hset(keys.policy_published(), mapping={
-        "version": published.version,
+    record = {
+        "version": str(published.version),
         "path": str(published.path.resolve()) if published.path is not None else "",
         "adapter": served if settings.inference.lora else "",
         "model": settings.inference.served_model_name,
-        "probe": json.dumps(expected), "probe_ids": json.dumps(ids)})
+        "probe": json.dumps(expected), "probe_ids": json.dumps(ids)}
+    client.hset(keys.policy_published(), mapping=record)
+    published_here.verified(record)  # put back if a Redis crash loses this write
     if published.path is not None:  # verified: the exports before it beyond those kept go
         weights.prune_versions(published.path.parent, settings.keep_weight_versions)
 
@@ -653,7 +655,9 @@ def switch_weights(client: redis.Redis, urls: list[str], path: Path | None, vers
 
     The version is set while the engines are still paused, and they resume twice
     ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new version by
-    the first token a frozen call samples on the new weights, and places the switch there."""
+    the first token a frozen call samples on the new weights, and places the switch there.
+    An engine loaded here that this step did not pause but reports paused was left so by a
+    dead trainer: it is resumed with the others (paused, it would fail the probe)."""
     if load is None:
         assert path is not None
         load = disk_loader(path, version, wait_s, held.frozen_calls)
@@ -661,9 +665,18 @@ def switch_weights(client: redis.Redis, urls: list[str], path: Path | None, vers
     before_bump()
     client.set(keys.policy_version(), version)
     published_here.published(version)  # put back if a Redis crash loses this write
-    if held.urls:
+    left = [u.rstrip("/") for u in loaded if u.rstrip("/") not in held.urls
+            and weights.in_state(u, weights.PAUSE)]
+    if left:
+        log.warning("%s: left paused by a dead trainer; resumed on version %d",
+                    ", ".join(left), version)
+    if held.urls or left:
         time.sleep(2 * POLICY_VERSION_MAX_AGE_S)
-        held.release()
+        orphans = weights.Held(weights.PAUSE, left)
+        try:
+            held.release()
+        finally:
+            orphans.release()
     return loaded
 
 
