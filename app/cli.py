@@ -66,6 +66,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         check_all,
         environment,
         format_table,
+        gateway_disagreements,
         redis_outages,
         role_restarts,
     )
@@ -83,6 +84,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         began = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(outage["down_at"]))
         print(f"redis outage at {began}: {outage['seconds']:.1f} s, ridden out by "
               + ", ".join(sorted(outage["roles"])))
+    refused, noted = gateway_disagreements(cfg, timeout=2) or ([], [])
+    for line in refused:
+        print(f"config differs (carryover train would refuse it): {line}")
+    for line in noted:
+        print(f"config differs: {line}")
     down = [r.part for r in rows if not r.ok]
     if down:
         print(f"down: {', '.join(down)}", file=sys.stderr)

@@ -1,11 +1,14 @@
 """A run whose config differs from the running gateway's on what the gateway serves by (its
 sampling, the model, the LoRA switch, the tokenizer) is refused before anything starts,
-naming each key; a run that agrees goes on."""
+naming each key; a run that agrees goes on. ``carryover status`` shows the differences."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -58,3 +61,16 @@ def test_a_run_that_agrees_goes_on(hot_gateway):
     _require_gateway_agrees(longer)
     # a gateway that does not answer is not a disagreement (the run reports it as down)
     assert gateway_disagreements(_cfg(f"http://127.0.0.1:{free_port()}", upstream)) is None
+
+
+def test_status_shows_where_the_config_differs(hot_gateway):
+    gateway, upstream = hot_gateway
+    carryover = Path(sys.executable).parent / "carryover"
+    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps([
+        *json.loads(os.environ["CARRYOVER_OVERRIDES"]), f"gateway.url={gateway}",
+        f"inference.urls=[{upstream}]"])}
+    out = subprocess.run([str(carryover), "status", "actor_rollout_ref.rollout.temperature=1.0"],
+                         env=env, capture_output=True, text=True, timeout=120).stdout
+    assert ("config differs (carryover train would refuse it): "
+            "actor_rollout_ref.rollout.temperature: the running gateway serves with 0.7, "
+            "this run's config says 1.0") in out
