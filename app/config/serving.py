@@ -58,11 +58,12 @@ def disagreements(run: dict[str, Any], gateway: dict[str, Any]
 
 
 def _norm(value: Any) -> Any:
-    # 1 and 1.0 are the same temperature; a URL with or without its trailing slash
+    # 1 and 1.0 are the same temperature; a URL with or without its trailing slash; the
+    # servers in any order (the gateway ranks them per rollout)
     if isinstance(value, bool) or value is None:
         return value
     if isinstance(value, (int, float)):
         return float(value)
     if isinstance(value, list):
-        return [_norm(v) for v in value]
-    return str(value).rstrip("/") if isinstance(value, str) else value
+        return sorted((_norm(v) for v in value), key=repr)
+    return value.rstrip("/") if isinstance(value, str) else value
