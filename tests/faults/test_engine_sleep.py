@@ -218,6 +218,22 @@ def _kill_a_trainer_holding(redis_client, upstream: str, what: str, lease_s: flo
         proc.wait(10)
 
 
+def _orphaned_once_the_lease_ends(redis_client, upstream: str, gateway, keeper, settings,
+                                  held, lease_s: float) -> None:
+    """While the dead trainer's pause lives, the engine's state (``held()``: asleep,
+    paused) is that update's own and left alone; once the lease has run out the gateway
+    routes no call to the engine, and the next trainer task finds it."""
+    assert Pause(redis_client).is_paused()
+    assert keeper.tick() == [] and service.take_back_orphans(redis_client, settings) == []
+    gateway.check_health(timeout_s=2)
+    assert held() and gateway.pick("r") == upstream
+    wait_for(lambda: not Pause(redis_client).is_paused(), 3 * lease_s,
+             "the dead trainer's pause to end")
+    gateway.check_health(timeout_s=2)
+    assert gateway.pick("r") is None   # held with no pause: a call would hang or crash it
+    assert service.take_back_orphans(redis_client, settings) == [upstream]   # the next task
+
+
 def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_client, tmp_path):
     """A trainer SIGKILLed between sleep and wake skips its ``finally``: the engine stays
     asleep behind a healthy /health. Once its pause lease runs out the gateway does not
@@ -234,16 +250,8 @@ def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_clie
         return requests.get(upstream + "/is_sleeping", timeout=5).json()["is_sleeping"]
 
     try:
-        # while the dead trainer's pause lives, the sleep is an update's own: left alone
-        assert Pause(redis_client).is_paused()
-        assert keeper.tick() == [] and service.take_back_orphans(redis_client, settings) == []
-        gateway.check_health(timeout_s=2)
-        assert asleep() and gateway.pick("r") == upstream
-        wait_for(lambda: not Pause(redis_client).is_paused(), 3 * lease_s,
-                 "the dead trainer's pause to end")
-        gateway.check_health(timeout_s=2)
-        assert gateway.pick("r") is None   # asleep with no pause held: no call goes to it
-        assert service.take_back_orphans(redis_client, settings) == [upstream]   # the next task
+        _orphaned_once_the_lease_ends(redis_client, upstream, gateway, keeper, settings,
+                                      asleep, lease_s)
         assert not asleep()
         # woken, it is stale until the keeper has loaded the current weights (none are
         # published here: it is only taken back)
@@ -295,15 +303,8 @@ def test_an_engine_left_paused_by_a_killed_trainer_is_resumed(upstream, redis_cl
 
     _kill_a_trainer_holding(redis_client, upstream, "pause", lease_s)
     try:
-        assert Pause(redis_client).is_paused()   # the dead trainer's lease: its own pause
-        assert keeper.tick() == [] and service.take_back_orphans(redis_client, settings) == []
-        gateway.check_health(timeout_s=2)
-        assert engine_paused() and gateway.pick("r") == upstream
-        wait_for(lambda: not Pause(redis_client).is_paused(), 3 * lease_s,
-                 "the dead trainer's pause to end")
-        gateway.check_health(timeout_s=2)
-        assert gateway.pick("r") is None   # paused with no pause held: calls would hang
-        assert service.take_back_orphans(redis_client, settings) == [upstream]
+        _orphaned_once_the_lease_ends(redis_client, upstream, gateway, keeper, settings,
+                                      engine_paused, lease_s)
         assert redis_client.sismember(keys.upstreams_stale(), upstream)
         assert engine_paused()   # not resumed on weights a dead load may have half written
         requests.post(upstream + "/standin/sleep", json={"clear_events": True}, timeout=5)

@@ -38,6 +38,26 @@ log = logging.getLogger(__name__)
 publish_lock = threading.Lock()
 
 
+def left_held(client: redis.Redis, url: str, sleep_check: bool) -> list[str]:
+    """What ``url``'s engine was left in by a dead trainer (``["paused"]``, and
+    ``"sleeping"`` with ``sleep_check``): the state, with no pause held once it was read (a
+    step pauses the gateway before the engines and resumes it after them, so a state read
+    within a live pause is that step's)."""
+    changes = [weights.PAUSE, *([weights.SLEEP] if sleep_check else [])]
+
+    def held() -> list[str]:
+        return [c.state_key.removeprefix("is_") for c in changes if weights.in_state(url, c)]
+
+    # read twice: a step that ended between the first reads resumed the engine before its
+    # pause ended, so the second read of the engine finds it running (only two whole steps
+    # in between could fool both)
+    for _ in range(2):
+        left = held()
+        if not left or Pause(client).is_paused():
+            return []
+    return left
+
+
 class UpstreamKeeper:
     def __init__(self, client: redis.Redis, urls: list[str], model_name: str,
                  tolerance: float, every_s: float = 1.0, reload_timeout_s: float = 600.0,
@@ -125,7 +145,7 @@ class UpstreamKeeper:
                                 "a load): reloading it", url, held, version)
                     self.client.sadd(keys.upstreams_stale(), url)
                     stale.add(url)
-            left = self._left_held(url) if url not in stale else []
+            left = left_held(self.client, url, self.sleep_check) if url not in stale else []
             if left:
                 # a trainer died between pausing (or putting to sleep) the engine and
                 # taking it back: it may have been mid-load, and asleep the engine may have
@@ -149,26 +169,6 @@ class UpstreamKeeper:
                 self._waiting.discard(url)
                 restored.append(url)
         return restored
-
-    def _left_held(self, url: str) -> list[str]:
-        """What ``url``'s engine was left in (``["paused"]``, ``["asleep"]``) by a dead
-        trainer: the state, with no pause held once it was read (a step pauses the gateway
-        before the engines and resumes it after them, so a state read within a live pause
-        is that step's)."""
-        changes = [weights.PAUSE, *([weights.SLEEP] if self.sleep_check else [])]
-
-        def held() -> list[str]:
-            return [c.state_key.removeprefix("is_") for c in changes
-                    if weights.in_state(url, c)]
-
-        # read twice: a step that ended between the first reads resumed the engine before
-        # its pause ended, so the second read of the engine finds it running (only two
-        # whole steps in between could fool both)
-        for _ in range(2):
-            left = held()
-            if not left or Pause(self.client).is_paused():
-                return []
-        return left
 
     def _no_step_began(self, url: str) -> None:
         """Raise if a step (of another trainer process) took the pause while this restore

@@ -51,7 +51,7 @@ from workers.trainer.batch import BatchStats, Sample, collect_samples
 from workers.trainer.drain import drain_for
 from workers.trainer.engine import EngineTrainer
 from workers.trainer.errors import StepError
-from workers.trainer.keeper import publish_lock, running_keeper
+from workers.trainer.keeper import left_held, publish_lock, running_keeper
 from workers.trainer.liveness import Beats
 from workers.trainer.settings import TrainerSettings
 from workers.trainer.verl_batch import to_verl_batch
@@ -175,21 +175,18 @@ def take_back_orphans(client: redis.Redis, settings: TrainerSettings) -> list[st
     an engine may have dropped its weights, sleep level 2): one asleep is woken now
     (vLLM can crash serving a request asleep), one paused stays paused until reloaded."""
     inf = settings.inference
-    if Pause(client).is_paused():
-        return []
-    asleep = [u for u in inf.urls if inf.sleep_mode and weights.in_state(u, weights.SLEEP)]
-    paused = [u for u in inf.urls if weights.in_state(u, weights.PAUSE)]
-    if Pause(client).is_paused():  # a step took the engines meanwhile: their state is its
-        return []
-    for url in asleep:
-        weights.wake_if_asleep(url, settings.reload_timeout_s)
-    found = sorted(set(asleep) | set(paused), key=list(inf.urls).index)
-    for url in found:
+    found = {u: left_held(client, u, inf.sleep_mode) for u in inf.urls}
+    for url, left in found.items():
+        if not left:
+            continue
+        asleep = "sleeping" in left
+        if asleep:
+            weights.wake_if_asleep(url, settings.reload_timeout_s)
         log.warning("inference server %s was %s with no pause held (a trainer died "
                     "mid-update): stale until the upstream keeper has reloaded it", url,
-                    "asleep (woken)" if url in asleep else "paused")
+                    "asleep (woken)" if asleep else "paused")
         client.sadd(keys.upstreams_stale(), url.rstrip("/"))
-    return found
+    return [u for u, left in found.items() if left]
 
 
 def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
