@@ -13,6 +13,7 @@ with gunicorn: ``gunicorn -k gevent 'bench.standin:create_app()'``.
 
 from __future__ import annotations
 
+import os
 import time
 
 from flask import Flask, jsonify, request
@@ -118,8 +119,12 @@ def create_app() -> Flask:
 
     @app.post("/collective_rpc")
     def collective_rpc():
-        events.append("collective_rpc:" + request.get_json(force=True)["method"])
+        body = request.get_json(force=True)
+        events.append("collective_rpc:" + body["method"])
         time.sleep(engine["reload_delay_s"])
+        path = (body.get("kwargs") or {}).get("weights_path")
+        if path is not None and not os.path.isdir(path):  # as vLLM fails to load them
+            return jsonify({"error": f"weights path {path} does not exist"}), 500
         return jsonify({"results": [None]})
 
     @app.post("/reset_prefix_cache")

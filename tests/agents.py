@@ -7,7 +7,8 @@ Sample keys: ``gate`` (block until the test sets the Redis key ``test:gate:<gate
 of per-sibling sleeps, by sibling index), ``fail_before_call`` (sibling indices that raise
 before making any call), ``sibling_reward`` (a list of per-sibling rewards), ``max_tokens``
 (of the call; default 2), ``overflow`` (then a call whose prompt exceeds the context,
-left to raise).
+left to raise), ``call_after_gate`` (a second call once the gate is open: the rollout needs
+a server then).
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ def scripted(sample: dict, llm: Any, *, redis_url: str, **_: Any) -> Any:
         deadline = time.monotonic() + 120
         while not r.exists(f"test:gate:{gate}") and time.monotonic() < deadline:
             time.sleep(0.05)
+    if sample.get("call_after_gate"):
+        client.chat.completions.create(model=llm.model, max_tokens=2, messages=[
+            {"role": "user", "content": sample["text"]}])
     time.sleep(float(sample.get("sleep", 0)))
     per = sample.get("sibling_sleep")
     if per:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import redis
@@ -320,15 +320,27 @@ class Collector:
         oldest = self.r.zrange(active_key, 0, 0)
         age_max = (step - int(self.r.hget(keys.group(oldest[0]), "dispatch_step"))
                    if oldest else 0)
-        self.r.hset(keys.run(self.run_id), RunRecord.field("carry_unfinished"), unfinished)
-        return Selection(step=step, group_ids=list(chosen),
-                         prev_carry_over_rollouts=prev_carry_over_rollouts,
-                         new_carry_over_rollouts=unfinished,
-                         carry_over_finished_rollouts=finished,
-                         complete_unselected_rollouts=complete,
-                         carry_over_age_max=age_max,
-                         consumed_ages=[step - d for d in dispatch_steps],
-                         wait_seconds=wait_seconds)
+        selection = Selection(step=step, group_ids=list(chosen),
+                              prev_carry_over_rollouts=prev_carry_over_rollouts,
+                              new_carry_over_rollouts=unfinished,
+                              carry_over_finished_rollouts=finished,
+                              complete_unselected_rollouts=complete,
+                              carry_over_age_max=age_max,
+                              consumed_ages=[step - d for d in dispatch_steps],
+                              wait_seconds=wait_seconds)
+        self.r.hset(keys.run(self.run_id), mapping={
+            RunRecord.field("carry_unfinished"): unfinished,
+            RunRecord.field("last_selection"): json.dumps(asdict(selection))})
+        return selection
+
+    def selected(self, step: int) -> Selection | None:
+        """The selection of ``step`` as it was made (a driver resumed after selecting, before
+        the update ended); None if it was not recorded (a crash right after the selection)."""
+        raw = self.r.hget(keys.run(self.run_id), RunRecord.field("last_selection"))
+        recorded = json.loads(raw) if raw else {}
+        if recorded.get("step") != step:  # none yet ({}), or an earlier step's
+            return None
+        return Selection(**recorded)
 
     def carried_in(self) -> int:
         """Unfinished rollouts the last selection carried over (0 for a new run)."""

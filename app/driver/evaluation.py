@@ -23,6 +23,7 @@ import logging
 import secrets
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -134,10 +135,14 @@ class Evaluator:
             self.cancel()
         return None
 
-    def wait(self, poll_s: float = 0.5) -> dict[str, float] | None:
-        """Block until the pending evaluation finished (or was cancelled); its metrics."""
+    def wait(self, poll_s: float = 0.5, on_wait: Callable[[], Any] = lambda: None
+             ) -> dict[str, float] | None:
+        """Block until the pending evaluation finished (or was cancelled); its metrics.
+        ``on_wait`` runs between polls (the driver's restore of servers that lost the
+        weights: the evaluation's rollouts need them too)."""
         reconcile_at = time.monotonic() + 15.0
         while self.pending is not None:
+            on_wait()
             if self.finished(self.pending):
                 return self._report()
             if time.monotonic() > reconcile_at:

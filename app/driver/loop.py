@@ -24,6 +24,7 @@ from app.driver.collector import Collector, Starved
 from app.driver.evaluation import Evaluator
 from app.driver.metrics import CARRY, MetricsSink, console_line, val_line
 from app.driver.recovery import OutageWatch, repair
+from app.driver.restore import ServerRestore
 from app.driver.trainer_call import call_trainer
 from app.state import keys
 from app.state.connection import connect, resolve_redis_url
@@ -104,6 +105,7 @@ def train(cfg: Any, resume: str | None = None, *,
                              "async" if cfg.agentlightning.async_rollout.enabled else "sync")
     collector = Collector(client, run_id, cfg)
     evaluator = Evaluator(client, run_id, cfg)  # reads data.val_files: fails before training
+    restore_servers = ServerRestore(client, cfg, run_id)  # servers the keeper cannot restore
     run_dir = run_dir_for(cfg, run_id)
     sink = MetricsSink(run_dir, run_id, cfg, console=bool(cfg.logging.console))
     total = int(cfg.trainer.total_steps)
@@ -132,7 +134,7 @@ def train(cfg: Any, resume: str | None = None, *,
     if step == 0 and evaluator.before_training():
         # the initial policy alone: waited for before any training rollout is sent
         evaluator.start(0, int(client.get(keys.policy_version()) or 0))
-        report_eval(0, evaluator.wait())
+        report_eval(0, evaluator.wait(on_wait=restore_servers))
     last_counters = collector.counters()
     n = collector.n
     is_async = bool(cfg.agentlightning.async_rollout.enabled)
@@ -158,14 +160,20 @@ def train(cfg: Any, resume: str | None = None, *,
             groups_key = keys.run_step_groups(run_id, step)
             if client.exists(groups_key):  # resumed after selecting, before the update ended
                 sel_groups = client.lrange(groups_key, 0, -1)
-                selection = None
+                selection = collector.selected(step)  # its figures, as they were
                 waited = 0.0
             else:
-                def on_wait(v: int = version) -> None:
+                serving = [version]
+
+                def on_wait(serving: list[int] = serving) -> None:
                     after_outage()
-                    collector.top_up(v)
+                    # servers the keeper cannot restore: no group would finish without them
+                    if restore_servers() is not None:  # they serve a new version now
+                        serving[0] = int(client.get(keys.policy_version()) or 0)
+                    collector.top_up(serving[0])
 
                 waited = collector.wait_ready(on_wait=on_wait, step=step)
+                version = serving[0]
                 selection = collector.select(step, prev_carry, waited)
                 sel_groups = selection.group_ids
             chosen = list(sel_groups)
@@ -267,9 +275,9 @@ def train(cfg: Any, resume: str | None = None, *,
                 break
         if step >= total and evaluator.freq > 0 and evaluator.enabled:
             # the final policy is always measured (verl's last validation)
-            report_eval(step - 1, evaluator.wait())
+            report_eval(step - 1, evaluator.wait(on_wait=restore_servers))
             evaluator.start(step, int(client.get(keys.policy_version()) or 0))
-            report_eval(step, evaluator.wait())
+            report_eval(step, evaluator.wait(on_wait=restore_servers))
         client.hset(keys.run(run_id), "status", "finished")
     except Starved as exc:
         raise TrainingFailed(f"step {step}: {exc}") from exc

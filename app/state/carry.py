@@ -63,8 +63,9 @@ def cancel_group(client: redis.Redis, run_id: str, group_id: str, sample_index: 
 
 def carried(client: redis.Redis, run_id: str, n: int) -> tuple[int, int, int]:
     """(unfinished rollouts, finished siblings, rollouts of complete groups) among the
-    active groups: what the next step inherits."""
-    pipe = client.pipeline(transaction=False)
+    active groups: what the next step inherits. Read in one MULTI: a group that leaves
+    the active set between the reads would count n unfinished rollouts too many."""
+    pipe = client.pipeline(transaction=True)
     pipe.zcard(keys.run_active(run_id))
     pipe.zcard(keys.run_ready(run_id))
     pipe.hget(keys.run(run_id), FIELD)

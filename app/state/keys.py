@@ -169,8 +169,9 @@ def run_step_result(run_id: str, step: int) -> str:
 
 def trainer_heartbeat(run_id: str, task: str) -> str:
     """STRING the trainer worker id, with a short TTL refreshed while a trainer task
-    (``task``: ``init`` or a step number) runs. Read by the driver: a key that was seen and
-    expired without a result means the trainer worker died, and the task is sent again."""
+    (``task``: ``init``, ``restore`` or a step number) runs. Read by the driver: a key that
+    was seen and expired without a result means the trainer worker died, and the task is
+    sent again."""
     return PREFIX + "run:" + run_id + ":trainer:" + task
 
 
@@ -191,6 +192,16 @@ def upstreams_stale() -> str:
     and by the trainer's upstream keeper (its health check failed); removed from by the
     keeper after a verified reload. The gateway routes around its members."""
     return PREFIX + "upstreams:stale"
+
+
+def upstreams_need_weights() -> str:
+    """STRING why: a stale server is back but the upstream keeper cannot give it the
+    published weights, which only a trainer holds (``weight_sync: transfer`` in a trainer
+    worker that restarted too) or whose export is gone (a reboot wiped ``/dev/shm``). Set
+    by the keeper; read by the driver while it waits, which then sends the trainer task
+    ``restore_servers`` (again after a failure); deleted by the next verified publish (that
+    task's, or a step's), after which the keeper can restore a server by itself again."""
+    return PREFIX + "upstreams:need_weights"
 
 
 # --- rollout workers: finding the deliveries of a dead one --------------------------------

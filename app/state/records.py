@@ -220,6 +220,9 @@ class RunRecord(_HashRecord):
     # (``app.state.carry``); the unfinished ones the last selection carried over.
     finished_active: int = 0
     carry_unfinished: int = 0
+    # the last selection's figures (``app.driver.collector.Selection``), so that a driver
+    # resumed after selecting and before the update ended still reports them for that step
+    last_selection: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -5,6 +5,7 @@ weights back into the new server before agents reach it, and the run finishes.""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -67,3 +68,67 @@ def test_inference_server_restart(stack, tmp_path, celery_workers, cfg,  # noqa:
                         json.loads(published["probe_ids"]))
     log = celery_workers.log_path("trainer").read_text(errors="replace")
     assert "is unreachable" in log or "is down" in log
+
+
+def test_a_reboot_of_the_trainers_host_between_steps(stack, tmp_path, celery_workers):  # noqa: F811
+    """The host of the trainer worker and the inference server reboots while the driver
+    collects: both restart, the server with its initial weights, and the published export
+    is gone (a reboot empties /dev/shm). The keeper cannot restore the server, and with no
+    server no group finishes (each carried rollout makes a call once its gate opens), so no
+    update would come to reload it: the driver asks the trainer worker for the run's
+    weights, which loads the last checkpoint (none here, so the two updates made are lost,
+    and reported) and serves them; the run finishes."""
+    import shutil
+
+    samples = [{}, {}, {"gate": "s1"}, {"gate": "s1"}] + [
+        {"gate": "reboot", "call_after_gate": True} for _ in range(12)]
+    run_cfg = make_cfg(tmp_path, samples, "data.train_batch_size=2",
+                       "agentlightning.async_rollout.async_train_batch_size=4",
+                       "trainer.total_steps=4", "trainer.save_freq=10")
+    seen: dict = {}
+
+    def on_step(step: int, metrics: dict) -> None:
+        if step == 0:
+            stack.set("test:gate:s1", 1)
+        if step != 1:
+            return
+        # step 2's groups are dispatched and wait at the gate: none can finish yet
+        published = stack.hgetall(keys.policy_published())
+        sigkill(celery_workers, "trainer")
+        sigkill(celery_workers, "inference")
+        shutil.rmtree(published["path"], ignore_errors=True)
+        seen["version"] = int(published["version"])
+        celery_workers.start(["inference", "trainer"])
+        stack.set("test:gate:reboot", 1)
+
+    from app.driver.loop import train
+
+    out: dict = {}
+
+    def target() -> None:
+        try:
+            out["result"] = train(run_cfg, on_step=on_step)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            out["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(300)
+    log = celery_workers.log_path("trainer").read_text(errors="replace")
+    assert not thread.is_alive(), "the run stalled after the reboot\n" + log[-3000:]
+    assert "error" not in out, out.get("error")
+    result = out["result"]
+    assert result["steps"] == 4
+    run_id = result["run_id"]
+    assert_trained_once_and_whole(stack, run_id, 4, 2, 2)
+    rows = [json.loads(r) for r in stack.lrange(keys.run_metrics(run_id), 0, -1)]
+    # the restore came from the driver's request, before step 2's groups could finish
+    assert re.search(r"tasks\.restore_servers\[[^]]+\] succeeded", log)
+    assert "is gone" in log
+    assert rows[2]["trainer/rolled_back_updates"] == 2
+    assert rows[2]["trainer/restored_from_step"] is None
+    assert rows[2]["trainer/restored_policy_version"] > seen["version"]
+    assert "trainer/rolled_back_updates" not in rows[3]
+    versions = [r["policy/version"] for r in rows]
+    assert versions == sorted(versions) and len(set(versions)) == 4
+    assert not stack.exists(keys.upstreams_need_weights())   # cleared by the verified load

@@ -156,3 +156,61 @@ def test_a_run_start_resumes_an_engine_a_dead_trainer_left_paused(upstream, redi
         assert not redis_client.sismember(keys.upstreams_stale(), upstream)
     finally:
         requests.post(upstream + "/resume", timeout=5)
+
+
+def test_servers_the_keeper_cannot_restore_get_the_runs_weights_from_the_trainer_worker(
+        upstream, redis_client, tmp_path, real_trainer):
+    """The trainer's host reboots: its worker restarts with no trainer, the server with its
+    initial weights, and the published export (in /dev/shm) is gone. The keeper cannot load
+    them and says so; with every server stale no group finishes, so no step would come to
+    reload them. The task the driver sends instead loads the run's last checkpoint (here
+    none: the initial weights), serves it under a new version, and the next step reports
+    the updates lost."""
+    import shutil
+
+    import requests
+
+    from workers.trainer import weights
+    from workers.trainer.keeper import UpstreamKeeper
+
+    run_id = "rebooted"
+    cfg = _cfg(upstream, tmp_path)
+    settings = TrainerSettings.from_config(cfg)
+    _prepared_run(redis_client, run_id, cfg)
+    service.init_run(redis_client, run_id)
+    initial = _weights()
+    service.train_step(redis_client, run_id, 0)
+    published = redis_client.hgetall(keys.policy_published())
+    trained_version = int(published["version"])
+    assert weights.loaded_version(upstream) == str(trained_version)
+    # the reboot (a warm stop of the worker frees an export in /dev/shm too)
+    service.close_resident()
+    shutil.rmtree(published["path"], ignore_errors=True)
+    assert not Path(published["path"]).exists()
+    requests.post(upstream + "/update_weight_version", json={"new_version": "default"},
+                  timeout=5).raise_for_status()
+    keeper = UpstreamKeeper(redis_client, [upstream], cfg.inference.served_model_name,
+                            settings.probe_tolerance)
+    assert keeper.tick() == []
+    assert redis_client.sismember(keys.upstreams_stale(), upstream)
+    assert "is gone" in redis_client.get(keys.upstreams_need_weights())
+    # the driver, waiting for step 1's groups, asks the trainer worker
+    _prepared_run(redis_client, run_id, cfg, step=1)
+    redis_client.hset(keys.run(run_id), "step", 1)   # the driver's count of updates done
+    restored = service.restore_servers(redis_client, run_id)
+    assert restored["trainer/rolled_back_updates"] == 1
+    assert restored["trainer/restored_from_step"] is None
+    version = restored["trainer/restored_policy_version"]
+    assert version > trained_version
+    assert weights.loaded_version(upstream) == str(version)
+    assert max_diff(initial, _weights()) == 0
+    assert not redis_client.exists(keys.upstreams_need_weights())
+    assert not redis_client.sismember(keys.upstreams_stale(), upstream)
+    assert keeper.tick() == []   # nothing left to restore
+    assert service.restore_servers(redis_client, run_id) == {}   # nor to ask for
+    # the next step trains on the restored weights and reports what was lost
+    step = service.train_step(redis_client, run_id, 1)
+    assert step["trainer/rolled_back_updates"] == 1
+    assert step["policy/version"] == version + 1
+    _prepared_run(redis_client, run_id, cfg, step=2)   # reported once
+    assert "trainer/rolled_back_updates" not in service.train_step(redis_client, run_id, 2)

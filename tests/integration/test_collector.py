@@ -282,15 +282,25 @@ def test_driver_killed_and_resumed_keeps_its_carry_over(stack, tmp_path):
     carryover = str(Path(sys.executable).parent / "carryover")
     proc = subprocess.Popen([carryover, "train", "--config", str(cfg_file)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
-    run_id = None
     for line in proc.stdout:
         if line.startswith("step    2/4"):
             break
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
     runs = [k for k in stack.scan_iter("co:run:*") if k.count(":") == 2]
     run_id = runs[0].split(":", 2)[2]
+    # killed once step 2's groups are selected, before its update has ended
+
+    def selected_step() -> int | None:
+        raw = stack.hget(keys.run(run_id), "last_selection")
+        return json.loads(raw)["step"] if raw else None
+
+    deadline = time.monotonic() + 60
+    while selected_step() != 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
     assert stack.hget(keys.run(run_id), "step") == "2"
+    assert stack.exists(keys.run_step_groups(run_id, 2))
+    selected = json.loads(stack.hget(keys.run(run_id), "last_selection"))
     active_before = set(stack.zrange(keys.run_active(run_id), 0, -1))
     assert f"{run_id}-g1" in active_before  # the gated group is carried over
     out = subprocess.run([carryover, "train", "--config", str(cfg_file), "--resume", run_id],
@@ -303,3 +313,13 @@ def test_driver_killed_and_resumed_keeps_its_carry_over(stack, tmp_path):
     still = set(stack.zrange(keys.run_active(run_id), 0, -1))
     assert active_before <= set(trained) | still  # no carried-over group lost
     assert f"{run_id}-g1" in still
+    # the resumed step reports the carry-over its selection had, as if never interrupted
+    rows = {r["step"]: r for r in map(json.loads, stack.lrange(keys.run_metrics(run_id), 0, -1))}
+    assert sorted(rows) == [0, 1, 2, 3]
+    assert (rows[2][CARRY + "n_prev_carry_over_rollouts"],
+            rows[2][CARRY + "n_completed_rollouts"],
+            rows[2][CARRY + "n_new_carry_over_rollouts"],
+            rows[2][CARRY + "new_carry_over_age_max_steps"]) == (
+        selected["prev_carry_over_rollouts"], 2, selected["new_carry_over_rollouts"],
+        selected["carry_over_age_max"])
+    assert rows[3][CARRY + "n_prev_carry_over_rollouts"] == selected["new_carry_over_rollouts"]

@@ -14,6 +14,12 @@ restarted without the keeper seeing it down (behind a load balancer that answere
 says "default" again, and is reloaded like any stale one. The keeper also takes back an
 engine left paused (or, where the engines sleep around updates, asleep) with no pause held:
 a trainer that died between pausing it and resuming it skipped its own ``finally``.
+
+Where the published weights cannot be loaded from here (they went by weight transfer and
+this process holds no trainer, as after a restart of the trainer's host; or their export is
+gone) the keeper says so in ``keys.upstreams_need_weights``: with every server stale no
+rollout finishes and no update comes to reload them, so the driver asks the trainer worker
+to load the run's weights and serve them (``restore_servers``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,10 @@ log = logging.getLogger(__name__)
 
 # Held by a step from pause to resume and by the keeper while it reloads one server.
 publish_lock = threading.Lock()
+
+
+class NeedsTrainer(weights.WeightSyncError):
+    """The published weights cannot be loaded by the keeper: only a trainer can serve them."""
 
 
 def left_held(client: redis.Redis, url: str, sleep_check: bool) -> list[str]:
@@ -68,6 +78,7 @@ class UpstreamKeeper:
         # frozen_calls); set by the trainer service while it holds a run's trainer
         self.send_weights: Callable[[str, int, bool], None] | None = None
         self._waiting: set[str] = set()   # stale, waiting for an unverified version's step
+        self._failing: set[str] = set()   # stale, their restore failed (said once each)
         self.configure(urls, model_name, tolerance, reload_timeout_s, dp_size, sleep_check)
 
     def configure(self, urls: list[str], model_name: str, tolerance: float,
@@ -127,6 +138,7 @@ class UpstreamKeeper:
             else not published and current > 0
         if not unverified:
             self._waiting.clear()
+        self._failing &= stale  # restored meanwhile (by a step's load): said again if it recurs
         restored = []
         for url in list(self.urls):
             if not self.healthy(url):
@@ -165,10 +177,30 @@ class UpstreamKeeper:
                                 version)
                 continue
             if url in stale:
-                self.restore(url, published)
+                # one server's failure must not keep the keeper from the others
+                try:
+                    self.restore(url, published)
+                except NeedsTrainer as exc:
+                    self._ask_for_weights(url, str(exc))
+                    continue
+                except Exception as exc:  # noqa: BLE001 - said, retried at the next tick
+                    self._failed(url, f"{exc.__class__.__name__}: {exc}")
+                    continue
                 self._waiting.discard(url)
+                self._failing.discard(url)
                 restored.append(url)
         return restored
+
+    def _failed(self, url: str, why: str) -> None:
+        if url not in self._failing:
+            self._failing.add(url)
+            log.warning("inference server %s is back but could not be restored (retried "
+                        "every %.0f s): %s", url, self.every_s, why)
+
+    def _ask_for_weights(self, url: str, why: str) -> None:
+        """Until a verified publish: a restore that fails is asked for again."""
+        self.client.set(keys.upstreams_need_weights(), f"{url}: {why}")
+        self._failed(url, why + "; the driver asks the trainer worker for the run's weights")
 
     def _no_step_began(self, url: str) -> None:
         """Raise if a step (of another trainer process) took the pause while this restore
@@ -198,19 +230,22 @@ class UpstreamKeeper:
             # old weights, so they recompute it on the new ones
             frozen = weights.in_state(url, weights.PAUSE)
             version = int(published["version"])
-            if published.get("adapter"):  # LoRA: the base is as it started, the adapter goes
-                weights.load_adapter(url, published["adapter"], Path(published["path"]),
+            path = Path(published["path"]) if published.get("path") else None
+            if path is not None and not path.is_dir():
+                raise NeedsTrainer(f"the export of policy version {version} ({path}) is gone "
+                                   "(a reboot empties /dev/shm)")
+            if path is not None and published.get("adapter"):  # LoRA: the adapter alone
+                weights.load_adapter(url, published["adapter"], path,
                                      self.reload_timeout_s, frozen_calls=frozen, version=version)
-            elif published.get("path"):
-                weights.reload_weights(url, Path(published["path"]), self.reload_timeout_s,
+            elif path is not None:
+                weights.reload_weights(url, path, self.reload_timeout_s,
                                        frozen_calls=frozen, version=version)
             elif self.send_weights is not None:
                 self.send_weights(url, version, frozen)
             else:
-                raise weights.WeightSyncError(
-                    f"{url}: policy version {version} went to the servers by weight transfer "
-                    "and no trainer in this process can send it again; the next update loads "
-                    "it (stale meanwhile)")
+                raise NeedsTrainer(
+                    f"policy version {version} went to the servers by weight transfer and no "
+                    "trainer in this process can send it again (the trainer worker restarted)")
             self._no_step_began(url)
             weights.resume_if_paused(url)
             weights.verify_sync(url, published.get("adapter") or self.model_name,

@@ -45,7 +45,7 @@ from app.state import keys, retention
 from app.state.cached_reads import POLICY_VERSION_MAX_AGE_S
 from app.state.pause import Pause
 from app.state.policy import published_here
-from app.state.runs import run_config
+from app.state.runs import read_run, run_config
 from workers.trainer import checkpoint, weights
 from workers.trainer.batch import BatchStats, Sample, collect_samples
 from workers.trainer.drain import drain_for
@@ -56,8 +56,8 @@ from workers.trainer.liveness import Beats
 from workers.trainer.settings import TrainerSettings
 from workers.trainer.verl_batch import to_verl_batch
 
-__all__ = ["Resident", "StepError", "init_run", "publish", "require_pause", "switch_weights",
-           "train_step"]
+__all__ = ["Resident", "StepError", "init_run", "publish", "require_pause",
+           "restore_servers", "switch_weights", "train_step"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,9 @@ class Resident:
     # what the upstream keeper may send a restarted server by weight transfer
     weights_version: int | None = None
     digests: dict[str, dict[str, str]] = field(default_factory=dict)  # per server, last load
+    # the rollback of a take-over made outside a step (restore_servers): the next step's
+    # metrics report it, so the driver's warning names the updates lost
+    rollback: Metrics = field(default_factory=dict)
 
     def close(self) -> None:
         """Finish a checkpoint still being written, then free the engine and the exports
@@ -200,6 +203,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
         metrics["timing/trainer_background_checkpoint_seconds"] = resident.saves.last_write_s
     if not resident.published:
         metrics.update(_restore_servers(client, settings, resident, beats, step))
+    metrics.update(resident.rollback)
     group_ids, samples, stats = claim(client, run_id, step, settings)
     collocated = settings.collocated(resident.trainer.device)
     if not collocated:
@@ -227,7 +231,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
     version = published.version
     metrics.update(step_metrics(stats, version, timings))
     record(client, run_id, step, group_ids, metrics, settings)
-    resident.unrecorded, resident.steps_done = False, step + 1
+    resident.unrecorded, resident.steps_done, resident.rollback = False, step + 1, {}
     save_if_due(client, settings, resident, run_id, step, version, metrics)
     return metrics
 
@@ -452,6 +456,8 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
                                                    moved))
             resident.digests[url] = digests
     client.srem(keys.upstreams_stale(), *[u.rstrip("/") for u in published.loaded])
+    # the keeper can load these into a restarted server itself (keys.upstreams_need_weights)
+    client.delete(keys.upstreams_need_weights())
     resident.probe_prev = expected
     resident.published = True
     timings["probe"] = time.monotonic() - t
@@ -822,4 +828,29 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
         version = _serve_resident(client, settings, resident, beats, metrics)
     metrics["policy/version"] = version
     metrics["resumed_from_step"] = resident.restored_step
+    return metrics
+
+
+def restore_servers(client: redis.Redis, run_id: str) -> Metrics:
+    """The upstream keeper could not give a restarted server the run's weights
+    (``keys.upstreams_need_weights``: they went by weight transfer from a trainer this
+    worker no longer holds, or their export is gone), and the driver, waiting for groups,
+    asks for them: load the run's trainer here if this worker holds none (its last
+    checkpoint, as a take-over does), make every server serve its weights under a new
+    policy version (the verified publish clears the request), and report the updates lost
+    with the next step's metrics."""
+    if not client.exists(keys.upstreams_need_weights()):
+        return {}  # another copy of this task, or a step's load, restored them meanwhile
+    step = read_run(client, run_id).step  # the step being collected (a late copy: now's)
+    cfg, settings = _task_start(client, run_id)
+    with Beats(client, keys.trainer_heartbeat(run_id, "restore"),
+               settings.heartbeat_s) as beats:
+        take_back_orphans(client, settings)
+        resident = resident_trainer(run_id, cfg, settings)
+        if resident.published:  # the trainer is here: only the servers lost its weights
+            metrics = {"trainer/restored_policy_version":
+                       _serve_resident(client, settings, resident, beats, {})}
+        else:
+            metrics = _restore_servers(client, settings, resident, beats, step)
+            resident.rollback = metrics
     return metrics

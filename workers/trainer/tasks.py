@@ -70,6 +70,14 @@ def init_run(run_id: str) -> dict:
     return init(task_redis(), run_id)
 
 
+@celery_app.task(name="workers.trainer.tasks.restore_servers", acks_late=False)
+def restore_servers(run_id: str) -> dict:
+    from workers.trainer.service import restore_servers as restore
+
+    _watch_outages()
+    return restore(task_redis(), run_id)
+
+
 @worker_ready.connect
 def _start_upstream_keeper(sender: Any = None, **_: Any) -> None:
     if "trainer" not in (celery_app.amqp.queues.consume_from or {}):
