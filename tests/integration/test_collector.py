@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,11 +58,14 @@ def make_cfg(tmp_path: Path, samples: list[dict], *overrides: str):
     ])
 
 
-def run(cfg, releases: dict[int, list[str]] | None = None, client=None) -> tuple[dict, list]:
+def run(cfg, releases: dict[int, list[str]] | None = None, client=None,
+        also=None) -> tuple[dict, list]:
     rows = []
 
     def on_step(step: int, metrics: dict) -> None:
         rows.append(metrics)
+        if also is not None:
+            also(step, metrics)
         for gate in (releases or {}).get(step, []):
             client.set(f"test:gate:{gate}", 1)
 
@@ -79,7 +83,31 @@ def test_scripted_carry_over_scenario(stack, tmp_path):
     cfg = make_cfg(tmp_path, samples, "data.train_batch_size=2",
                    "agentlightning.async_rollout.async_train_batch_size=4",
                    "trainer.total_steps=3")
-    result, rows = run(cfg, {0: ["s1"], 1: ["slow", "s2"]}, stack)
+    held: dict = {}
+
+    def hold_a_call_over_step_1(step: int, metrics: dict) -> None:
+        """A model call in flight when step 1's pause begins, ending 0.3 s into it: that
+        pause counts it and its drain waits for it."""
+        if step != 0:
+            return
+        from app.state.pause import Admission
+
+        adm = Admission(stack)
+        status, lease, _ = adm.admit("held-call")
+        assert status == 1
+
+        def end_it() -> None:
+            deadline = time.monotonic() + 60
+            while not stack.exists(keys.paused()) and time.monotonic() < deadline:
+                time.sleep(0.002)
+            time.sleep(0.3)
+            adm.release(lease)
+
+        held["thread"] = threading.Thread(target=end_it, daemon=True)
+        held["thread"].start()
+
+    result, rows = run(cfg, {0: ["s1"], 1: ["slow", "s2"]}, stack, hold_a_call_over_step_1)
+    held["thread"].join(5)
     run_id = result["run_id"]
     # Every training/async/* count, per step. Unfinished rollouts (n=2): step 0 carries the
     # gated g2 (slow) and g3 (s1); step 1 carries g2 and g5 (s2); step 2 carries g6 and g7
@@ -135,6 +163,9 @@ def test_scripted_carry_over_scenario(stack, tmp_path):
     for r in rows:
         assert r["training/async/proxy_inflight_at_pause"] >= 0
         assert r["training/async/proxy_drain_seconds"] >= 0
+    # the held call: in flight when step 1's pause began, waited for by its drain
+    assert rows[1]["training/async/proxy_inflight_at_pause"] >= 1
+    assert rows[1]["training/async/proxy_drain_seconds"] >= 0.25
 
 
 def test_refill_after_update_starts_groups_on_the_new_weights(stack, tmp_path):
