@@ -24,6 +24,17 @@ def json_body() -> Any:
     # get_data() enforces MAX_CONTENT_LENGTH (413); get_json(silent=True) would hide that.
     raw = request.get_data(cache=True)
     try:
-        return loads(raw)
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        pass
+    try:
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise bad_request("request body is not valid JSON") from None
+    try:  # what only the json module reads: NaN and Infinity, or a lone UTF-16 surrogate
+        orjson.dumps(body)
+    except TypeError:
+        raise bad_request("request body has a lone UTF-16 surrogate escape (half of a "
+                          "character, as when text is cut inside an emoji): not valid "
+                          "Unicode") from None
+    return body

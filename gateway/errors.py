@@ -44,7 +44,7 @@ def retryable(message: str, retry_after: float, code: str = "paused") -> Gateway
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(GatewayError)
     def _gateway_error(exc: GatewayError):
-        if request.path.endswith("/v1/messages"):
+        if request.path.endswith("/v1/messages") or "/v1/messages/" in request.path:
             from gateway.protocols.anthropic import error_body
 
             resp = jsonify(error_body(exc))

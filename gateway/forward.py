@@ -62,8 +62,10 @@ def validate_body(body: Any, endpoint: str) -> dict:
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
             raise bad_request("'prompt' must be a string or a non-empty array", param="prompt")
-    if "stream" in body and not isinstance(body["stream"], bool):
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise bad_request("'stream' must be true or false", param="stream")
+    if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
+        raise bad_request("'stream_options' must be an object", param="stream_options")
     temp = body.get("temperature")
     if temp is not None and (isinstance(temp, bool) or not isinstance(temp, (int, float))
                              or temp < 0):
@@ -188,10 +190,10 @@ def _send(state: GatewayState, rollout_id: str, lease_id: str, upstream: str, en
 
 def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
             endpoint: str, body: dict[str, Any], stream: bool
-            ) -> tuple[UpstreamResponse, bytes | None, int]:
+            ) -> tuple[UpstreamResponse, bytes | None, int, str]:
     """Send a cut call's continuation once the pause has ended, to whichever server is
     usable then (the re-sent tokens are a prefill anywhere); -> (the response, its body
-    unless streamed, the policy version it is sampled on)."""
+    unless streamed, the policy version it is sampled on, the server)."""
     s = state.settings
     try:
         continuation.wait_for_resume(state.redis, cancel, s.upstream_timeout_s)
@@ -208,7 +210,7 @@ def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
         raise retryable("no inference server is reachable", s.retry_after_s,
                         code="upstream_unavailable")
     resp, data = _send(state, rollout_id, lease_id, upstream, endpoint, body, stream)
-    return resp, data, version
+    return resp, data, version, upstream
 
 
 def _not_carried_on(state: GatewayState, rollout_id: str, body: dict[str, Any],
@@ -248,7 +250,8 @@ def _carry_on(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
         more_body = continuation.resend_body(body, endpoint, prompt_ids, so_far)
         if more_body is None:
             return continuation.ended_by_length(data)
-        _, raw, now = _resend(state, rollout_id, lease_id, cancel, endpoint, more_body, False)
+        _, raw, now, _ = _resend(state, rollout_id, lease_id, cancel, endpoint, more_body,
+                                 False)
         assert raw is not None
         more = loads(raw)
         if continuation.sent_prompt(more) != [*prompt_ids, *so_far]:
@@ -293,10 +296,21 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
     current = meta["version"]
     done: int | None = None         # tokens before a continuation (drain_mode continue)
     expected: list[int] | None = None  # the prompt ids its server must say it read
+    upstream = meta["upstream"]
     try:
         while True:
             cut = False  # a weight update aborted this upstream stream (drain_mode continue)
-            for line in _lines(resp):
+            ended = False  # the upstream's [DONE] came
+            lines = _lines(resp)
+            while True:
+                try:
+                    line = next(lines, None)
+                except UpstreamUnreachable as exc:
+                    if not ended:  # after the [DONE], the answer is whole
+                        yield out.error(_cut_off(state, rollout_id, upstream, exc))
+                    return
+                if line is None:
+                    break
                 # The trainer bumps the version while the engines are frozen and before they
                 # resume (gateway.drain_mode keep): the first chunk read under a new version
                 # holds the first tokens sampled on it. A cut stream's tail holds none.
@@ -313,6 +327,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 if payload == "[DONE]":
                     if cut:
                         break
+                    ended = True
                     yield from _end_stream(state, acc, lease, meta, body, current, out)
                     continue
                 chunk = loads(payload)
@@ -345,6 +360,8 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 yield from out.chunk(capture.strip_for_agent(shown, meta["endpoint"],
                                                              wants_lp, wants_ids))
             if not cut:
+                if not ended:  # the connection closed before the answer's end
+                    yield out.error(_cut_off(state, rollout_id, upstream, None))
                 return
             resp.release()
             prompt_ids, so_far = continuation.prompt_and_response(acc.response())
@@ -360,8 +377,8 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 yield from _end_stream(state, acc, lease, meta, body, current, out)
                 return
             try:
-                resp, _, now = _resend(state, rollout_id, lease.id, cancel, meta["endpoint"],
-                                       more_body, True)
+                resp, _, now, upstream = _resend(state, rollout_id, lease.id, cancel,
+                                                 meta["endpoint"], more_body, True)
             except GatewayError as err:
                 yield out.error(err)
                 return
@@ -379,6 +396,19 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
         if not lease.ended:
             lease.release()
             log.info("stream for %s ended early; nothing captured", rollout_id)
+
+
+def _cut_off(state: GatewayState, rollout_id: str, upstream: str,
+             exc: UpstreamUnreachable | None) -> GatewayError:
+    """A stream its server cut (closed, or silent past ``upstream_timeout_s``): the agent
+    gets an error, never an answer that just stops, and the server is routed around as
+    when a call to it fails (``_send``)."""
+    why = str(exc) if exc is not None else "closed before the answer's end"
+    state.upstreams.mark_down(upstream, restarted=exc is None or not exc.timed_out)
+    log.warning("inference server %s cut the stream for %s (%s); nothing captured",
+                upstream, rollout_id, why)
+    return retryable(f"inference server cut the answer off ({why})",
+                     state.settings.retry_after_s, code="upstream_unavailable")
 
 
 def _end_stream(state: GatewayState, acc: capture.StreamAccumulator, lease: Lease,
@@ -409,7 +439,13 @@ def _upstream_error(status: int, data: bytes) -> GatewayError:
         err = {}
     message = err.get("message") or f"inference server answered {status}"
     if status < 500:
-        return GatewayError(status, message, type_=err.get("type") or
-                            "invalid_request_error", code=err.get("code"), param=err.get("param"))
+        # vLLM names its exception's class as the type and repeats the status as the code;
+        # the OpenAI API's are snake_case words, which is what clients branch on
+        kind, code = err.get("type"), err.get("code")
+        if not isinstance(kind, str) or not kind.islower():
+            kind = "not_found_error" if status == 404 else "invalid_request_error"
+        return GatewayError(status, message, type_=kind,
+                            code=code if isinstance(code, str) else None,
+                            param=err.get("param"))
     return GatewayError(502, f"inference server error: {message}", type_="server_error",
                         code="upstream_error")

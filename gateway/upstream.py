@@ -75,7 +75,14 @@ class UpstreamResponse:
     def lines(self) -> Iterator[bytes]:
         """The body line by line (server-sent events), as it arrives."""
         while True:
-            line = self._resp.readline()
+            try:
+                line = self._resp.readline()
+            except TimeoutError as exc:
+                self._release(reuse=False)
+                raise UpstreamUnreachable("timed out mid-answer", timed_out=True) from exc
+            except (OSError, http.client.HTTPException) as exc:
+                self._release(reuse=False)
+                raise UpstreamUnreachable(f"answer cut off ({exc.__class__.__name__})") from exc
             if not line:
                 return
             yield line

@@ -7,7 +7,10 @@ so the gateway translates to the chat path that captures them:
   ``tool_use`` blocks become its ``tool_calls`` (``input`` as JSON arguments); a user's
   ``tool_result`` blocks become ``tool`` messages, ahead of the text beside them.
 - ``tools`` (``input_schema``) become function tools; ``tool_choice`` auto / any / tool /
-  none become auto / required / the named function / none.
+  none become auto / required / the named function / none, and its
+  ``disable_parallel_tool_use`` becomes ``parallel_tool_calls: false``.
+- A last assistant message is a prefill: vLLM continues it in the same turn
+  (``continue_final_message``) instead of opening a new one.
 - ``stop_sequences`` becomes ``stop``; ``max_tokens`` (required) and the sampling
   parameters are passed on, where the gateway's sampling policy applies to them as on
   every route.
@@ -132,8 +135,13 @@ class Messages(Protocol):
         for name in ("temperature", "top_p", "top_k"):
             if body.get(name) is not None:
                 chat[name] = body[name]
-        if body.get("stop_sequences"):
-            chat["stop"] = list(body["stop_sequences"])
+        stops = body.get("stop_sequences")
+        if stops is not None and (not isinstance(stops, list)
+                                  or not all(isinstance(x, str) for x in stops)):
+            raise bad_request("stop_sequences must be an array of strings",
+                              param="stop_sequences")
+        if stops:
+            chat["stop"] = list(stops)
         tools = body.get("tools")
         if tools:
             if not isinstance(tools, list):
@@ -142,6 +150,13 @@ class Messages(Protocol):
         choice = _tool_choice(body.get("tool_choice"))
         if choice is not None and tools:
             chat["tool_choice"] = choice
+            if body["tool_choice"].get("disable_parallel_tool_use"):
+                chat["parallel_tool_calls"] = False
+        last = chat_msgs[-1]
+        if last["role"] == "assistant" and not last.get("tool_calls"):
+            # a prefill: the answer continues the assistant's text, in the same turn
+            chat["continue_final_message"] = True
+            chat["add_generation_prompt"] = False
         if body.get("stream"):
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

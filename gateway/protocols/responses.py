@@ -129,8 +129,12 @@ class Responses(Protocol):
         if body.get("instructions"):
             msgs.insert(0, {"role": "system", "content": str(body["instructions"])})
         chat: dict[str, Any] = {"messages": msgs}
-        if body.get("max_output_tokens") is not None:
-            chat["max_tokens"] = body["max_output_tokens"]
+        limit = body.get("max_output_tokens")
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+                raise bad_request("max_output_tokens must be an integer >= 1",
+                                  param="max_output_tokens")
+            chat["max_tokens"] = limit
         for name in ("temperature", "top_p"):
             if body.get(name) is not None:
                 chat[name] = body[name]

@@ -216,6 +216,23 @@ def test_langchain_chat_openai_with_a_tool(gw, new_rollout, redis_client):
     captured(redis_client, rid, 2)
 
 
+def test_an_anthropic_prefill_is_continued_in_its_turn(gw, new_rollout, redis_client):
+    """A last assistant message is continued: its text ends the prompt with no end of turn
+    after it, and the answer is only what follows."""
+    import anthropic
+
+    rid, token, base = new_rollout(gw)
+    client = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key=token,
+                                 max_retries=2)
+    prefill = "The answer is"
+    answer = client.messages.create(model=NAME, max_tokens=4, messages=[
+        {"role": "user", "content": "What is 3 + 4?"},
+        {"role": "assistant", "content": prefill}])
+    assert answer.stop_reason in ("end_turn", "max_tokens")
+    (call,) = captured(redis_client, rid, 1)
+    assert prompt_text(call).rstrip().endswith(prefill)  # no <|im_end|>, no new turn
+
+
 def test_anthropic_errors_have_anthropics_shape(gw, new_rollout):
     import anthropic
 

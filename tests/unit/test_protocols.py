@@ -74,11 +74,35 @@ def test_messages_become_chat_messages_in_order():
     ({"max_tokens": 5, "tools": [{"type": "web_search_20250305", "name": "web_search"}],
       "messages": [{"role": "user", "content": "hi"}]}, "tools[0].type"),
     ({"max_tokens": 5, "messages": [{"role": "tool", "content": "hi"}]}, "messages[0].role"),
+    # a string, not a list: taken whole it would stop at any of its letters
+    ({"max_tokens": 5, "stop_sequences": "END", "messages": [{"role": "user", "content": "hi"}]},
+     "stop_sequences"),
+    ({"max_tokens": 5, "stop_sequences": ["END", 3],
+      "messages": [{"role": "user", "content": "hi"}]}, "stop_sequences"),
 ])
 def test_what_messages_cannot_serve_is_a_400_naming_it(body, param):
     with pytest.raises(GatewayError) as err:
         Messages().to_chat(body)
     assert err.value.status == 400 and err.value.param == param
+
+
+def test_messages_keep_the_meaning_of_their_options():
+    user = {"role": "user", "content": "3+4?"}
+    tools = [{"name": "add", "input_schema": TOOL_SCHEMA}]
+    chat = Messages().to_chat({"max_tokens": 5, "messages": [user], "tools": tools,
+                               "tool_choice": {"type": "auto",
+                                               "disable_parallel_tool_use": True}})
+    assert chat["parallel_tool_calls"] is False and chat["tool_choice"] == "auto"
+    chat = Messages().to_chat({"max_tokens": 5, "messages": [user], "tools": tools,
+                               "tool_choice": {"type": "auto"}})
+    assert "parallel_tool_calls" not in chat  # the model's default: several calls allowed
+    # a last assistant message is a prefill: the answer continues it, in the same turn
+    chat = Messages().to_chat({"max_tokens": 5, "messages": [
+        user, {"role": "assistant", "content": [{"type": "text", "text": "The sum is"}]}]})
+    assert chat["messages"][-1] == {"role": "assistant", "content": "The sum is"}
+    assert chat["continue_final_message"] is True and chat["add_generation_prompt"] is False
+    chat = Messages().to_chat({"max_tokens": 5, "messages": [user]})
+    assert "continue_final_message" not in chat and "add_generation_prompt" not in chat
 
 
 def test_a_chat_answer_becomes_a_message():
@@ -185,6 +209,8 @@ def test_responses_input_items_become_chat_messages():
      "input[0].content[0].type"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input[0].type"),
     ({"input": []}, "input"),
+    ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),  # its own name
+    ({"input": "hi", "max_output_tokens": "5"}, "max_output_tokens"),
 ])
 def test_what_responses_cannot_serve_is_a_400_naming_it(body, param):
     with pytest.raises(GatewayError) as err:

@@ -1,0 +1,140 @@
+"""An inference server that fails in the middle of a streamed answer.
+
+The gateway (in this process, Flask's test client) sits in front of a scripted server that
+sends one chunk and then closes the connection, or goes silent. The agent must get an error
+in its protocol's stream, never an answer that just stops and looks finished; nothing is
+captured; and the server is routed around."""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from app.state import keys
+from app.state.connection import resolve_redis_url
+from gateway import create_app
+from gateway.settings import GatewaySettings
+from tests.conftest import free_port
+
+MODE = {"kind": "whole"}
+
+
+def _chunk(text: str, ids: list[int], finish: str | None = None) -> bytes:
+    c = {"id": "chatcmpl-1", "object": "chat.completion.chunk", "created": 1, "model": "m",
+         "choices": [{"index": 0, "delta": {"role": "assistant", "content": text},
+                      "token_ids": ids, "finish_reason": finish,
+                      "logprobs": {"content": [{"token": text, "logprob": -0.1,
+                                                "top_logprobs": []}]}}]}
+    if finish is None:
+        c["prompt_token_ids"] = [1, 2, 3]
+    return b"data: " + json.dumps(c).encode() + b"\n\n"
+
+
+class Server(http.server.BaseHTTPRequestHandler):
+    """Streams "h", then (``MODE``) "i" and [DONE], or closes the connection, or hangs."""
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def send(data: bytes) -> None:
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+            self.wfile.flush()
+
+        send(_chunk("h", [5]))
+        if MODE["kind"] == "close":   # the server dies mid-answer
+            time.sleep(0.1)
+            self.connection.shutdown(socket.SHUT_RDWR)
+            return
+        if MODE["kind"] == "hang":    # the server stops answering
+            time.sleep(3)
+            return
+        send(_chunk("i", [6], "stop") + b"data: [DONE]\n\n")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _serving() -> Iterator[str]:
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Server)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def gateway(redis_client, cfg):
+    with _serving() as url:
+        settings = GatewaySettings(
+            redis_url=resolve_redis_url(cfg), upstreams=(url,), model="m", admin_token="a",
+            lease_ttl_s=30, hold=False, hold_timeout_s=1, retry_after_s=1,
+            max_body_bytes=1 << 20, max_concurrent_per_rollout=8, upstream_timeout_s=1.0,
+            upstream_health_s=0, default_max_tokens=8, default_temperature=1.0,
+            context_check=False, token_continuity=False)
+        yield create_app(settings).test_client(), url
+
+
+def _stream(client, new_rollout, path: str, body: dict) -> tuple[str, str]:
+    rid, token, _ = new_rollout()
+    resp = client.post(f"/rollout/{rid}{path}", json={**body, "stream": True},
+                       headers={"Authorization": f"Bearer {token}"})
+    assert resp.status_code == 200  # the stream had begun: errors come inside it
+    return rid, resp.get_data(as_text=True)
+
+
+CHAT = ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}]})
+MESSAGES = ("/v1/messages", {"model": "m", "max_tokens": 8,
+                             "messages": [{"role": "user", "content": "x"}]})
+RESPONSES = ("/v1/responses", {"model": "m", "input": "x"})
+
+
+def test_a_whole_stream_is_captured(gateway, new_rollout, redis_client):
+    client, _ = gateway
+    MODE["kind"] = "whole"
+    rid, text = _stream(client, new_rollout, *CHAT)
+    assert text.rstrip().endswith("data: [DONE]")
+    assert redis_client.llen(keys.rollout_calls(rid)) == 1
+
+
+@pytest.mark.parametrize("kind", ["close", "hang"])
+@pytest.mark.parametrize("route", [CHAT, MESSAGES, RESPONSES], ids=["chat", "messages",
+                                                                      "responses"])
+def test_a_stream_cut_by_the_server_ends_in_an_error(gateway, new_rollout, redis_client, kind,
+                                                     route):
+    client, url = gateway
+    MODE["kind"] = kind
+    rid, text = _stream(client, new_rollout, *route)
+    assert "upstream_unavailable" in text, text  # an error event, in the route's shape
+    if route is CHAT:
+        assert "[DONE]" not in text
+        last = json.loads(text.strip().split("\n\n")[-1].removeprefix("data: "))
+        assert last["error"]["code"] == "upstream_unavailable"
+    elif route is MESSAGES:
+        assert "event: error" in text and "message_stop" not in text
+    else:
+        assert "response.completed" not in text
+    assert redis_client.llen(keys.rollout_calls(rid)) == 0  # nothing half captured
+    # a server that closed mid-answer may be restarting with its initial weights: stale
+    assert redis_client.sismember(keys.upstreams_stale(), url) == (kind == "close")

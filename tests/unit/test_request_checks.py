@@ -1,0 +1,77 @@
+"""What the gateway checks in a request before it goes upstream, and the shape of the errors
+it answers with: bad input is a 400 naming the field, never a 500."""
+
+from __future__ import annotations
+
+import pytest
+from flask import Flask
+
+from gateway.body import json_body
+from gateway.errors import GatewayError, register_error_handlers
+from gateway.forward import _upstream_error, validate_body
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"stream": "yes"}, "stream"),
+    ({"stream": True, "stream_options": "x"}, "stream_options"),
+    ({"stream": True, "stream_options": ["include_usage"]}, "stream_options"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 17}, "n"),
+])
+def test_a_bad_field_is_a_400_naming_it(extra, param):
+    with pytest.raises(GatewayError) as err:
+        validate_body({**CHAT, **extra}, "chat.completions")
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_what_the_api_allows_passes():
+    # null is the API's "not set" for stream and stream_options
+    assert validate_body({**CHAT, "stream": None, "stream_options": None}, "chat.completions")
+    assert validate_body({**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+                         "chat.completions")
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"messages": [{"role": "user", "content": "cut \\ud83d"}]}',  # half an emoji
+    b'{"x": "\\udc00"}',
+])
+def test_a_lone_surrogate_is_a_400_not_a_500(raw):
+    """JSON may escape half of a UTF-16 pair (a tool's output cut inside an emoji); it is
+    no text, and nothing downstream can encode it."""
+    app = Flask(__name__)
+    with app.test_request_context(data=raw, content_type="application/json"), \
+            pytest.raises(GatewayError) as err:
+        json_body()
+    assert err.value.status == 400 and "surrogate" in err.value.message
+
+
+def test_nan_still_reads():
+    app = Flask(__name__)
+    with app.test_request_context(data=b'{"temperature": NaN}'):
+        assert json_body()["temperature"] != json_body()["temperature"]
+
+
+def test_an_upstream_4xx_is_answered_in_openais_shape():
+    # vLLM's own error fields: its exception's class name as the type, the status as an int
+    err = _upstream_error(400, b'{"error": {"message": "bad", "type": "BadRequestError", '
+                               b'"param": null, "code": 400}}')
+    assert err.status == 400 and err.message == "bad"
+    assert err.type == "invalid_request_error" and err.code is None
+    err = _upstream_error(404, b'{"error": {"message": "no such model", '
+                               b'"type": "NotFoundError", "code": 404}}')
+    assert err.type == "not_found_error" and err.code is None
+    err = _upstream_error(400, b'{"error": {"message": "m", "type": "invalid_request_error", '
+                               b'"code": "context_length_exceeded"}}')
+    assert err.type == "invalid_request_error" and err.code == "context_length_exceeded"
+
+
+def test_errors_under_the_messages_route_have_anthropics_shape():
+    app = Flask(__name__)
+    register_error_handlers(app)
+    r = app.test_client().post("/rollout/r1/v1/messages/count_tokens", json={})
+    assert r.status_code == 404
+    assert r.get_json()["type"] == "error" and r.get_json()["error"]["type"] == "not_found_error"
+    r = app.test_client().post("/rollout/r1/v1/chat/completions/x", json={})
+    assert r.get_json()["error"]["type"] == "invalid_request_error"
