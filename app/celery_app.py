@@ -12,7 +12,7 @@ import functools
 import logging
 import os
 
-from celery import Celery
+from celery import Celery, signals
 
 from app.config import service_config
 from app.state.connection import resolve_redis_url
@@ -98,6 +98,19 @@ def make_celery() -> Celery:
 
 
 celery_app = make_celery()
+
+
+@signals.celeryd_init.connect
+def rollout_slots(conf: object = None, options: dict | None = None, **_: object) -> None:
+    """A rollout worker started without ``-c`` (the Procfile, ``carryover up``) runs
+    ``services.rollout_concurrency`` slots, read from the config like everything else;
+    an explicit ``-c`` still wins."""
+    options = options or {}
+    queues = options.get("queues") or []
+    if isinstance(queues, str):
+        queues = queues.split(",")
+    if options.get("concurrency") is None and "rollout" in queues:
+        conf.worker_concurrency = int(service_config().services.rollout_concurrency)  # type: ignore[attr-defined]
 
 
 @functools.cache

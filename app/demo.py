@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def _overrides(args: argparse.Namespace, sync: bool) -> list[str]:
     out = [*env_overrides(), *args.overrides]
-    if args.steps:
+    if args.steps is not None:  # 0 is refused by validation, not dropped
         out.append(f"trainer.total_steps={args.steps}")
     if sync:
         out.append("agentlightning.async_rollout.enabled=false")

@@ -39,14 +39,14 @@ _Loader.add_implicit_resolver(
 DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "default.yaml"
 
 
-def _flat_keys(node: Any, prefix: str = "") -> dict[str, Any]:
+def flat_keys(node: Any, prefix: str = "") -> dict[str, Any]:
     """Every leaf key of a nested mapping as a dotted path (free-form sections are leaves)."""
     out: dict[str, Any] = {}
     if isinstance(node, dict):
         for key, value in node.items():
             path = f"{prefix}.{key}" if prefix else str(key)
             if isinstance(value, dict) and path not in FREE_FORM_SECTIONS:
-                out.update(_flat_keys(value, path))
+                out.update(flat_keys(value, path))
             else:
                 out[path] = value
     return out
@@ -56,7 +56,11 @@ def _unknown_key_problems(given: dict[str, Any], known: Iterable[str], source: s
     known = set(known)
     sections = {k.rsplit(".", 1)[0] for k in known if "." in k} | set(FREE_FORM_SECTIONS)
     problems = []
-    for key in _flat_keys(given):
+    for key, value in flat_keys(given).items():
+        if key in FREE_FORM_SECTIONS and value is not None and not isinstance(value, dict):
+            kind = "a list" if isinstance(value, list) else f"the value {value!r}"
+            problems.append(f"{key}: must be a mapping (name: value), not {kind} ({source})")
+            continue
         if key in known or any(key.startswith(s + ".") for s in FREE_FORM_SECTIONS):
             continue
         if key in sections:  # a section given a scalar, e.g. `data: 3`
@@ -126,7 +130,7 @@ def load_config(
     this way so workers see exactly what the driver validated.
     """
     defaults = _read_yaml(DEFAULT_CONFIG_PATH)
-    known = _flat_keys(defaults).keys()
+    known = flat_keys(defaults).keys()
     problems: list[str] = []
 
     user = base if base is not None else (_read_yaml(Path(path)) if path else {})

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
+from app.config.errors import ConfigError
 from app.services.device import resolve as resolve_device
 
 DrainMode = Literal["wait", "keep", "abort", "continue"]
@@ -59,12 +60,13 @@ def transfer_engine(cfg: Any, device: str) -> TransferEngine:
         trainer_device = resolve_device(str(cfg.trainer.device))
         return "ipc" if device == trainer_device == "cuda" and pause in ("auto", True) \
             else "shm"
+    # ConfigError: the CLI prints it as a config error (exit 2), not a traceback
     if value == "ipc" and device != "cuda":
-        raise ValueError(f"inference.transfer_engine: value 'ipc' hands GPU memory over, and "
-                         f"the servers run on {device}: use shm or auto")
+        raise ConfigError([f"inference.transfer_engine: value 'ipc' hands GPU memory over, "
+                           f"and the servers run on {device}: use shm or auto"])
     if value not in get_args(TransferEngine):
-        raise ValueError(f"inference.transfer_engine: value {value!r} is not one of auto, "
-                         f"{', '.join(get_args(TransferEngine))}")
+        raise ConfigError([f"inference.transfer_engine: value {value!r} is not one of auto, "
+                           f"{', '.join(get_args(TransferEngine))}"])
     return cast(TransferEngine, value)
 
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any, get_args
 
 from app.config.settings import DrainMode, TransferEngine, WeightSync
-from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES
+from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES, ROLLOUT_RS_OPTIONS
 
 # Sections whose content is handed to user code unchecked.
 FREE_FORM_SECTIONS = ("agent", "controller.kubernetes.resources",
@@ -20,7 +20,6 @@ FREE_FORM_SECTIONS = ("agent", "controller.kubernetes.resources",
                       "controller.kubernetes.env")
 
 ROLLOUT_IS_MODES = (None, "token", "sequence")
-ROLLOUT_RS_MODES = (None, "token", "sequence", "geometric")
 BACKENDS = ("python", "process", "kubernetes")
 ON_FAILURE = ("requeue", "zero_reward")
 DEVICES = ("auto", "cpu", "cuda")
@@ -108,6 +107,11 @@ def url(v: Any) -> str | None:
     return None if ok else "must be a URL like http://host:port"
 
 
+def redis_url(v: Any) -> str | None:
+    ok = isinstance(v, str) and re.match(r"^(rediss?|unix)://\S+$", v)
+    return None if ok else "must be a URL like redis://host:port (or rediss://, unix://)"
+
+
 def one_of(*choices: Any) -> Check:
     def check(v: Any) -> str | None:
         if v in choices:
@@ -123,6 +127,43 @@ def optional(check: Check) -> Check:
         return None if v is None else check(v)
 
     return wrapped
+
+
+def rejection_options(v: Any) -> str | None:
+    names = [p.strip() for p in v.split(",")] if isinstance(v, str) else []
+    if names and all(n in ROLLOUT_RS_OPTIONS for n in names):
+        return None
+    return ("must name verl's rejection criteria, one or several joined by commas, from "
+            + ", ".join(ROLLOUT_RS_OPTIONS))
+
+
+def rejection_threshold(v: Any) -> str | None:
+    ok = (_is_num(v) and v > 0) or (isinstance(v, str) and v.strip() != "")
+    return None if ok else "must be a positive number or a string of thresholds"
+
+
+def _rejection_thresholds(options: str, spec: Any) -> str | None:
+    """What verl would refuse in ``rollout_rs_threshold`` for ``options``
+    (``rollout_corr_helper._parse_rollout_rs_thresholds``), or None."""
+    names = [p.strip() for p in options.split(",")]
+    if spec is None:
+        return f"must be a positive number when rollout_rs is {options!r}"
+    parts = [str(spec)] if _is_num(spec) else [p.strip() for p in spec.split(",") if p.strip()]
+    if len(parts) not in (1, len(names)):
+        return f"must give one threshold, or one per rollout_rs option ({len(names)})"
+    for name, part in zip(names, parts * len(names) if len(parts) == 1 else parts,
+                          strict=False):
+        if "_" in part and not name.endswith("k1"):
+            return f"for {name} must be one upper bound (lower_upper is for the *_k1 ones)"
+        bounds = part.split("_", 1) if name.endswith("k1") else [part]
+        try:
+            values = [float(b) for b in bounds]
+        except ValueError:
+            return (f"for {name} must be a positive number"
+                    + (" or lower_upper" if name.endswith("k1") else ""))
+        if any(x <= 0 or not math.isfinite(x) for x in values) or values != sorted(values):
+            return f"for {name} must be positive (and lower <= upper)"
+    return None
 
 
 def url_list(v: Any) -> str | None:
@@ -234,11 +275,11 @@ RULES: dict[str, Check] = {
     "algorithm.overlong.max_response_length": optional(positive_int),
     "algorithm.rollout_correction.rollout_is": one_of(*ROLLOUT_IS_MODES),
     "algorithm.rollout_correction.rollout_is_threshold": optional(positive_num),
-    "algorithm.rollout_correction.rollout_rs": one_of(*ROLLOUT_RS_MODES),
-    "algorithm.rollout_correction.rollout_rs_threshold": optional(positive_num),
+    "algorithm.rollout_correction.rollout_rs": optional(rejection_options),
+    "algorithm.rollout_correction.rollout_rs_threshold": optional(rejection_threshold),
     "algorithm.rollout_correction.bypass_mode": boolean,
     "algorithm.rollout_correction.loss_type": one_of("ppo_clip", "reinforce"),
-    "redis.url": optional(url),
+    "redis.url": optional(redis_url),
     "redis.host": string,
     "redis.port": port,
     "redis.dir": string,
@@ -428,11 +469,12 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             f"algorithm.rollout_correction.rollout_is_threshold: value null must be a positive "
             f"number when rollout_is is {rc['rollout_is']!r}"
         )
-    if rc["rollout_rs"] is not None and rc["rollout_rs_threshold"] is None:
-        problems.append(
-            "algorithm.rollout_correction.rollout_rs_threshold: value null must be a positive "
-            f"number when rollout_rs is {rc['rollout_rs']!r}"
-        )
+    if ok("algorithm.rollout_correction.rollout_rs",
+          "algorithm.rollout_correction.rollout_rs_threshold") and rc["rollout_rs"] is not None:
+        why = _rejection_thresholds(rc["rollout_rs"], rc["rollout_rs_threshold"])
+        if why is not None:
+            problems.append("algorithm.rollout_correction.rollout_rs_threshold: value "
+                            f"{_fmt(rc['rollout_rs_threshold'])} {why}")
     if rc["bypass_mode"] is True:
         problems += _bypass_rules(cfg, ok)
     backend = _get(cfg, "controller.backend")
@@ -489,13 +531,22 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
     if ok("inference.weight_sync", "inference.urls") \
             and _get(cfg, "inference.weight_sync") == "transfer":
         problems += _transfer_rules(cfg)
-    if ok("inference.transfer_engine", "inference.device") \
-            and _get(cfg, "inference.transfer_engine") == "ipc" \
-            and _get(cfg, "inference.device") == "cpu":
-        problems.append("inference.transfer_engine: value 'ipc' hands GPU memory over (CUDA "
-                        "IPC), and inference.device is cpu: use shm or auto")
+    for side in ("inference.device", "trainer.device"):
+        if ok("inference.transfer_engine", side) \
+                and _get(cfg, "inference.transfer_engine") == "ipc" and _get(cfg, side) == "cpu":
+            problems.append("inference.transfer_engine: value 'ipc' hands GPU memory over "
+                            f"(CUDA IPC), and {side} is cpu: use shm or auto")
     if ok("actor_rollout_ref.model.lora_rank") and _get(cfg, "actor_rollout_ref.model.lora_rank"):
-        problems += _lora_rules(cfg)
+        problems += _lora_rules(cfg, ok)
+    max_tokens = _get(cfg, "actor_rollout_ref.rollout.max_tokens")
+    max_len = _get(cfg, "inference.max_model_len")
+    if ok("actor_rollout_ref.rollout.max_tokens", "inference.max_model_len") \
+            and max_tokens >= max_len:
+        problems.append(
+            f"actor_rollout_ref.rollout.max_tokens: value {max_tokens} must be below "
+            f"inference.max_model_len ({max_len}): the gateway asks that many tokens for a "
+            "call that names none, and refuses a prompt that does not fit beside them")
+    problems += _port_rules(cfg, ok)
     reload_s = _get(cfg, "trainer.reload_timeout_s")
     start_s = _get(cfg, "inference.startup_timeout_s")
     if ok("trainer.reload_timeout_s", "inference.startup_timeout_s") and reload_s < start_s:
@@ -507,7 +558,26 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
     return problems
 
 
-def _lora_rules(cfg: dict[str, Any]) -> list[str]:
+def _port_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """The ports ``carryover up`` binds on this host differ (else a service fails to start
+    with an error that blames another stack)."""
+    names = ["inference.port", "gateway.port", "services.flower_port"]
+    if _get(cfg, "redis.url") is None:  # the embedded server
+        names.insert(0, "redis.port")
+    seen: dict[int, str] = {}
+    out = []
+    for name in names:
+        if not ok(name):
+            continue
+        value = _get(cfg, name)
+        if value in seen:
+            out.append(f"{name}: value {value} is also {seen[value]}: each service on this "
+                       "host binds its own port")
+        seen.setdefault(value, name)
+    return out
+
+
+def _lora_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
     """A LoRA adapter the servers can serve, synced the way adapters are."""
     from app.config.settings import MAX_LORA_RANKS
 
@@ -516,19 +586,19 @@ def _lora_rules(cfg: dict[str, Any]) -> list[str]:
     if rank > MAX_LORA_RANKS[-1]:
         out.append(f"actor_rollout_ref.model.lora_rank: value {rank} is above the largest "
                    f"rank vLLM serves ({MAX_LORA_RANKS[-1]}, its --max-lora-rank)")
-    if _get(cfg, "inference.weight_sync") == "transfer":
+    if ok("inference.weight_sync") and _get(cfg, "inference.weight_sync") == "transfer":
         out.append("inference.weight_sync: value 'transfer' sends whole weights; with "
                    "actor_rollout_ref.model.lora_rank set, each update's adapter (megabytes) "
                    "is loaded by name instead: use weight_sync disk")
-    if _get(cfg, "inference.sleep_level") == 2:
+    if ok("inference.sleep_level") and _get(cfg, "inference.sleep_level") == 2:
         out.append("inference.sleep_level: value 2 drops the base weights while the engine "
                    "sleeps, and with actor_rollout_ref.model.lora_rank only the adapter is "
                    "loaded after: use sleep_level 1")
-    if _get(cfg, "trainer.keep_weight_versions") < 2:
+    if ok("trainer.keep_weight_versions") and _get(cfg, "trainer.keep_weight_versions") < 2:
         out.append("trainer.keep_weight_versions: with actor_rollout_ref.model.lora_rank the "
                    "servers serve the previous version's adapter too, from its folder: keep "
                    "at least 2")
-    if _get(cfg, "gateway.drain_mode") == "keep":
+    if ok("gateway.drain_mode") and _get(cfg, "gateway.drain_mode") == "keep":
         out.append("gateway.drain_mode: value 'keep' cannot work with a LoRA adapter "
                    "(actor_rollout_ref.model.lora_rank): a frozen call names the previous "
                    "version's adapter and would go on sampling from it after the switch; use "

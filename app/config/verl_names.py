@@ -20,5 +20,12 @@ POLICY_LOSSES_LEFT_OUT: dict[str, str] = {
     "bypass_mode": "not a loss_mode here: algorithm.rollout_correction.bypass_mode selects "
                    "it, with the correction settings it reads",
 }
+# verl's rejection-sampling criteria (rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS):
+# ``rollout_rs`` names one, or several joined by commas (a token must pass every one); the
+# *_k1 ones bound the ratio from both sides (a threshold "lower_upper", or 1/upper below).
+ROLLOUT_RS_OPTIONS: tuple[str, ...] = (
+    "token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
+    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+
 POLICY_LOSSES: tuple[str, ...] = ("vanilla", "dppo_tv", "dppo_kl", "gspo", "sapo", "gpg",
                                   "clip_cov", "kl_cov", "geo_mean", "dro", "cispo")

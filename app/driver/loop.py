@@ -19,7 +19,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from app.config import ConfigError
-from app.config.loader import repo_path
+from app.config.loader import flat_keys, repo_path
 from app.driver.collector import Collector, Starved
 from app.driver.evaluation import Evaluator
 from app.driver.metrics import CARRY, MetricsSink, console_line, val_line
@@ -50,6 +50,20 @@ def _require_gateway_agrees(cfg: Any) -> None:
         raise ConfigError([*refused, "the gateway reads its own config, once, when the stack "
                            "starts: start the stack with this run's config (carryover up with "
                            "the same file and overrides), or give the run the stack's values"])
+
+
+def _require_same_config(given: Any, stored: Any, run_id: str) -> None:
+    """Refuse to resume with a config that differs from the run's: the run goes on with its
+    own (its trainer and workers read the stored one), so a changed value would be ignored
+    without a word."""
+    mine = flat_keys(OmegaConf.to_container(given, resolve=True))
+    theirs = flat_keys(OmegaConf.to_container(stored, resolve=True))
+    differ = [f"{key}: value {mine.get(key)!r} differs from run {run_id}'s {theirs.get(key)!r}"
+              for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]
+    if differ:
+        raise ConfigError([*differ, f"--resume {run_id} goes on with the config the run "
+                           "started with: give the same file and overrides, or start a new "
+                           "run"])
 
 
 def new_run_id() -> str:
@@ -95,7 +109,9 @@ def train(cfg: Any, resume: str | None = None, *,
     # app/driver/recovery.py): the last second of acknowledged writes may be gone.
     watch = OutageWatch(url)
     if resume:
-        cfg = run_config(client, resume)  # the run keeps the config it started with
+        stored = run_config(client, resume)  # the run keeps the config it started with
+        _require_same_config(cfg, stored, resume)
+        cfg = stored
     _require_gateway_agrees(cfg)
     if resume:
         run_id = resume

@@ -170,9 +170,9 @@ def worker_command(cfg: Any, role: str) -> Command:
     base = [project_bin("celery"), "-A", "app", "worker", "-E", "--loglevel", "INFO"]
     if role == "rollout":
         # Threads: a rollout slot mostly waits on an agent (HTTP, a subprocess), so
-        # slots are cheap and many fit on two cores.
-        extra = ["-Q", "rollout", "-n", "rollout@%h", "--pool", "threads",
-                 "-c", str(cfg.services.rollout_concurrency)]
+        # slots are cheap and many fit on two cores. As many as
+        # services.rollout_concurrency (app.celery_app.rollout_slots), as in the Procfile.
+        extra = ["-Q", "rollout", "-n", "rollout@%h", "--pool", "threads"]
     elif role == "groups":
         extra = ["-Q", "groups", "-n", "groups@%h", "--pool", "threads", "-c", "2"]
     elif role == "trainer":

@@ -1,8 +1,8 @@
 """Which Redis to use, and clients for it.
 
 Precedence: ``$REDIS_URL`` (an external Redis, used as is) > ``redis.url`` in the config >
-the embedded server at ``redis.host:redis.port``. A password comes from the URL, else
-``redis.password``, else ``$REDIS_PASSWORD``.
+the embedded server at ``redis.host:redis.port``. For the last two a password comes from
+the URL, else ``redis.password``, else ``$REDIS_PASSWORD``.
 """
 
 from __future__ import annotations
@@ -31,14 +31,29 @@ def is_external(cfg: Any | None = None) -> bool:
 
 
 def resolve_redis_url(cfg: Any | None = None) -> str:
-    url = os.environ.get("REDIS_URL") or (cfg.redis.url if cfg is not None else None)
-    if url:
-        return url
-    host, port = (cfg.redis.host, cfg.redis.port) if cfg is not None else DEFAULT_EMBEDDED
+    if os.environ.get("REDIS_URL"):
+        return os.environ["REDIS_URL"]
     password = (cfg.redis.password if cfg is not None else None) or os.environ.get(
         "REDIS_PASSWORD")
+    url = cfg.redis.url if cfg is not None else None
+    if url:
+        return _with_password(url, password) if password else url
+    host, port = (cfg.redis.host, cfg.redis.port) if cfg is not None else DEFAULT_EMBEDDED
     auth = f":{quote(password, safe='')}@" if password else ""
     return f"redis://{auth}{host}:{port}/0"
+
+
+def _with_password(url: str, password: str) -> str:
+    """``url`` carrying ``password``, unless it has one of its own."""
+    scheme, rest = url.split("://", 1)
+    secret = quote(password, safe="")
+    if scheme == "unix":
+        if "password=" in rest:
+            return url
+        return f"{url}{'&' if '?' in rest else '?'}password={secret}"
+    if "@" in rest.split("/", 1)[0]:
+        return url
+    return f"{scheme}://:{secret}@{rest}"
 
 
 def redact(url: str) -> str:

@@ -53,7 +53,8 @@ def test_status_names_the_parts_that_are_down(tmp_path):
 
 @pytest.mark.slow
 def test_honcho_brings_up_every_role_and_stops_cleanly(tmp_path):
-    overrides = stack_overrides(tmp_path)
+    # the Procfile names no slot count: the rollout worker takes the config's
+    overrides = [*stack_overrides(tmp_path), "services.rollout_concurrency=5"]
     env = _env(overrides)
     marker = env["CARRYOVER_OVERRIDES"]
     log = open(tmp_path / "honcho.log", "wb")  # noqa: SIM115
@@ -84,6 +85,7 @@ def test_honcho_brings_up_every_role_and_stops_cleanly(tmp_path):
         assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
         assert all(item["logprob"] <= 0 for item in choice["logprobs"]["content"])
         assert len(_ours(marker)) >= 7
+        assert "concurrency: 5 (thread)" in (tmp_path / "honcho.log").read_text()
     finally:
         os.killpg(honcho.pid, signal.SIGINT)  # what Ctrl-C in the terminal does
         honcho.wait(timeout=60)

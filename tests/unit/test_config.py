@@ -174,6 +174,18 @@ INVALID = [
      "algorithm.rollout_correction.loss_type: value 'ppo' must be one of 'ppo_clip', "
      "'reinforce'"),
     (["data=3"], "data: is a section, not a value"),
+    # a LoRA rule reads a key that is itself bad: the key's own line, no traceback
+    (["actor_rollout_ref.model.lora_rank=8", "trainer.keep_weight_versions=two"],
+     "trainer.keep_weight_versions: value 'two' must be a positive integer"),
+    # the gateway fills in this max_tokens: no prompt would fit beside it
+    (["actor_rollout_ref.rollout.max_tokens=512"],
+     "actor_rollout_ref.rollout.max_tokens: value 512 must be below inference.max_model_len "
+     "(512)"),
+    (["gateway.port=8100", "gateway.url=http://127.0.0.1:8100"],
+     "gateway.port: value 8100 is also inference.port"),
+    (["services.flower_port=6390"], "services.flower_port: value 6390 is also redis.port"),
+    (["redis.url=http://127.0.0.1:6390"],
+     "redis.url: value 'http://127.0.0.1:6390' must be a URL like redis://host:port"),
     (["data.train_batch_size"], "data.train_batch_size: override must look like a.b.c=value"),
 ]
 
@@ -184,6 +196,19 @@ def test_invalid_config_gives_its_own_message(overrides, expected):
         load_config(None, overrides)
     assert len(info.value.problems) == 1, info.value.problems
     assert expected in info.value.problems[0]
+
+
+@pytest.mark.parametrize("section", ["agent", "controller.kubernetes.env",
+                                     "controller.kubernetes.labels"])
+def test_a_list_where_a_mapping_goes_is_named(tmp_path, section):
+    """Kubernetes writes a pod's env as a list of {name, value}; here it is a mapping."""
+    *parents, leaf = section.split(".")
+    text = "".join(f"{'  ' * i}{p}:\n" for i, p in enumerate(parents))
+    text += f"{'  ' * len(parents)}{leaf}:\n{'  ' * len(parents)}  - {{name: FOO, value: '1'}}\n"
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text))
+    assert info.value.problems == [f"{section}: must be a mapping (name: value), not a list "
+                                   f"({tmp_path / 'c.yaml'})"]
 
 
 def test_all_problems_reported_together():
@@ -264,3 +289,14 @@ def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
                       ["actor_rollout_ref.actor.kl_loss_coef=1e-3"])
     assert cfg.actor_rollout_ref.actor.lr == 2e-4
     assert cfg.actor_rollout_ref.actor.kl_loss_coef == 1e-3
+
+
+def test_demo_steps_zero_is_checked_not_dropped():
+    import argparse
+
+    from app.demo import _overrides
+
+    out = _overrides(argparse.Namespace(overrides=[], steps=0), sync=False)
+    assert "trainer.total_steps=0" in out  # refused by validation, not a full-length demo
+    with pytest.raises(ConfigError, match="trainer.total_steps: value 0"):
+        load_config(None, out)

@@ -40,3 +40,24 @@ def test_a_unix_socket_url_works(tmp_path):
 ])
 def test_passwords_are_redacted(url, shown):
     assert redact(url) == shown
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("redis://host:6379/0", "redis://:s%40cret@host:6379/0"),
+    ("rediss://host:6379/2", "rediss://:s%40cret@host:6379/2"),
+    ("redis://:own@host:6379/0", "redis://:own@host:6379/0"),   # the URL's own wins
+    ("unix:///tmp/r.sock", "unix:///tmp/r.sock?password=s%40cret"),
+    ("unix:///tmp/r.sock?db=1", "unix:///tmp/r.sock?db=1&password=s%40cret"),
+])
+def test_redis_password_goes_with_a_configured_url(url, expected, monkeypatch):
+    """redis.password applies to redis.url as to the embedded server; $REDIS_URL is used
+    as it is."""
+    from app.config import load_config
+    from app.state.connection import resolve_redis_url
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    monkeypatch.delenv("REDIS_PASSWORD", raising=False)
+    cfg = load_config(None, [f"redis.url={url}", "redis.password=s@cret"])
+    assert resolve_redis_url(cfg) == expected
+    monkeypatch.setenv("REDIS_URL", "redis://other:1/0")
+    assert resolve_redis_url(cfg) == "redis://other:1/0"

@@ -82,7 +82,7 @@ def test_weight_sync_transfer_turns_on_the_projects_transfer_engine():
 def test_transfer_engine_is_cuda_ipc_on_shared_gpus_and_shm_elsewhere():
     import json
 
-    from app.config.settings import InferenceSettings
+    from app.config.settings import InferenceSettings, transfer_engine
 
     def engine(*overrides: str) -> tuple[str, dict[str, str], str]:
         over = ["inference.weight_sync=transfer", *overrides]
@@ -108,6 +108,14 @@ def test_transfer_engine_is_cuda_ipc_on_shared_gpus_and_shm_elsewhere():
     with pytest.raises(ConfigError, match="inference.transfer_engine: value 'ipc' hands GPU "
                                           "memory over"):
         load_config(None, ["inference.device=cpu", "inference.transfer_engine=ipc"])
+    with pytest.raises(ConfigError, match="ipc' hands GPU memory over .*trainer.device is cpu"):
+        load_config(None, ["inference.device=cuda", "trainer.device=cpu",
+                           "inference.transfer_engine=ipc"])
+    # device auto is resolved where the server starts: on a host with no GPU, a config
+    # error there too (the CLI's exit 2), not a traceback
+    auto = load_config(None, ["inference.weight_sync=transfer", "inference.transfer_engine=ipc"])
+    with pytest.raises(ConfigError, match="the servers run on cpu: use shm or auto"):
+        transfer_engine(auto, "cpu")
     with pytest.raises(ConfigError, match="inference.transfer_engine: value 'nccl' must be"):
         load_config(None, ["inference.transfer_engine=nccl"])
 

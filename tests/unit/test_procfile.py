@@ -42,3 +42,21 @@ def test_procfile_names_every_role():
     from app.services.commands import ROLES
 
     assert set(procfile()) == set(ROLES)
+
+
+@pytest.mark.parametrize("given, queues, slots", [
+    (None, ["rollout"], 7),       # no -c: the config's slots
+    (3, ["rollout"], None),       # -c given: left alone, the CLI value wins
+    (None, ["groups"], None),     # other roles: Celery's own default
+    (None, "rollout,groups", 7),
+])
+def test_a_rollout_worker_without_c_takes_the_configs_slots(given, queues, slots, monkeypatch):
+    import json
+    from types import SimpleNamespace
+
+    from app.celery_app import rollout_slots
+
+    monkeypatch.setenv("CARRYOVER_OVERRIDES", json.dumps(["services.rollout_concurrency=7"]))
+    conf = SimpleNamespace(worker_concurrency=None)
+    rollout_slots(conf=conf, options={"concurrency": given, "queues": queues})
+    assert conf.worker_concurrency == slots

@@ -71,3 +71,21 @@ def test_lr_schedule_is_a_function_of_the_step():
     assert all(a > b for a, b in zip(lrs, lrs[1:], strict=False))
     const = load_config(None, ["actor_rollout_ref.actor.lr=1e-3"])
     assert {PolicyTrainer.lr_at(SimpleNamespace(cfg=const), s) for s in (0, 7, 99)} == {1e-3}
+
+
+def test_rejection_sampling_takes_verls_options():
+    """rollout_rs names verl's rejection criteria (one, or several joined by commas): a
+    token whose ratio falls outside the threshold's bounds leaves the mask."""
+    old = torch.zeros(2, 4)
+    rollout = old.clone()
+    rollout[0, 1] = -3.0  # ratio e^3 = 20 > 2: rejected
+    mask = torch.ones(2, 4)
+    cfg = load_config(None, ["algorithm.rollout_correction.rollout_rs=token_k1",
+                             "algorithm.rollout_correction.rollout_rs_threshold=2"])
+    _, new_mask, metrics = rollout_correction(old, rollout, mask,
+                                              cfg.algorithm.rollout_correction)
+    assert new_mask[0, 1] == 0 and new_mask.sum() == 7
+    cfg = load_config(None, ["algorithm.rollout_correction.rollout_rs=token_k1,seq_max_k2",
+                             "algorithm.rollout_correction.rollout_rs_threshold='0.5_2,5'"])
+    _, new_mask, _ = rollout_correction(old, rollout, mask, cfg.algorithm.rollout_correction)
+    assert new_mask[1].sum() == 4 and new_mask[0].sum() < 4

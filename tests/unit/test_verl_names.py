@@ -26,3 +26,25 @@ def test_the_estimators_are_registered_in_verl():
 def test_a_left_out_loss_is_refused_by_validation(name):
     with pytest.raises(ConfigError, match="loss_mode"):
         load_config(None, [f"actor_rollout_ref.actor.policy_loss.loss_mode={name}"])
+
+
+def test_the_rejection_options_are_verls():
+    from verl.trainer.ppo.rollout_corr_helper import SUPPORTED_ROLLOUT_RS_OPTIONS
+
+    from app.config.verl_names import ROLLOUT_RS_OPTIONS
+
+    assert set(ROLLOUT_RS_OPTIONS) == SUPPORTED_ROLLOUT_RS_OPTIONS
+
+
+@pytest.mark.parametrize("rs, threshold, named", [
+    ("token", "2", "rollout_rs"),                 # verl has no such option
+    ("token_k1,geometric", "2", "rollout_rs"),
+    ("token_k1", "null", "rollout_rs_threshold"),  # required with an option
+    ("token_k1,seq_mean_k2", "'2,3,4'", "rollout_rs_threshold"),  # one, or one per option
+    ("seq_mean_k2", "'0.5_2'", "rollout_rs_threshold"),  # lower_upper only for *_k1
+    ("token_k1", "-1", "rollout_rs_threshold"),
+])
+def test_a_rejection_setting_verl_would_refuse_is_a_config_error(rs, threshold, named):
+    with pytest.raises(ConfigError, match=f"algorithm.rollout_correction.{named}:"):
+        load_config(None, [f"algorithm.rollout_correction.rollout_rs={rs}",
+                           f"algorithm.rollout_correction.rollout_rs_threshold={threshold}"])
