@@ -28,15 +28,25 @@ def retries_covering(budget_s: float, start: float, step: float, maximum: float)
     return retries
 
 
+def celery_urls(url: str) -> tuple[str, str]:
+    """(broker, result backend) for the Redis at ``url``: kombu and Celery's Redis backend
+    spell a unix socket ``redis+socket://`` and ``socket://``."""
+    if url.startswith("unix://"):
+        rest = url.removeprefix("unix://")
+        return "redis+socket://" + rest, "socket://" + rest
+    return url, url
+
+
 def make_celery() -> Celery:
     cfg = service_config()
     url = resolve_redis_url(cfg)
     budget = float(cfg.redis.reconnect_s)
+    broker, backend = celery_urls(url)
     celery = Celery(
         "carryover",
-        broker=url,
+        broker=broker,
         # the project's backend class: its connections ride out a restart (see the module)
-        backend="app.result_backend:Backend+" + url,
+        backend="app.result_backend:Backend+" + backend,
         include=["workers.rollout.tasks", "workers.trainer.tasks"],
     )
     celery.conf.update(
@@ -72,8 +82,9 @@ def make_celery() -> Celery:
         result_backend_transport_options={"retry_policy": {
             "max_retries": retries_covering(budget, 0.0, 0.25, 1.0),
             "interval_start": 0.0, "interval_step": 0.25, "interval_max": 1.0}},
-        redis_socket_keepalive=True,
+        redis_socket_keepalive=not url.startswith("unix://"),  # a TCP option
         carryover_reconnect_s=budget,
+        carryover_redis_url=url,  # as the project's own clients spell it
         # kombu's Redis transport, fixed so a worker survives a broker restart while it holds
         # unacknowledged messages (see app/broker_transport.py)
         broker_transport="app.broker_transport:Transport",
@@ -118,7 +129,7 @@ def task_redis():
     """The Redis client tasks use (the broker's server), one pool per worker process."""
     from app.state.connection import connect
 
-    return connect(celery_app.conf.broker_url)
+    return connect(celery_app.conf.carryover_redis_url)
 
 # Agents' HTTP clients log every request at INFO; a worker runs hundreds of them.
 for _name in ("httpx", "openai", "urllib3"):

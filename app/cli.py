@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from app.config import ConfigError, load_config, to_yaml
-from app.config.loader import env_overrides
+from app.config.loader import env_overrides, given_keys
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -150,7 +150,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     _export_config_env(args)
-    return run_training(cfg, resume=args.resume)
+    # resumed, the run goes on with its stored config: what the file and overrides set
+    # must agree with it
+    given = given_keys(args.config, _overrides(args)) if args.resume else set()
+    return run_training(cfg, resume=args.resume, given=given)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

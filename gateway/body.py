@@ -31,10 +31,16 @@ def json_body() -> Any:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
         raise bad_request("request body is not valid JSON") from None
-    try:  # what only the json module reads: NaN and Infinity, or a lone UTF-16 surrogate
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+    # What only the json module reads: NaN and Infinity (sent on as null), or what nothing
+    # downstream can write: a lone UTF-16 surrogate (text cut inside an emoji), an integer
+    # past 64 bits.
+    try:
         orjson.dumps(body)
-    except TypeError:
-        raise bad_request("request body has a lone UTF-16 surrogate escape (half of a "
-                          "character, as when text is cut inside an emoji): not valid "
-                          "Unicode") from None
+    except TypeError as exc:
+        why = ("a lone UTF-16 surrogate escape (half of a character, as when text is cut "
+               "inside an emoji): not valid Unicode" if "surrogate" in str(exc)
+               else f"a value that cannot be sent on ({exc})")
+        raise bad_request(f"request body has {why}") from None
     return body

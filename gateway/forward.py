@@ -307,7 +307,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                     line = next(lines, None)
                 except UpstreamUnreachable as exc:
                     if not ended:  # after the [DONE], the answer is whole
-                        yield out.error(_cut_off(state, rollout_id, upstream, exc))
+                        yield out.error(_cut_off(state, rollout_id, upstream, cancel, exc))
                     return
                 if line is None:
                     break
@@ -361,7 +361,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                                                              wants_lp, wants_ids))
             if not cut:
                 if not ended:  # the connection closed before the answer's end
-                    yield out.error(_cut_off(state, rollout_id, upstream, None))
+                    yield out.error(_cut_off(state, rollout_id, upstream, cancel, None))
                 return
             resp.release()
             prompt_ids, so_far = continuation.prompt_and_response(acc.response())
@@ -398,11 +398,14 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
             log.info("stream for %s ended early; nothing captured", rollout_id)
 
 
-def _cut_off(state: GatewayState, rollout_id: str, upstream: str,
+def _cut_off(state: GatewayState, rollout_id: str, upstream: str, cancel: Any,
              exc: UpstreamUnreachable | None) -> GatewayError:
     """A stream its server cut (closed, or silent past ``upstream_timeout_s``): the agent
     gets an error, never an answer that just stops, and the server is routed around as
-    when a call to it fails (``_send``)."""
+    when a call to it fails (``_send``). A weight update that cancelled the call meanwhile
+    is what ended it: the usual retryable cancel, and the server is left alone."""
+    if cancel.is_set():
+        return _cancelled_error(state)
     why = str(exc) if exc is not None else "closed before the answer's end"
     state.upstreams.mark_down(upstream, restarted=exc is None or not exc.timed_out)
     log.warning("inference server %s cut the stream for %s (%s); nothing captured",

@@ -153,6 +153,13 @@ def load_config(
     return cfg
 
 
+def given_keys(path: str | Path | None, overrides: Sequence[str] = ()) -> set[str]:
+    """The keys a file and overrides set (what a user asked for, defaults aside)."""
+    user = _read_yaml(Path(path)) if path else {}
+    cli, _ = _parse_overrides(overrides)
+    return set(flat_keys(user)) | set(flat_keys(cli))
+
+
 def _fill_derived(cfg: dict[str, Any]) -> None:
     """Documented defaults that depend on other keys."""
     async_cfg = cfg["agentlightning"]["async_rollout"]

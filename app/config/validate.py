@@ -129,8 +129,12 @@ def optional(check: Check) -> Check:
     return wrapped
 
 
+def _names(options: str) -> list[str]:
+    return [p.strip() for p in options.split(",") if p.strip()]  # verl drops empty ones
+
+
 def rejection_options(v: Any) -> str | None:
-    names = [p.strip() for p in v.split(",")] if isinstance(v, str) else []
+    names = _names(v) if isinstance(v, str) else []
     if names and all(n in ROLLOUT_RS_OPTIONS for n in names):
         return None
     return ("must name verl's rejection criteria, one or several joined by commas, from "
@@ -145,7 +149,7 @@ def rejection_threshold(v: Any) -> str | None:
 def _rejection_thresholds(options: str, spec: Any) -> str | None:
     """What verl would refuse in ``rollout_rs_threshold`` for ``options``
     (``rollout_corr_helper._parse_rollout_rs_thresholds``), or None."""
-    names = [p.strip() for p in options.split(",")]
+    names = _names(options)
     if spec is None:
         return f"must be a positive number when rollout_rs is {options!r}"
     parts = [str(spec)] if _is_num(spec) else [p.strip() for p in spec.split(",") if p.strip()]
@@ -153,16 +157,22 @@ def _rejection_thresholds(options: str, spec: Any) -> str | None:
         return f"must give one threshold, or one per rollout_rs option ({len(names)})"
     for name, part in zip(names, parts * len(names) if len(parts) == 1 else parts,
                           strict=False):
-        if "_" in part and not name.endswith("k1"):
+        two_sided = name.endswith("k1")
+        if "_" in part and not two_sided:
             return f"for {name} must be one upper bound (lower_upper is for the *_k1 ones)"
-        bounds = part.split("_", 1) if name.endswith("k1") else [part]
         try:
-            values = [float(b) for b in bounds]
+            if two_sided and "_" in part:
+                lower, upper = (float(b) for b in part.split("_", 1))
+            else:
+                upper = float(part)
+                lower = 1.0 / upper if two_sided and upper else 1.0  # verl's own default
         except ValueError:
             return (f"for {name} must be a positive number"
-                    + (" or lower_upper" if name.endswith("k1") else ""))
-        if any(x <= 0 or not math.isfinite(x) for x in values) or values != sorted(values):
-            return f"for {name} must be positive (and lower <= upper)"
+                    + (" or lower_upper" if two_sided else ""))
+        if not (lower > 0 and upper > 0) or (two_sided and lower > upper):
+            return (f"for {name} must be positive" + (
+                " with lower <= upper (one number u means 1/u to u: u >= 1)" if two_sided
+                else ""))
     return None
 
 
@@ -492,6 +502,18 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             is True and _get(cfg, "inference.device") == "cpu":
         problems.append("inference.sleep_mode: value true is refused by vLLM on CPU "
                         "(inference.device cpu), where sleeping frees nothing; use auto")
+    if ok("inference.sleep_mode", "trainer.pause_during_update") \
+            and _get(cfg, "inference.sleep_mode") is True \
+            and _get(cfg, "trainer.pause_during_update") is False:
+        problems.append("inference.sleep_mode: value true needs updates that pause the gateway "
+                        "(the engines sleep only then), and trainer.pause_during_update is "
+                        "false: the servers would reserve sleep memory and never sleep; use "
+                        "auto")
+    if ok("trainer.launcher", "trainer.nnodes") and _get(cfg, "trainer.launcher") == "local" \
+            and _get(cfg, "trainer.nnodes") > 1:
+        problems.append(f"trainer.nnodes: value {_get(cfg, 'trainer.nnodes')} needs verl's Ray "
+                        "worker group, and trainer.launcher is local (ranks on this host, "
+                        "trainer.ranks): use launcher ray or auto")
     if ok("inference.sleep_mode", "gateway.drain_mode") and _get(cfg, "gateway.drain_mode") \
             == "keep" and _get(cfg, "inference.sleep_mode") is True:
         problems.append("gateway.drain_mode: value 'keep' cannot work with inference.sleep_mode "

@@ -12,7 +12,7 @@ import os
 import secrets
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -52,14 +52,15 @@ def _require_gateway_agrees(cfg: Any) -> None:
                            "the same file and overrides), or give the run the stack's values"])
 
 
-def _require_same_config(given: Any, stored: Any, run_id: str) -> None:
-    """Refuse to resume with a config that differs from the run's: the run goes on with its
-    own (its trainer and workers read the stored one), so a changed value would be ignored
-    without a word."""
+def _require_same_config(given: Any, stored: Any, run_id: str, keys: Iterable[str]) -> None:
+    """Refuse to resume with a file or overrides (``keys``: what they set) that differ from
+    the run's config: the run goes on with its own (its trainer and workers read the stored
+    one), so a changed value would be ignored without a word. Keys left to their defaults
+    are not compared: the run keeps the defaults it started with."""
     mine = flat_keys(OmegaConf.to_container(given, resolve=True))
     theirs = flat_keys(OmegaConf.to_container(stored, resolve=True))
     differ = [f"{key}: value {mine.get(key)!r} differs from run {run_id}'s {theirs.get(key)!r}"
-              for key in sorted(set(mine) | set(theirs)) if mine.get(key) != theirs.get(key)]
+              for key in sorted(keys) if mine.get(key) != theirs.get(key)]
     if differ:
         raise ConfigError([*differ, f"--resume {run_id} goes on with the config the run "
                            "started with: give the same file and overrides, or start a new "
@@ -74,13 +75,13 @@ def run_dir_for(cfg: Any, run_id: str) -> Path:
     return repo_path(str(cfg.logging.dir)) / run_id
 
 
-def run_training(cfg: Any, resume: str | None = None, *,
+def run_training(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
                  on_step: Callable[[int, dict], None] | None = None,
                  run_id: str | None = None) -> int:
     """Entry point of ``carryover train``; returns an exit code."""
     os.environ["CARRYOVER_ROLE"] = "driver"  # names the process in what it records
     try:
-        result = train(cfg, resume=resume, on_step=on_step, run_id=run_id)
+        result = train(cfg, resume=resume, on_step=on_step, run_id=run_id, given=given)
     except TrainingFailed as exc:
         log.error("%s", exc)
         return 1
@@ -89,7 +90,7 @@ def run_training(cfg: Any, resume: str | None = None, *,
     return 0
 
 
-def train(cfg: Any, resume: str | None = None, *,
+def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
           on_step: Callable[[int, dict], None] | None = None,
           run_id: str | None = None,
           should_stop: Callable[[int, dict], bool] | None = None,
@@ -97,11 +98,12 @@ def train(cfg: Any, resume: str | None = None, *,
     """Run (or resume) a run for ``trainer.total_steps``; ``should_stop(step, metrics)``,
     asked after each step, ends it early (a benchmark that reached its steady state).
     ``on_eval(step, metrics)`` gets each evaluation's ``val/*`` metrics (``data.val_files``),
-    reported after ``step`` updates."""
+    reported after ``step`` updates. Resumed, the run goes on with its stored config, and
+    ``given`` (the keys the caller's file and overrides set) must agree with it."""
     from app.celery_app import celery_app
 
     url = resolve_redis_url(cfg)
-    if celery_app.conf.broker_url != url:
+    if celery_app.conf.carryover_redis_url != url:
         raise TrainingFailed("the Celery app was built for another Redis than the run's config "
                              "(set $CARRYOVER_CONFIG / $REDIS_URL before importing app.celery_app)")
     client = connect(url, reconnect_s=float(cfg.redis.reconnect_s))
@@ -110,7 +112,7 @@ def train(cfg: Any, resume: str | None = None, *,
     watch = OutageWatch(url)
     if resume:
         stored = run_config(client, resume)  # the run keeps the config it started with
-        _require_same_config(cfg, stored, resume)
+        _require_same_config(cfg, stored, resume, given)
         cfg = stored
     _require_gateway_agrees(cfg)
     if resume:

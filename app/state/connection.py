@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -51,13 +52,18 @@ def _with_password(url: str, password: str) -> str:
         if "password=" in rest:
             return url
         return f"{url}{'&' if '?' in rest else '?'}password={secret}"
-    if "@" in rest.split("/", 1)[0]:
+    netloc = rest.split("/", 1)[0]
+    if "@" not in netloc:
+        return f"{scheme}://:{secret}@{rest}"
+    user = netloc.split("@", 1)[0]
+    if ":" in user:  # the URL's own password
         return url
-    return f"{scheme}://:{secret}@{rest}"
+    return f"{scheme}://{user}:{secret}@{rest[len(user) + 1:]}"
 
 
 def redact(url: str) -> str:
     """The URL with any password replaced, for logs and status output."""
+    url = re.sub(r"([?&]password=)[^&]*", r"\1***", url)
     if "@" not in url:
         return url
     scheme, rest = url.split("://", 1)

@@ -1,26 +1,36 @@
-"""``carryover train --resume RUN`` goes on with the config the run started with; a config
-that differs is refused, naming each key, instead of being ignored without a word."""
+"""``carryover train --resume RUN`` goes on with the config the run started with; a file or
+override that differs from it is refused, naming each key, instead of being ignored
+without a word. Keys left to their defaults are not compared."""
 
 from __future__ import annotations
 
 import pytest
 from omegaconf import OmegaConf
 
+from app.cli import main
 from app.config import ConfigError, service_config
 from app.driver.collector import Collector
-from app.driver.loop import train
+from app.driver.loop import _require_same_config
 from app.state import keys
 
 
-def test_resuming_with_another_config_is_refused(redis_client):
+def test_resuming_with_another_value_is_refused(redis_client, capsys):
     cfg = service_config()
     Collector.create_run(redis_client, "resumed-run", OmegaConf.to_container(cfg, resolve=True),
                          "async")
-    longer = OmegaConf.merge(cfg, {"trainer": {"total_steps": 500}})
-    with pytest.raises(ConfigError) as err:
-        train(longer, resume="resumed-run")
-    assert err.value.problems[0] == (
-        f"trainer.total_steps: value 500 differs from run resumed-run's "
-        f"{cfg.trainer.total_steps}")
-    assert len(err.value.problems) == 2 and "--resume resumed-run" in err.value.problems[1]
+    assert main(["train", "--resume", "resumed-run", "trainer.total_steps=500"]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == (f"config error: trainer.total_steps: value 500 differs from run "
+                      f"resumed-run's {cfg.trainer.total_steps}")
+    assert len(err) == 2 and "--resume resumed-run goes on with the config" in err[1]
     assert redis_client.hget(keys.run("resumed-run"), "step") == "0"  # nothing was touched
+
+
+def test_only_what_the_caller_set_is_compared():
+    cfg = service_config()
+    stored = OmegaConf.merge(cfg, {"trainer": {"total_steps": 7}})  # a run started with 7
+    _require_same_config(cfg, stored, "r", [])  # a bare --resume: nothing to compare
+    _require_same_config(stored, stored, "r", ["trainer.total_steps"])  # the same value
+    with pytest.raises(ConfigError, match="trainer.total_steps: value 3 differs"):
+        _require_same_config(OmegaConf.merge(cfg, {"trainer": {"total_steps": 3}}), stored,
+                             "r", ["trainer.total_steps"])

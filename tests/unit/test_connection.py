@@ -14,7 +14,7 @@ from app.state.connection import connect, redact
 REDIS_SERVER = Path(sys.executable).parent / "redis-server"
 
 
-def test_a_unix_socket_url_works(tmp_path):
+def test_a_unix_socket_url_works(tmp_path, monkeypatch):
     sock = tmp_path / "redis.sock"
     proc = subprocess.Popen([str(REDIS_SERVER), "--port", "0", "--unixsocket", str(sock),
                              "--save", "", "--dir", str(tmp_path)],
@@ -29,6 +29,17 @@ def test_a_unix_socket_url_works(tmp_path):
             assert client.ping()
             client.set("k", "v")
             assert client.get("k") == "v"
+        # Celery's broker and result backend reach it too (they spell the URL their way)
+        from app.celery_app import make_celery
+
+        monkeypatch.setenv("REDIS_URL", f"unix://{sock}")
+        app = make_celery()
+        with app.connection_for_write() as conn:
+            conn.ensure_connection(max_retries=1)
+            conn.default_channel.client.ping()
+        app.backend.set("r", "done")
+        assert app.backend.get("r") == b"done"
+        assert app.conf.carryover_redis_url == f"unix://{sock}"
     finally:
         proc.terminate()
         proc.wait(10)
@@ -37,6 +48,8 @@ def test_a_unix_socket_url_works(tmp_path):
 @pytest.mark.parametrize("url, shown", [
     ("redis://:secret@host:6379/0", "redis://***@host:6379/0"),
     ("redis://host:6379/0", "redis://host:6379/0"),
+    ("unix:///tmp/r.sock?db=1&password=secret", "unix:///tmp/r.sock?db=1&password=***"),
+    ("unix:///tmp/r.sock?password=secret", "unix:///tmp/r.sock?password=***"),
 ])
 def test_passwords_are_redacted(url, shown):
     assert redact(url) == shown
@@ -46,6 +59,7 @@ def test_passwords_are_redacted(url, shown):
     ("redis://host:6379/0", "redis://:s%40cret@host:6379/0"),
     ("rediss://host:6379/2", "rediss://:s%40cret@host:6379/2"),
     ("redis://:own@host:6379/0", "redis://:own@host:6379/0"),   # the URL's own wins
+    ("redis://user@host:6379/0", "redis://user:s%40cret@host:6379/0"),  # an ACL user
     ("unix:///tmp/r.sock", "unix:///tmp/r.sock?password=s%40cret"),
     ("unix:///tmp/r.sock?db=1", "unix:///tmp/r.sock?db=1&password=s%40cret"),
 ])

@@ -47,6 +47,18 @@ def test_a_lone_surrogate_is_a_400_not_a_500(raw):
     assert err.value.status == 400 and "surrogate" in err.value.message
 
 
+@pytest.mark.parametrize("raw, says", [
+    # NaN sends the body through the json module, which keeps the integer whole
+    (b'{"t": NaN, "n": 123456789012345678901234567890}', "Integer exceeds 64-bit range"),
+    (b"[" * 5000 + b"]" * 5000, "nested too deeply"),
+])
+def test_what_cannot_be_sent_on_is_a_400(raw, says):
+    app = Flask(__name__)
+    with app.test_request_context(data=raw), pytest.raises(GatewayError) as err:
+        json_body()
+    assert err.value.status == 400 and says in err.value.message
+
+
 def test_nan_still_reads():
     app = Flask(__name__)
     with app.test_request_context(data=b'{"temperature": NaN}'):

@@ -31,7 +31,7 @@ _watching: list[bool] = []
 def _watch_outages() -> None:
     if not _watching:
         _watching.append(True)
-        outage_for(celery_app.conf.broker_url).listeners.append(
+        outage_for(celery_app.conf.carryover_redis_url).listeners.append(
             lambda began, ended: published_here.check_soon(task_redis()))
 
 
