@@ -132,6 +132,9 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
         resent = collector.resend_unsent()
         log.info("resuming run %s at step %d with %d active groups (%d re-sent)",
                  run_id, step, collector.active_count(), resent)
+    else:
+        log.info("run %s started (metrics in %s; after a crash: carryover train --resume "
+                 "%s)", run_id, run_dir, run_id)
     # The engine must serve this run's policy before any rollout of it starts.
     try:
         call_trainer(client, cfg, "workers.trainer.tasks.init_run", run_id, "init", [run_id])
