@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from urllib.parse import parse_qs, quote, urlsplit
 
 from celery import Celery, signals
 
@@ -29,12 +30,18 @@ def retries_covering(budget_s: float, start: float, step: float, maximum: float)
 
 
 def celery_urls(url: str) -> tuple[str, str]:
-    """(broker, result backend) for the Redis at ``url``: kombu and Celery's Redis backend
-    spell a unix socket ``redis+socket://`` and ``socket://``."""
-    if url.startswith("unix://"):
-        rest = url.removeprefix("unix://")
-        return "redis+socket://" + rest, "socket://" + rest
-    return url, url
+    """(broker, result backend) for the Redis at ``url``. A unix socket (redis-py's
+    ``unix:///path?db=N&password=P``) is ``socket://`` to Celery's Redis backend, and
+    ``redis+socket://:P@/path?virtual_host=N`` to kombu, which reads neither query key."""
+    if not url.startswith("unix://"):
+        return url, url
+    u = urlsplit(url)
+    query = parse_qs(u.query)
+    password = query.get("password", [u.password or ""])[0]
+    auth = f":{quote(password, safe='')}@" if password else ""
+    db = query.get("db", ["0"])[0]
+    return (f"redis+socket://{auth}{u.path}?virtual_host={db}",
+            "socket://" + url.removeprefix("unix://"))
 
 
 def make_celery() -> Celery:

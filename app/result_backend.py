@@ -19,6 +19,8 @@ from app.state.connection import reconnect_options
 
 class Backend(RedisBackend):
     def _create_client(self, **params: Any) -> Any:
-        params.update(reconnect_options(self.url or "", self.app.conf.get(
-            "carryover_reconnect_s")))
+        # the project's spelling of the URL (a unix socket is socket:// here): one outage
+        # tracker per server, shared with the process's other clients
+        url = self.app.conf.get("carryover_redis_url") or self.url or ""
+        params.update(reconnect_options(url, self.app.conf.get("carryover_reconnect_s")))
         return self._get_client()(connection_pool=self._get_pool(**params))

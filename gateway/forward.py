@@ -155,9 +155,13 @@ def _send(state: GatewayState, rollout_id: str, lease_id: str, upstream: str, en
     or the error the agent gets."""
     s = state.settings
     try:
+        raw = orjson.dumps(body)
+    except TypeError as exc:  # JSON nested past orjson's writer (254 levels; it reads 1024)
+        raise bad_request(f"request body cannot be sent on ({exc})") from None
+    try:
         with state.leases.abortable(lease_id):
-            resp = state.upstreams.post(upstream, ENDPOINT_PATHS[endpoint],
-                                        orjson.dumps(body), s.upstream_timeout_s)
+            resp = state.upstreams.post(upstream, ENDPOINT_PATHS[endpoint], raw,
+                                        s.upstream_timeout_s)
             data = None if stream else resp.read()
     except UpstreamCancelled:
         raise _cancelled_error(state) from None

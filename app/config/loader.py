@@ -39,14 +39,15 @@ _Loader.add_implicit_resolver(
 DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "default.yaml"
 
 
-def flat_keys(node: Any, prefix: str = "") -> dict[str, Any]:
-    """Every leaf key of a nested mapping as a dotted path (free-form sections are leaves)."""
+def flat_keys(node: Any, prefix: str = "", into_free_form: bool = False) -> dict[str, Any]:
+    """Every leaf key of a nested mapping as a dotted path (free-form sections are leaves,
+    unless ``into_free_form``)."""
     out: dict[str, Any] = {}
     if isinstance(node, dict):
         for key, value in node.items():
             path = f"{prefix}.{key}" if prefix else str(key)
-            if isinstance(value, dict) and path not in FREE_FORM_SECTIONS:
-                out.update(flat_keys(value, path))
+            if isinstance(value, dict) and (into_free_form or path not in FREE_FORM_SECTIONS):
+                out.update(flat_keys(value, path, into_free_form))
             else:
                 out[path] = value
     return out
@@ -157,7 +158,7 @@ def given_keys(path: str | Path | None, overrides: Sequence[str] = ()) -> set[st
     """The keys a file and overrides set (what a user asked for, defaults aside)."""
     user = _read_yaml(Path(path)) if path else {}
     cli, _ = _parse_overrides(overrides)
-    return set(flat_keys(user)) | set(flat_keys(cli))
+    return set(flat_keys(user, into_free_form=True)) | set(flat_keys(cli, into_free_form=True))
 
 
 def _fill_derived(cfg: dict[str, Any]) -> None:

@@ -130,7 +130,8 @@ def optional(check: Check) -> Check:
 
 
 def _names(options: str) -> list[str]:
-    return [p.strip() for p in options.split(",") if p.strip()]  # verl drops empty ones
+    """verl's reading of rollout_rs: empty names dropped, each name once."""
+    return list(dict.fromkeys(p.strip() for p in options.split(",") if p.strip()))
 
 
 def rejection_options(v: Any) -> str | None:

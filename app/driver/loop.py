@@ -57,8 +57,8 @@ def _require_same_config(given: Any, stored: Any, run_id: str, keys: Iterable[st
     the run's config: the run goes on with its own (its trainer and workers read the stored
     one), so a changed value would be ignored without a word. Keys left to their defaults
     are not compared: the run keeps the defaults it started with."""
-    mine = flat_keys(OmegaConf.to_container(given, resolve=True))
-    theirs = flat_keys(OmegaConf.to_container(stored, resolve=True))
+    mine = flat_keys(OmegaConf.to_container(given, resolve=True), into_free_form=True)
+    theirs = flat_keys(OmegaConf.to_container(stored, resolve=True), into_free_form=True)
     differ = [f"{key}: value {mine.get(key)!r} differs from run {run_id}'s {theirs.get(key)!r}"
               for key in sorted(keys) if mine.get(key) != theirs.get(key)]
     if differ:

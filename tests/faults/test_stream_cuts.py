@@ -1,4 +1,5 @@
-"""An inference server that fails in the middle of a streamed answer.
+"""An inference server that fails in the middle of a streamed answer (and a body that
+cannot be sent to one).
 
 The gateway (in this process, Flask's test client) sits in front of a scripted server that
 sends one chunk and then closes the connection, or goes silent. The agent must get an error
@@ -138,3 +139,20 @@ def test_a_stream_cut_by_the_server_ends_in_an_error(gateway, new_rollout, redis
     assert redis_client.llen(keys.rollout_calls(rid)) == 0  # nothing half captured
     # a server that closed mid-answer may be restarting with its initial weights: stale
     assert redis_client.sismember(keys.upstreams_stale(), url) == (kind == "close")
+
+
+def test_a_body_nested_past_what_can_be_sent_on_is_a_400(gateway, new_rollout, redis_client):
+    """orjson reads 1024 levels of nesting but writes 254: such a body passes the reader
+    and is refused when it would go upstream, as a 400 (a 500 would be retried), with
+    its lease released."""
+    client, _ = gateway
+    rid, token, _ = new_rollout()
+    deep = "[" * 300 + "]" * 300
+    raw = '{"model": "m", "messages": [{"role": "user", "content": "x"}], "metadata": ' \
+        + deep + "}"
+    resp = client.post(f"/rollout/{rid}/v1/chat/completions", data=raw,
+                       content_type="application/json",
+                       headers={"Authorization": f"Bearer {token}"})
+    assert resp.status_code == 400, resp.get_json()
+    assert "cannot be sent on" in resp.get_json()["error"]["message"]
+    assert redis_client.zcard(keys.leases()) == 0

@@ -34,3 +34,18 @@ def test_only_what_the_caller_set_is_compared():
     with pytest.raises(ConfigError, match="trainer.total_steps: value 3 differs"):
         _require_same_config(OmegaConf.merge(cfg, {"trainer": {"total_steps": 3}}), stored,
                              "r", ["trainer.total_steps"])
+
+
+def test_keys_inside_a_free_form_section_are_compared_one_by_one(tmp_path):
+    from app.config.loader import given_keys
+
+    cfg = service_config()
+    stored = OmegaConf.merge(cfg, {"agent": {"a": 1, "b": 2}})
+    given = OmegaConf.merge(cfg, {"agent": {"a": 1}})
+    keys_set = given_keys(None, ["agent.a=1"])
+    assert keys_set == {"agent.a"}
+    _require_same_config(given, stored, "r", keys_set)  # agent.b was not given: not compared
+    (tmp_path / "c.yaml").write_text("agent:\n  a: 5\n")
+    with pytest.raises(ConfigError, match="agent.a: value 5 differs from run r's 1"):
+        _require_same_config(OmegaConf.merge(cfg, {"agent": {"a": 5}}), stored, "r",
+                             given_keys(tmp_path / "c.yaml"))

@@ -17,29 +17,32 @@ REDIS_SERVER = Path(sys.executable).parent / "redis-server"
 def test_a_unix_socket_url_works(tmp_path, monkeypatch):
     sock = tmp_path / "redis.sock"
     proc = subprocess.Popen([str(REDIS_SERVER), "--port", "0", "--unixsocket", str(sock),
-                             "--save", "", "--dir", str(tmp_path)],
+                             "--save", "", "--dir", str(tmp_path), "--requirepass", "p@ss"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 10
         while not sock.exists():
             assert time.monotonic() < deadline, "redis-server did not start"
             time.sleep(0.05)
+        url = f"unix://{sock}?db=3&password=p%40ss"
         for single in (False, True):
-            client = connect(f"unix://{sock}", single_connection=single)
+            client = connect(url, single_connection=single)
             assert client.ping()
             client.set("k", "v")
             assert client.get("k") == "v"
         # Celery's broker and result backend reach it too (they spell the URL their way)
         from app.celery_app import make_celery
 
-        monkeypatch.setenv("REDIS_URL", f"unix://{sock}")
+        monkeypatch.setenv("REDIS_URL", url)
         app = make_celery()
         with app.connection_for_write() as conn:
             conn.ensure_connection(max_retries=1)
-            conn.default_channel.client.ping()
+            conn.default_channel.client.set("from-the-broker", 1)
         app.backend.set("r", "done")
         assert app.backend.get("r") == b"done"
-        assert app.conf.carryover_redis_url == f"unix://{sock}"
+        # all three on the same database (the reaper reads the broker's keys this way)
+        assert client.get("from-the-broker") == "1" and client.get("r") == "done"
+        assert app.conf.carryover_redis_url == url
     finally:
         proc.terminate()
         proc.wait(10)

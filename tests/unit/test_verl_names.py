@@ -45,6 +45,7 @@ def test_the_rejection_options_are_verls():
     ("token_k1", "-1", "rollout_rs_threshold"),
     ("token_k1", "0.5", "rollout_rs_threshold"),  # verl reads 1/0.5 to 0.5: lower > upper
     ("seq_mean_k1", "'3_2'", "rollout_rs_threshold"),
+    ("token_k1,token_k1", "'2,3'", "rollout_rs_threshold"),  # one name, so one threshold
 ])
 def test_a_rejection_setting_verl_would_refuse_is_a_config_error(rs, threshold, named):
     with pytest.raises(ConfigError, match=f"algorithm.rollout_correction.{named}:"):
@@ -55,6 +56,7 @@ def test_a_rejection_setting_verl_would_refuse_is_a_config_error(rs, threshold, 
 @pytest.mark.parametrize("rs, threshold", [
     ("token_k1", "2"), ("token_k1", "1"), ("token_k1,", "2"), ("seq_max_k2", "inf"),
     ("token_k1,seq_max_k2", "'0.5_2,5'"), ("seq_sum_k1", "'0.2_4'"),
+    ("token_k1,token_k1,token_k2", "'2,3'"),
 ])
 def test_what_verl_takes_is_taken(rs, threshold):
     from verl.trainer.ppo.rollout_corr_helper import _parse_rollout_rs_thresholds
@@ -62,4 +64,5 @@ def test_what_verl_takes_is_taken(rs, threshold):
     cfg = load_config(None, [f"algorithm.rollout_correction.rollout_rs={rs}",
                              f"algorithm.rollout_correction.rollout_rs_threshold={threshold}"])
     rc = cfg.algorithm.rollout_correction
-    _parse_rollout_rs_thresholds([n for n in rs.split(",") if n], rc.rollout_rs_threshold)
+    names = list(dict.fromkeys(n for n in rs.split(",") if n))  # as verl reads them
+    _parse_rollout_rs_thresholds(names, rc.rollout_rs_threshold)
