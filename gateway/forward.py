@@ -311,7 +311,8 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                     line = next(lines, None)
                 except UpstreamUnreachable as exc:
                     if not ended:  # after the [DONE], the answer is whole
-                        yield out.error(_cut_off(state, rollout_id, upstream, cancel, exc))
+                        yield out.error(_cut_off(state, rollout_id, upstream, lease, cancel,
+                                                 exc))
                     return
                 if line is None:
                     break
@@ -365,7 +366,8 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                                                              wants_lp, wants_ids))
             if not cut:
                 if not ended:  # the connection closed before the answer's end
-                    yield out.error(_cut_off(state, rollout_id, upstream, cancel, None))
+                    yield out.error(_cut_off(state, rollout_id, upstream, lease, cancel,
+                                             None))
                 return
             resp.release()
             prompt_ids, so_far = continuation.prompt_and_response(acc.response())
@@ -402,13 +404,14 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
             log.info("stream for %s ended early; nothing captured", rollout_id)
 
 
-def _cut_off(state: GatewayState, rollout_id: str, upstream: str, cancel: Any,
+def _cut_off(state: GatewayState, rollout_id: str, upstream: str, lease: Lease, cancel: Any,
              exc: UpstreamUnreachable | None) -> GatewayError:
     """A stream its server cut (closed, or silent past ``upstream_timeout_s``): the agent
     gets an error, never an answer that just stops, and the server is routed around as
-    when a call to it fails (``_send``). A weight update that cancelled the call meanwhile
+    when a call to it fails (``_send``). A weight update under way (the call's lease
+    cancelled, which this process learns only at its next check, or the gateway paused)
     is what ended it: the usual retryable cancel, and the server is left alone."""
-    if cancel.is_set():
+    if cancel.is_set() or _updating(state, lease.id):
         return _cancelled_error(state)
     why = str(exc) if exc is not None else "closed before the answer's end"
     state.upstreams.mark_down(upstream, restarted=exc is None or not exc.timed_out)
@@ -416,6 +419,14 @@ def _cut_off(state: GatewayState, rollout_id: str, upstream: str, cancel: Any,
                 upstream, rollout_id, why)
     return retryable(f"inference server cut the answer off ({why})",
                      state.settings.retry_after_s, code="upstream_unavailable")
+
+
+def _updating(state: GatewayState, lease_id: str) -> bool:
+    admission = state.leases.admission
+    try:
+        return bool(admission.cancelled_among([lease_id])) or admission.is_paused()
+    except redis.RedisError:
+        return False
 
 
 def _end_stream(state: GatewayState, acc: capture.StreamAccumulator, lease: Lease,

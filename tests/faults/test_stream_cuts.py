@@ -141,6 +141,25 @@ def test_a_stream_cut_by_the_server_ends_in_an_error(gateway, new_rollout, redis
     assert redis_client.sismember(keys.upstreams_stale(), url) == (kind == "close")
 
 
+def test_a_stream_cut_during_a_weight_update_is_the_updates_doing(gateway, new_rollout,
+                                                                  redis_client):
+    """vLLM ends the calls a weight update aborts; this gateway process may learn of its
+    lease's cancel only later: the agent gets the usual retryable cancel, and the server,
+    which is fine, is not marked stale."""
+    client, url = gateway
+    MODE["kind"] = "close"
+    rid, token, _ = new_rollout()
+    resp = client.post(f"/rollout/{rid}/v1/chat/completions", json={**CHAT[1], "stream": True},
+                       headers={"Authorization": f"Bearer {token}"})
+    redis_client.set(keys.paused(), "update")  # the call was admitted; then the update began
+    try:
+        text = resp.get_data(as_text=True)
+    finally:
+        redis_client.delete(keys.paused())
+    assert "cancelled_by_update" in text and "upstream_unavailable" not in text
+    assert not redis_client.sismember(keys.upstreams_stale(), url)
+
+
 def test_a_body_nested_past_what_can_be_sent_on_is_a_400(gateway, new_rollout, redis_client):
     """orjson reads 1024 levels of nesting but writes 254: such a body passes the reader
     and is refused when it would go upstream, as a 400 (a 500 would be retried), with
