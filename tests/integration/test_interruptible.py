@@ -129,9 +129,10 @@ def _wait(pred, timeout: float, what: str) -> None:
         time.sleep(0.002)
 
 
-def _two_long_calls(new_rollout, cfg, under_way: int):
-    """A streamed and a plain long call, each in its rollout, both generating once the
-    streamed one has ``under_way`` tokens. -> (rollout ids, streamed, plain, threads)."""
+def _two_long_calls(client, new_rollout, cfg, under_way: int):
+    """A streamed and a plain long call, each in its rollout, both admitted (two live
+    leases) and the streamed one ``under_way`` tokens in. -> (rollout ids, streamed, plain,
+    threads)."""
     streamed: dict = {}
     plain: dict = {"rollout": new_rollout()}
     rid_s, tok_s, base_s = new_rollout()
@@ -142,6 +143,8 @@ def _two_long_calls(new_rollout, cfg, under_way: int):
         t.start()
     _wait(lambda: len(streamed.get("ids", ())) >= under_way, 60,
           "the streamed call to be under way")
+    # on a busy machine the plain call's thread may not have reached the gateway yet
+    _wait(lambda: client.zcard(keys.leases()) >= 2, 60, "both calls to be admitted")
     return (rid_s, rid_p), streamed, plain, threads
 
 
@@ -156,7 +159,7 @@ def _hold(client, url: str, mode: str) -> tuple[Pause, dict, weights.Held]:
 def test_keep_freezes_long_calls_across_a_real_weight_load(gw, new_rollout, cfg, tmp_path,
                                                            vllm_service):
     trainer, old, new, path = _new_weights(cfg, tmp_path)
-    (rid_s, rid_p), streamed, plain, threads = _two_long_calls(new_rollout, cfg, 40)
+    (rid_s, rid_p), streamed, plain, threads = _two_long_calls(gw, new_rollout, cfg, 40)
     adm, metrics, held = _hold(gw, vllm_service, "keep")
     time.sleep(0.3)  # frozen: nothing more arrives
     at_switch = len(streamed["ids"])
@@ -199,7 +202,7 @@ def test_keep_freezes_long_calls_across_a_real_weight_load(gw, new_rollout, cfg,
 def test_abort_gives_a_retryable_error_and_the_call_is_sent_again(gw, new_rollout, cfg,
                                                                   tmp_path, vllm_service):
     _, _, _, path = _new_weights(cfg, tmp_path)
-    (rid, rid_p), streamed, plain, threads = _two_long_calls(new_rollout, cfg, 20)
+    (rid, rid_p), streamed, plain, threads = _two_long_calls(gw, new_rollout, cfg, 20)
     adm, metrics, held = _hold(gw, vllm_service, "abort")
     for t in threads:
         t.join(30)
@@ -225,7 +228,7 @@ def test_abort_gives_a_retryable_error_and_the_call_is_sent_again(gw, new_rollou
 def test_continue_carries_cut_calls_on_across_a_real_weight_load(
         gw, new_rollout, cfg, tmp_path, vllm_service):
     trainer, old, new, path = _new_weights(cfg, tmp_path)
-    (rid_s, rid_p), streamed, plain, threads = _two_long_calls(new_rollout, cfg, 40)
+    (rid_s, rid_p), streamed, plain, threads = _two_long_calls(gw, new_rollout, cfg, 40)
     chat: dict = {}
     rid_c, tok_c, base_c = new_rollout()
     threads.append(threading.Thread(target=_chat_streamed, args=(base_c, tok_c, cfg, chat)))
