@@ -176,6 +176,23 @@ def new_rollout(redis_client, cfg):
     return make
 
 
+@contextlib.contextmanager
+def serving(handler: type) -> Iterator[str]:
+    """An ``http.server`` request handler class served on a free loopback port, in a
+    thread of this process; yields its URL."""
+    import http.server
+    import threading
+
+    port = free_port()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def wait_http(url: str, timeout: float = 30) -> None:
     import requests
 

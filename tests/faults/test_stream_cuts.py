@@ -8,13 +8,10 @@ captured; and the server is routed around."""
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 
@@ -22,7 +19,7 @@ from app.state import keys
 from app.state.connection import resolve_redis_url
 from gateway import create_app
 from gateway.settings import GatewaySettings
-from tests.conftest import free_port
+from tests.conftest import serving
 
 MODE = {"kind": "whole"}
 
@@ -73,21 +70,9 @@ class Server(http.server.BaseHTTPRequestHandler):
         pass
 
 
-@contextlib.contextmanager
-def _serving() -> Iterator[str]:
-    port = free_port()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Server)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.shutdown()
-        server.server_close()
-
-
 @pytest.fixture
 def gateway(redis_client, cfg):
-    with _serving() as url:
+    with serving(Server) as url:
         settings = GatewaySettings(
             redis_url=resolve_redis_url(cfg), upstreams=(url,), model="m", admin_token="a",
             lease_ttl_s=30, hold=False, hold_timeout_s=1, retry_after_s=1,

@@ -5,21 +5,19 @@ Which server served a call is read from the call's capture record (``upstream``)
 
 from __future__ import annotations
 
-import contextlib
 import http.server
 import json
 import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 import requests
 
 from app.state import keys
 from gateway.upstream import Upstreams
-from tests.conftest import free_port, standin_gateway
+from tests.conftest import free_port, serving, standin_gateway
 
 CHECK_S = 0.5
 ROLLOUTS = 16
@@ -164,7 +162,7 @@ def test_the_keeper_never_loads_another_models_weights(redis_client, tmp_path):
         def log_message(self, *args) -> None:
             pass
 
-    with _serving(Server) as url:
+    with serving(Server) as url:
         redis_client.hset(keys.policy_published(), mapping={
             "version": 7, "path": str(tmp_path), "model": "another-model",
             "probe": "[]", "probe_ids": "[]"})
@@ -198,7 +196,7 @@ def test_a_server_whose_proxy_answers_502_is_marked_stale(redis_client):
         def log_message(self, *args) -> None:
             pass
 
-    with _serving(Proxy) as url:
+    with serving(Proxy) as url:
         ups = Upstreams([url], client=redis_client)
         assert ups.check_health(timeout_s=1) == {url: True}
         status["code"] = 503
@@ -218,14 +216,3 @@ def test_a_server_whose_proxy_answers_502_is_marked_stale(redis_client):
         redis_client.srem(keys.upstreams_stale(), url)
 
 
-@contextlib.contextmanager
-def _serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
-    """``handler`` served on a free loopback port; yields its URL."""
-    port = free_port()
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", port), handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.shutdown()
-        server.server_close()
