@@ -20,6 +20,16 @@ def loads(raw: bytes | str) -> Any:
         return json.loads(raw)
 
 
+def check_int(body: dict, name: str, lo: int, hi: int | None = None) -> None:
+    """An optional integer field of a request body, within bounds, or a 400 naming it."""
+    v = body.get(name)
+    if v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        limit = f" and <= {hi}" if hi is not None else ""
+        raise bad_request(f"'{name}' must be an integer >= {lo}{limit}", param=name)
+
+
 def json_body() -> Any:
     # get_data() enforces MAX_CONTENT_LENGTH (413); get_json(silent=True) would hide that.
     raw = request.get_data(cache=True)

@@ -22,7 +22,7 @@ from app.state.records import RolloutRecord
 from gateway import capture, continuation, sampling
 from gateway.admission import admit
 from gateway.auth import rollout_token_sha256
-from gateway.body import json_body, loads
+from gateway.body import check_int, json_body, loads
 from gateway.context import CODE, is_vllm_overflow, overflow_error
 from gateway.errors import GatewayError, bad_request, retryable
 from gateway.leases import Lease, UpstreamCancelled
@@ -33,15 +33,6 @@ from gateway.upstream import UpstreamResponse, UpstreamUnreachable
 log = logging.getLogger(__name__)
 
 ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
-
-
-def _check_int(body: dict, name: str, lo: int, hi: int | None = None) -> None:
-    v = body.get(name)
-    if v is None:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
-        limit = f" and <= {hi}" if hi is not None else ""
-        raise bad_request(f"'{name}' must be an integer >= {lo}{limit}", param=name)
 
 
 def validate_body(body: Any, endpoint: str) -> dict:
@@ -70,9 +61,9 @@ def validate_body(body: Any, endpoint: str) -> dict:
     if temp is not None and (isinstance(temp, bool) or not isinstance(temp, (int, float))
                              or temp < 0):
         raise bad_request("'temperature' must be a number >= 0", param="temperature")
-    _check_int(body, "max_tokens", 1)
-    _check_int(body, "max_completion_tokens", 1)
-    _check_int(body, "n", 1, 16)
+    check_int(body, "max_tokens", 1)
+    check_int(body, "max_completion_tokens", 1)
+    check_int(body, "n", 1, 16)
     return body
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import orjson
 
+from gateway.body import check_int
 from gateway.errors import GatewayError, bad_request
 from gateway.protocols import (
     Protocol,
@@ -129,12 +130,9 @@ class Responses(Protocol):
         if body.get("instructions"):
             msgs.insert(0, {"role": "system", "content": str(body["instructions"])})
         chat: dict[str, Any] = {"messages": msgs}
-        limit = body.get("max_output_tokens")
-        if limit is not None:
-            if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
-                raise bad_request("max_output_tokens must be an integer >= 1",
-                                  param="max_output_tokens")
-            chat["max_tokens"] = limit
+        check_int(body, "max_output_tokens", 1)
+        if body.get("max_output_tokens") is not None:
+            chat["max_tokens"] = body["max_output_tokens"]
         for name in ("temperature", "top_p"):
             if body.get(name) is not None:
                 chat[name] = body[name]
