@@ -2,7 +2,8 @@
 tests (no cluster runs on these machines).
 
 It implements the endpoints the controller uses: Jobs (create, get, list by label or field
-selector, watch, delete) and pods (list by label, read log), and records every request. A
+selector, watch, patch, delete) and pods (list by label, with a status a test may set; read
+log), and records every request. A
 created Job either waits for the test to finish it (``runner="manual"``) or runs its
 container command as a local process with the container's environment
 (``runner="local"``), so an agent can call the real gateway and post its reward. Tests can
@@ -16,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import uuid
@@ -46,6 +48,7 @@ class StandIn:
     version: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
     events: list[tuple[int, str, dict]] = field(default_factory=list)  # (version, type, job)
+    pod_status: dict[str, dict] = field(default_factory=dict)  # job name -> its pod's status
 
     # --- what tests call -------------------------------------------------------------------
 
@@ -84,20 +87,26 @@ class StandIn:
         pod = job["spec"]["template"]["spec"]
         container = pod["containers"][0]
         env = {**os.environ, **{e["name"]: e.get("value", "") for e in container.get("env", [])}}
+        log = tempfile.TemporaryFile()  # the pod's log, read when it ends
         proc = subprocess.Popen(container["command"] + container.get("args", []), env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
-        deadline = job["spec"].get("activeDeadlineSeconds")
+        started = time.monotonic()
 
         def watch() -> None:
-            try:
-                out, _ = proc.communicate(timeout=deadline)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, _ = proc.communicate()
-                timed_out = True
+            # activeDeadlineSeconds is read on every tick: a patch may move it
+            timed_out = False
+            while proc.poll() is None:
+                deadline = (self.jobs.get(name) or job)["spec"].get("activeDeadlineSeconds")
+                if deadline is not None and time.monotonic() - started > deadline:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    timed_out = True
+                    break
+                time.sleep(0.05)
+            proc.wait()
+            log.seek(0)
+            out = log.read().decode("utf-8", "replace")
+            log.close()
             if name not in self.jobs:
                 return  # deleted meanwhile
             if timed_out:
@@ -177,6 +186,21 @@ def create_app(s: StandIn) -> Flask:
                 return _status(404, "NotFound", f'jobs.batch "{name}" not found')
             return jsonify(s.jobs[name])
 
+    @app.patch(jobs_path + "/<name>")
+    def patch_job(ns: str, name: str):
+        patch = request.get_json(force=True)
+        with s.cond:
+            if name not in s.jobs:
+                return _status(404, "NotFound", f'jobs.batch "{name}" not found')
+            job = s.jobs[name]
+            unknown = set(patch) - {"spec"} or set(patch.get("spec", {})) - {
+                "activeDeadlineSeconds"}
+            if unknown:  # the only field the controller changes
+                return _status(422, "Invalid", f"stand-in cannot patch {sorted(unknown)}")
+            job["spec"].update(patch["spec"])
+            s._event("MODIFIED", job)
+            return jsonify(job)
+
     @app.delete(jobs_path + "/<name>")
     def delete_job(ns: str, name: str):
         with s.cond:
@@ -196,7 +220,8 @@ def create_app(s: StandIn) -> Flask:
         items = []
         if name in s.jobs or name in s.logs:
             items.append({"metadata": {"name": f"{name}-pod", "namespace": ns,
-                                       "labels": {"job-name": name}}})
+                                       "labels": {"job-name": name}},
+                          "status": s.pod_status.get(name, {"phase": "Running"})})
         return jsonify({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items})
 
     @app.get("/api/v1/namespaces/<ns>/pods/<pod>/log")

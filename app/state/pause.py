@@ -71,7 +71,8 @@ if not cancelled and #ARGV > 3 then
   length = redis.call('RPUSH', KEYS[4], unpack(ARGV, 4))
   if ARGV[2] ~= '' then
     redis.call('HSET', KEYS[5], ARGV[2], length .. ':' .. ARGV[3])
-    redis.call('EXPIRE', KEYS[5], 604800)
+    -- a week from its first turn; a shorter TTL set since (a cancelled group's) stays
+    if redis.call('TTL', KEYS[5]) == -1 then redis.call('EXPIRE', KEYS[5], 604800) end
   end
 end
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then

@@ -50,6 +50,28 @@ class _HashRecord:
 
 SUCCESS_REWARD = 1.0  # a rollout with at least this reward counts as a success (acc)
 
+# The largest reward magnitude accepted from an agent. The update holds rewards as float32 and
+# squares them for a group's spread: past about 1e19 that is inf and every advantage NaN. 1e9
+# leaves room for any score a person means and refuses a bug's 1e300 (or an int past float).
+MAX_ABS_REWARD = 1e9
+
+
+def checked_reward(value: Any) -> float:
+    """``value`` as a reward (a finite number within +-MAX_ABS_REWARD); ValueError saying
+    what it is otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"a non-numeric reward: {value!r:.200}")
+    try:
+        reward = float(value)
+    except OverflowError:
+        raise ValueError(f"a reward too large for a float: {str(value)[:40]}...") from None
+    if not math.isfinite(reward):
+        raise ValueError(f"a non-finite reward: {reward}")
+    if abs(reward) > MAX_ABS_REWARD:
+        raise ValueError(f"a reward of {reward:g}, beyond +-{MAX_ABS_REWARD:g} (MAX_ABS_REWARD)")
+    return reward
+
+
 @dataclass
 class RolloutRecord(_HashRecord):
     """One agent execution (one sibling attempt). Writer: rollout task (created before the

@@ -1,14 +1,15 @@
 """``POST /rollout/<rollout_id>/reward``: an agent (any language, any backend) reports its
-reward with its rollout token, instead of printing it. Body: ``{"reward": <finite number>}``."""
+reward with its rollout token, instead of printing it. Body: ``{"reward": <finite number>}``,
+at most ``MAX_ABS_REWARD`` in size."""
 
 from __future__ import annotations
 
 import json
-import math
 
 from flask import Blueprint, jsonify
 
 from app.state import keys
+from app.state.records import MAX_ABS_REWARD, checked_reward
 from gateway.auth import authenticate
 from gateway.body import json_body
 from gateway.errors import bad_request
@@ -22,7 +23,10 @@ def post_reward(rollout_id: str):
     authenticate(rollout_id)
     body = json_body()
     value = body.get("reward") if isinstance(body, dict) else None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise bad_request("'reward' must be a finite number", param="reward")
-    get_state().redis.hset(keys.rollout(rollout_id), "reward", json.dumps(float(value)))
-    return jsonify({"rollout_id": rollout_id, "reward": float(value)})
+    try:
+        reward = checked_reward(value)
+    except ValueError as exc:
+        raise bad_request(f"'reward' must be a finite number within +-{MAX_ABS_REWARD:g}; got "
+                          f"{exc}", param="reward") from None
+    get_state().redis.hset(keys.rollout(rollout_id), "reward", json.dumps(reward))
+    return jsonify({"rollout_id": rollout_id, "reward": reward})

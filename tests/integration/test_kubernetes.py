@@ -237,6 +237,76 @@ def test_cancel_and_timeout_delete_the_job_with_its_pods(tmp_path, standin, redi
     assert policy == "Background"
 
 
+@pytest.mark.parametrize("reason", ["ImagePullBackOff", "CreateContainerConfigError"])
+def test_a_container_that_cannot_start_fails_the_attempt_at_once(tmp_path, standin,
+                                                                 redis_client, reason):
+    s, server = standin
+    llm = endpoint()
+    name = job_name(llm.rollout_id)
+    s.pod_status[name] = {"phase": "Pending", "containerStatuses": [{
+        "name": "agent", "ready": False, "restartCount": 0, "image": "agents:1.0",
+        "imageID": "", "state": {"waiting": {"reason": reason, "message": "no such image"}}}]}
+    start = time.monotonic()
+    box = run_async(controller(make_cfg(tmp_path, server), redis_client), llm, timeout_s=60)
+    err = finish(box)["error"]
+    assert reason in str(err) and "no such image" in str(err)
+    assert time.monotonic() - start < 10  # a few watch windows, not the 60 s timeout
+    assert name not in s.jobs  # deleted, not left to its deadline
+
+
+def test_a_pod_still_pending_at_the_timeout_is_named(tmp_path, standin, redis_client):
+    s, server = standin
+    llm = endpoint()
+    s.pod_status[job_name(llm.rollout_id)] = {"phase": "Pending", "conditions": [{
+        "type": "PodScheduled", "status": "False", "reason": "Unschedulable",
+        "message": "0/3 nodes are available: 3 Insufficient cpu."}]}
+    box = run_async(controller(make_cfg(tmp_path, server), redis_client), llm, timeout_s=2.5)
+    err = str(finish(box)["error"])
+    assert "timed out" in err and "Unschedulable" in err and "Insufficient cpu" in err
+
+
+def test_pauses_move_the_job_deadline_out(tmp_path, standin, redis_client):
+    """The gateway is paused the whole time: the attempt's own timeout never runs, and the
+    agent (6 s) outlives the Job's first deadline (2 + 2 s), which Kubernetes counts in wall
+    time. The deadline is moved out as the pause goes on, and the agent finishes."""
+    s, server = standin
+    s.runner = "local"
+    cfg = make_cfg(tmp_path, server, "controller.kubernetes.deadline_slack_s=2",
+                   f"controller.agent={sys.executable} -c 'import time; time.sleep(6); "
+                   f"print(0.7)'")
+    llm = endpoint()
+    box: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            box["reward"] = controller(cfg, redis_client).run(
+                {}, llm, 2.0, PauseAwareClock(lambda: True), lambda: False)
+        except AgentError as exc:
+            box["error"] = exc
+
+    box["thread"] = threading.Thread(target=target, daemon=True)
+    box["thread"].start()
+    assert finish(box).get("reward") == 0.7, box.get("error")
+    patches = [r.body["spec"]["activeDeadlineSeconds"] for r in s.requests
+               if r.method == "PATCH"]
+    assert patches and patches == sorted(patches) and patches[-1] >= 6
+
+
+def test_waiting_for_a_creation_slot_is_not_the_agents_time(tmp_path, standin, redis_client):
+    s, server = standin
+    cfg = make_cfg(tmp_path, server, "controller.kubernetes.creates_per_minute=20")
+    first = run_async(controller(cfg, redis_client, index=1), endpoint(1), posted=lambda: 1)
+    wait_for(lambda: len(s.jobs) == 1)
+    # the next slot is 3 s away; the attempt's timeout is 2 s of the agent's own time
+    llm = endpoint()
+    box = run_async(controller(cfg, redis_client), llm, timeout_s=2, posted=lambda: 0.5)
+    wait_for(lambda: job_name(llm.rollout_id) in s.jobs)
+    s.finish(job_name(llm.rollout_id), succeeded=True)
+    assert finish(box).get("reward") == 0.5, box.get("error")
+    s.finish(job_name(endpoint(1).rollout_id), succeeded=True)
+    finish(first)
+
+
 def test_creations_are_paced_across_controllers(tmp_path, standin, redis_client):
     s, server = standin
     cfg = make_cfg(tmp_path, server, "controller.kubernetes.creates_per_minute=120")
@@ -339,3 +409,32 @@ def test_training_with_agents_as_jobs(tmp_path, redis_client, gateway_service, c
     assert set(results) <= jobs
     assert all(r.status == "ok" and r.reward is not None for r in results.values())
     assert all(row["batch/samples"] == 2 * row["batch/rollouts"] for row in rows)
+
+
+def test_the_running_job_of_a_cancelled_group_is_deleted_on_redelivery(tmp_path, standin,
+                                                                       redis_client):
+    """The worker watching the Job died; its group was cancelled (past the age cap) before
+    the task came back. The new delivery finds the Job, and deletes it instead of leaving it
+    to run to its deadline."""
+    from omegaconf import OmegaConf
+
+    from app.state import keys
+    from app.state.records import GroupRecord, RunRecord
+    from workers.rollout.episode import _start_attempt, run_sibling
+
+    s, server = standin
+    cfg = make_cfg(tmp_path, server)
+    rid, token = _start_attempt(redis_client, RUN, GROUP, 0, 1)
+    first = run_async(controller(cfg, redis_client), LLMEndpoint(
+        f"http://gw.test:8200/rollout/{rid}/v1", token, "policy", rid))
+    wait_for(lambda: job_name(rid) in s.jobs)
+    redis_client.hset(keys.run(RUN), mapping=RunRecord(
+        run_id=RUN, config=OmegaConf.to_container(cfg, resolve=True)).to_hash())
+    redis_client.hset(keys.group(GROUP), mapping=GroupRecord(
+        group_id=GROUP, run_id=RUN, sample_index=0, sample={"text": "abc"},
+        status="cancelled").to_hash())
+    result = run_sibling(redis_client, GROUP, 0)
+    assert result.status == "failed" and result.error == "group cancelled"
+    assert job_name(rid) not in s.jobs and len(s.created()) == 1
+    assert redis_client.hget(keys.rollout(rid), "status") == "cancelled"
+    assert "deleted" in str(finish(first)["error"])  # the first watcher saw it go

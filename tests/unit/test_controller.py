@@ -10,6 +10,7 @@ import time
 import psutil
 import pytest
 
+from app.state.records import MAX_ABS_REWARD
 from workers.rollout.controller import (
     AgentError,
     LLMEndpoint,
@@ -36,10 +37,18 @@ def test_parse_reward_accepts_numbers(value, expected):
     assert parse_reward(value) == expected
 
 
-@pytest.mark.parametrize("value", [math.nan, math.inf, "0.5", None, True, [1], {"r": 1}])
+@pytest.mark.parametrize("value", [math.nan, math.inf, "0.5", None, True, [1], {"r": 1},
+                                   pytest.param(10**400, id="int-past-float"), 1e30, -2e9,
+                                   {"reward": 10**10}])
 def test_parse_reward_rejects_the_rest(value):
+    # an int past float range, and magnitudes whose float32 square overflows a group's spread
     with pytest.raises(AgentError):
         parse_reward(value)
+
+
+def test_the_largest_reward_accepted():
+    assert parse_reward(MAX_ABS_REWARD) == MAX_ABS_REWARD
+    assert parse_reward(-MAX_ABS_REWARD) == -MAX_ABS_REWARD
 
 
 def test_process_agent_gets_endpoint_and_sample_and_returns_last_json_line():
@@ -65,6 +74,20 @@ def test_bad_process_agents_fail_their_attempt(cmd, fragment):
         assert "oops" in info.value.stderr_tail
 
 
+def _left_in_group(pgid: int) -> list[int]:
+    """The live processes of process group ``pgid`` (a killed child that nobody has reaped
+    yet is a zombie: dead, only not waited for)."""
+    time.sleep(0.3)
+    left = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except ProcessLookupError:
+            continue
+    return left
+
+
 def test_hanging_process_agent_is_killed_with_its_children(tmp_path):
     # The agent's shell leads its own process group (the controller starts a new session);
     # it writes that group id first, so the check sees only this agent's children, never
@@ -74,17 +97,67 @@ def test_hanging_process_agent_is_killed_with_its_children(tmp_path):
     with pytest.raises(AgentError, match="timed out"):
         run_process(f"echo $$ > {pgid_file}; sleep 60 & sleep 60; wait", timeout=1.0)
     assert time.monotonic() - start < 5
-    pgid = int(pgid_file.read_text())
-    time.sleep(0.3)
-    left = []
-    for p in psutil.process_iter(["status"]):
-        # a killed child that nobody has reaped yet is a zombie: dead, only not waited for
+    assert _left_in_group(int(pgid_file.read_text())) == []
+
+
+def test_children_an_agent_leaves_behind_are_killed_when_it_exits(tmp_path):
+    # the background sleep also holds the agent's stdout open: the reward must still come
+    # back at once
+    pgid_file = tmp_path / "pgid"
+    start = time.monotonic()
+    assert run_process(f"echo $$ > {pgid_file}; sleep 60 & echo 1") == 1.0
+    assert time.monotonic() - start < 3
+    assert _left_in_group(int(pgid_file.read_text())) == []
+
+
+def _in_thread(fn, limit_s: float):
+    """fn()'s result or exception, failing the test if it has not returned in ``limit_s``."""
+    import threading
+
+    box: dict = {}
+
+    def target():
         try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                left.append(p.pid)
-        except ProcessLookupError:
-            continue
-    assert left == []
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            box["error"] = exc
+
+    t = threading.Thread(target=target, daemon=True)
+    t.start()
+    t.join(limit_s)
+    assert not t.is_alive(), f"still running after {limit_s} s"
+    return box
+
+
+def test_a_sample_the_agent_never_reads_does_not_block_its_timeout():
+    # 90 KB: more than a pipe holds, small enough for the environment
+    ctl = ProcessController("sleep 30", {})
+    box = _in_thread(lambda: ctl.run({"text": "x" * 90_000}, LLM, 1.0, clock(),
+                                     lambda: False), 15)
+    assert isinstance(box.get("error"), AgentError) and "timed out" in str(box["error"])
+
+
+def test_a_sample_too_large_for_the_environment_comes_on_stdin():
+    cmd = ("python3 -c \"import json,os,sys; s=json.loads(sys.stdin.readline()); "
+           "print(len(s['text']) / 1e6 + ('CARRYOVER_SAMPLE' in os.environ))\"")
+    ctl = ProcessController(cmd, {})
+    assert ctl.run({"text": "x" * 1_000_000}, LLM, 20, clock(), lambda: False) == 1.0
+    assert ctl.run({"text": "x" * 1000}, LLM, 20, clock(), lambda: False) == 1.001
+
+
+def test_an_agent_that_logs_a_lot_does_not_fill_the_worker():
+    import tracemalloc
+
+    # 40 MB on one line of stdout and on stderr, then the reward
+    cmd = ("head -c 40000000 /dev/zero | tr '\\0' x; head -c 40000000 /dev/zero >&2; "
+           "echo; echo 0.5")
+    tracemalloc.start()
+    try:
+        assert run_process(cmd, timeout=60) == 0.5
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 8_000_000, f"{peak / 1e6:.1f} MB held for the agent's output"
 
 
 def test_time_paused_does_not_count_against_the_timeout():

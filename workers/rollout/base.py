@@ -7,11 +7,12 @@ and never each other.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from app.state.records import checked_reward
 
 
 class AgentError(Exception):
@@ -39,15 +40,13 @@ class LLMEndpoint:
 
 
 def parse_reward(value: Any) -> float:
-    """A finite float, or AgentError naming what came back."""
+    """A finite float of sane size, or AgentError naming what came back."""
     if isinstance(value, dict) and "reward" in value:
         value = value["reward"]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise AgentError(f"agent returned a non-numeric reward: {value!r:.200}")
-    reward = float(value)
-    if not math.isfinite(reward):
-        raise AgentError(f"agent returned a non-finite reward: {reward}")
-    return reward
+    try:
+        return checked_reward(value)
+    except ValueError as exc:
+        raise AgentError(f"agent returned {exc}") from None
 
 
 class PauseAwareClock:
@@ -71,6 +70,11 @@ class PauseAwareClock:
         else:
             self.active += dt
 
+    def skip(self) -> None:
+        """Leave the time since the last tick uncounted (a wait that is not the agent's,
+        such as its turn to be created)."""
+        self._last = time.monotonic()
+
 
 def stop_reason(clock: PauseAwareClock, timeout_s: float, cancelled: Callable[[], bool]
                 ) -> str | None:
@@ -88,6 +92,9 @@ class Controller:
         """The rollout id of this sibling's agent that is still running from an earlier
         delivery of its task (so it is watched, not started twice); None to start fresh."""
         return None
+
+    def stop(self, rollout_id: str) -> None:
+        """Stop an adopted agent that will not be watched (its group was cancelled)."""
 
     def run(self, sample: dict, llm: LLMEndpoint, timeout_s: float, clock: PauseAwareClock,
             cancelled: Callable[[], bool],

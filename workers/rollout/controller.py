@@ -5,10 +5,10 @@ name) and returns a float reward, or raises :class:`AgentError`. Backends:
 
 - ``python``: a callable ``module:function(sample, llm, **agent_settings) -> float`` run
   in a thread of the rollout worker.
-- ``process``: any executable; the endpoint and the sample arrive in its environment and on
-  stdin; its reward is a POST to ``<gateway>/rollout/<id>/reward`` or else the last JSON
-  line on stdout (a number or ``{"reward": x}``); its process group is killed on timeout or
-  cancel.
+- ``process``: any executable; the endpoint arrives in its environment, the sample on stdin
+  (and in ``$CARRYOVER_SAMPLE`` up to ``SAMPLE_ENV_MAX_BYTES``); its reward is a POST to
+  ``<gateway>/rollout/<id>/reward`` or else the last JSON line on stdout (a number or
+  ``{"reward": x}``); its process group is killed when it ends, times out or is cancelled.
 - ``kubernetes``: one Kubernetes Job per attempt (``workers.rollout.kubernetes``); the
   agent gets the same environment as a process and POSTs its reward to the gateway.
 
@@ -75,6 +75,48 @@ class PythonController(Controller):
         return parse_reward(box.get("value"))
 
 
+# Linux refuses one environment string over 128 KiB (MAX_ARG_STRLEN): a larger sample comes
+# on stdin only.
+SAMPLE_ENV_MAX_BYTES = 100_000
+# What is kept of a process agent's stdout and stderr: the reward is its last line, and the
+# error message shows the tail. An agent that logs gigabytes must not fill the worker.
+OUTPUT_TAIL_BYTES = 64 * 1024
+
+
+class _Tail:
+    """Reads a pipe to its end in a thread, keeping only its last ``limit`` bytes."""
+
+    def __init__(self, stream: Any, limit: int = OUTPUT_TAIL_BYTES) -> None:
+        self.stream, self.limit = stream, limit
+        self.buf = bytearray()
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        fd = self.stream.fileno()
+        while chunk := os.read(fd, 65536):
+            self.buf += chunk
+            if len(self.buf) > 2 * self.limit:
+                del self.buf[:-self.limit]
+
+    def text(self, join_s: float = 2.0) -> str:
+        self.thread.join(join_s)
+        return bytes(self.buf[-self.limit:]).decode("utf-8", "replace")
+
+
+def _feed(stream: Any, data: bytes) -> None:
+    """Write the sample to the agent's stdin and close it, in a thread: an agent that never
+    reads a sample larger than the pipe's buffer must not block its timeout."""
+    def write() -> None:
+        try:
+            stream.write(data)
+            stream.close()
+        except OSError:  # the agent exited or closed its stdin: it did not want the sample
+            pass
+
+    threading.Thread(target=write, daemon=True).start()
+
+
 class ProcessController(Controller):
     def __init__(self, command: str, settings: dict[str, Any]) -> None:
         self.command = command
@@ -82,34 +124,29 @@ class ProcessController(Controller):
 
     def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None,
             adopted=False):
+        sample_json = json.dumps(sample)
         env = {**os.environ, **llm.env(),
-               "CARRYOVER_SAMPLE": json.dumps(sample),
                "CARRYOVER_AGENT_SETTINGS": json.dumps(self.settings)}
-        proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)
-        out_chunks: list[str] = []
-        err_chunks: list[str] = []
-        readers = [threading.Thread(target=lambda s=s, b=b: b.extend(iter(s.readline, "")),
-                                    daemon=True)
-                   for s, b in ((proc.stdout, out_chunks), (proc.stderr, err_chunks))]
-        for t in readers:
-            t.start()
+        if len(sample_json.encode()) <= SAMPLE_ENV_MAX_BYTES:
+            env["CARRYOVER_SAMPLE"] = sample_json
         try:
-            proc.stdin.write(json.dumps(sample) + "\n")
-            proc.stdin.close()
-        except BrokenPipeError:
-            pass
+            proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as exc:  # E2BIG (settings too large), no shell, no memory
+            raise AgentError(f"agent process could not be started: {exc}") from None
+        out, err = _Tail(proc.stdout), _Tail(proc.stderr)
+        _feed(proc.stdin, (sample_json + "\n").encode())
         reason = None
         while proc.poll() is None:
             time.sleep(0.2)
             reason = stop_reason(clock, timeout_s, cancelled)
             if reason:
-                _kill_group(proc)
                 break
-        for t in readers:
-            t.join(2)
-        stderr_tail = "".join(err_chunks)[-2000:]
+        # The whole process group goes, also when the agent exited by itself: a child it left
+        # running would hold the pipes open and outlive its rollout.
+        _kill_group(proc)
+        stdout, stderr_tail = out.text(), err.text()[-2000:]
         if reason:
             raise AgentError(reason, stderr_tail)
         if proc.returncode != 0:
@@ -117,7 +154,7 @@ class ProcessController(Controller):
         posted = posted_reward()
         if posted is not None:  # an explicit POST to the gateway wins over stdout
             return parse_reward(posted)
-        for line in reversed("".join(out_chunks).splitlines()):
+        for line in reversed(stdout.splitlines()):
             line = line.strip()
             if not line:
                 continue
@@ -132,7 +169,7 @@ class ProcessController(Controller):
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
+    except (ProcessLookupError, PermissionError):  # the group is gone already
         pass
     proc.wait(5)
 

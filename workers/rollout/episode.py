@@ -51,12 +51,37 @@ def _start_attempt(client: redis.Redis, run_id: str, group_id: str, index: int, 
     return rollout_id, token
 
 
-def _close_attempt(client: redis.Redis, rollout_id: str, status: str) -> None:
-    # Closing the rollout makes the gateway refuse its further calls (409).
-    pipe = client.pipeline()
-    pipe.hset(keys.rollout(rollout_id), "status", status)
-    pipe.expire(keys.rollout_calls(rollout_id), ROLLOUT_TTL_S)
-    pipe.execute()
+# KEYS: rollout, rollout_calls   ARGV: status, ttl   -> 1 closed, 0 not running (closed
+# already, or its record released after training or expired: nothing is recreated). The calls
+# get a TTL only when they have none: a cancelled group's shorter one (retention) stays.
+_CLOSE = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'running' then return 0 end
+redis.call('HSET', KEYS[1], 'status', ARGV[1])
+if redis.call('TTL', KEYS[2]) == -1 then redis.call('EXPIRE', KEYS[2], ARGV[2]) end
+return 1
+"""
+
+
+def _close_attempt(client: redis.Redis, rollout_id: str, status: str) -> bool:
+    """Close a running rollout; the gateway then refuses its further calls and reward (409)."""
+    return bool(client.register_script(_CLOSE)(
+        keys=[keys.rollout(rollout_id), keys.rollout_calls(rollout_id)],
+        args=[status, ROLLOUT_TTL_S]))
+
+
+def _close_earlier_attempts(client: redis.Redis, group_id: str, index: int,
+                            keep: str | None) -> int:
+    """Close this sibling's rollouts left running by an earlier delivery of its task, whose
+    worker died: a process agent may outlive it on its host, and its next model call or
+    reward must be refused, not captured beside the attempt that replaces it."""
+    prefix = f"{group_id}.{index}."
+    earlier = [rid for rid in client.lrange(keys.group_rollouts(group_id), 0, -1)
+               if rid.startswith(prefix) and rid != keep]
+    closed = sum(_close_attempt(client, rid, "failed") for rid in earlier)
+    if closed:
+        log.warning("sibling %s/%d: closed %d rollout(s) an earlier delivery left running; "
+                    "their agents' further calls are refused", group_id, index, closed)
+    return closed
 
 
 def _posted(client: redis.Redis, rollout_id: str) -> float | None:
@@ -141,8 +166,12 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
         log.warning("sibling %s/%d: cannot look for a running agent to adopt: %s",
                     group_id, index, exc)
         adopted = None
+    _close_earlier_attempts(client, group_id, index, keep=adopted)
     for attempt in range(1, int(ctl_cfg.max_attempts) + 1):
         if cancelled():
+            if adopted:  # the earlier delivery's agent is stopped, not left to its deadline
+                controller.stop(adopted)
+                _close_attempt(client, adopted, "cancelled")
             return SiblingResult(index=index, rollout_id=rollout_id, status="failed",
                                  reward=None, attempts=attempt - 1, seconds=0.0,
                                  error="group cancelled")
@@ -163,8 +192,18 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
                 dict(group.sample), llm, float(ctl_cfg.rollout_timeout_s), clock, cancelled,
                 posted_reward=lambda rid=rollout_id: _posted(client, rid),
                 adopted=bool(adopted))
-        except AgentError as exc:
+        except Exception as raised:  # noqa: BLE001 - every failure is the attempt's
+            exc = raised if isinstance(raised, AgentError) else AgentError(
+                f"controller raised {raised.__class__.__name__}: {raised}")
+            if not isinstance(raised, AgentError):
+                log.exception("rollout %s: the controller itself failed", rollout_id)
             adopted = None
+            if cancelled():
+                _close_attempt(client, rollout_id, "cancelled")
+                return SiblingResult(index=index, rollout_id=rollout_id, status="failed",
+                                     reward=None, attempts=attempt,
+                                     seconds=time.monotonic() - started,
+                                     paused_seconds=clock.paused, error="group cancelled")
             if ctl_cfg.get("on_context_overflow") == "end" and _overflowed(client, rollout_id):
                 # the conversation outgrew the model: the rollout ends here, its calls so far
                 # are trained, with the reward the agent posted or controller.overflow_reward

@@ -47,6 +47,11 @@ LABEL_ATTEMPT = "carryover.io/attempt"
 ANNOTATION_ROLLOUT = "carryover.io/rollout-id"
 # Transient API answers: throttled, server trouble. Everything else 4xx is the request's fault.
 TRANSIENT_STATUS = {0, 408, 429, 500, 502, 503, 504}
+# A container waiting for one of these will not start by itself: the attempt fails at once
+# (with the kubelet's message) instead of at its timeout. A pod that is only unschedulable
+# waits: an autoscaler may add the node.
+NEVER_STARTS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
+                "CreateContainerConfigError", "CreateContainerError"}
 
 # One Redis script: reserve the next creation slot, return how long to wait for it.
 _PACE = """
@@ -220,6 +225,9 @@ class KubernetesController(Controller):
         self.batch = k8s.BatchV1Api(api)
         self.core = k8s.CoreV1Api(api)
         self.attempt = 0
+        self.pod_state = ""          # why the watched Job's pod waits, for the timeout message
+        self.pod_started = False     # its pod left Pending: no more pod reads
+        self.deadline_paused = 0.0   # pause seconds the Job's deadline already covers
 
     # --- API calls with retries -----------------------------------------------------------
 
@@ -267,12 +275,16 @@ class KubernetesController(Controller):
         newest = max(usable, key=lambda j: int((j.metadata.labels or {}).get(LABEL_ATTEMPT, 0)))
         return newest.metadata.annotations[ANNOTATION_ROLLOUT]
 
+    def stop(self, rollout_id: str) -> None:
+        self._delete(job_name(rollout_id))
+
     def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None,
             adopted=False):
         self.attempt += 1
         name = job_name(llm.rollout_id)
         if not adopted:
             self._pace(cancelled)
+            clock.skip()  # waiting for its creation slot is not the agent's time
             job = build_job(self.kcfg, command=self.command, llm=llm,
                             gateway_url=self.gateway_url, sample=sample,
                             settings=self.settings, run_id=self.run_id,
@@ -317,15 +329,19 @@ class KubernetesController(Controller):
         def check() -> None:
             reason = stop_reason(clock, timeout_s, cancelled)
             if reason:
-                raise _Stop(reason)
+                raise _Stop(reason + (f"; its pod was {self.pod_state}" if self.pod_state
+                                      else ""))
 
         window = int(self.kcfg.watch_timeout_s)
+        self.pod_state, self.pod_started, self.deadline_paused = "", False, 0.0
         while True:
             job = self._read(name)  # the resync: an event lost between windows is seen here
             done = outcome(job)
             if done:
                 return done
             check()
+            self._watch_pod(name)
+            self._extend_deadline(job, timeout_s, clock)
             w = watch.Watch()
             try:
                 for event in w.stream(self.batch.list_namespaced_job, self.namespace,
@@ -345,6 +361,56 @@ class KubernetesController(Controller):
                 time.sleep(1.0)
             finally:
                 w.stop()
+
+    def _watch_pod(self, name: str) -> None:
+        """Until the Job's pod runs, once per watch window: fail at once when its container
+        cannot start, and remember why it waits (the timeout's message says it)."""
+        if self.pod_started:
+            return
+        try:
+            pods = self._api("list pods", self.core.list_namespaced_pod, self.namespace,
+                             label_selector=f"job-name={name}").items
+        except _ApiError as exc:
+            log.warning("cannot see the pod of Job %s: %s", name, exc)
+            return
+        for pod in pods:
+            status = pod.status
+            phase = getattr(status, "phase", None) or "Pending"
+            if phase != "Pending":
+                self.pod_started, self.pod_state = True, ""
+                return
+            for cs in getattr(status, "container_statuses", None) or []:
+                waiting = getattr(cs.state, "waiting", None) if cs.state else None
+                if waiting is not None and waiting.reason in NEVER_STARTS:
+                    raise _Stop(f"Job {name}'s container cannot start: {waiting.reason}: "
+                                f"{waiting.message or ''}".rstrip(": "))
+                if waiting is not None and waiting.reason:
+                    self.pod_state = f"Pending ({waiting.reason})"
+            for cond in getattr(status, "conditions", None) or []:
+                if cond.type == "PodScheduled" and cond.status == "False":
+                    self.pod_state = (f"Pending ({cond.reason or 'not scheduled'}: "
+                                      f"{cond.message or ''})")
+
+    def _extend_deadline(self, job: Any, timeout_s: float, clock: PauseAwareClock) -> None:
+        """Kubernetes counts the Job's deadline in wall time; the attempt's timeout leaves out
+        time the gateway was paused. Move the deadline out by the pauses so far, in steps of
+        a quarter of the slack (at least a second), so a long weight update never kills an
+        agent that is within its timeout."""
+        slack = float(self.kcfg.deadline_slack_s)
+        if clock.paused - self.deadline_paused < max(1.0, slack / 4):
+            return
+        deadline = int(math.ceil(timeout_s + slack + clock.paused))
+        name = job.metadata.name
+        if deadline <= (getattr(job.spec, "active_deadline_seconds", None) or 0):
+            return  # an earlier delivery of this task moved it further already
+        try:
+            self._api(f"extend the deadline of Job {name}", self.batch.patch_namespaced_job,
+                      name, self.namespace, {"spec": {"activeDeadlineSeconds": deadline}})
+            self.deadline_paused = clock.paused
+            log.info("Job %s: activeDeadlineSeconds now %d (%.0f s paused)", name, deadline,
+                     clock.paused)
+        except _ApiError as exc:
+            log.warning("%s; trying again next window", exc)
 
     def _read(self, name: str) -> Any:
         return self._api(f"read Job {name}", self.batch.read_namespaced_job, name,
@@ -383,4 +449,5 @@ class _ApiError(Exception):
 
 
 class _Stop(Exception):
-    """Timeout or cancel: the Job is deleted and the attempt fails."""
+    """Timeout, cancel, or a container that cannot start: the Job is deleted and the attempt
+    fails."""
