@@ -30,7 +30,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 import redis
@@ -64,28 +64,26 @@ class UpstreamResponse:
         self._released = False
 
     def read(self) -> bytes:
-        try:
-            data = self._resp.read()
-        except (OSError, http.client.HTTPException) as exc:
-            self._release(reuse=False)
-            raise UpstreamUnreachable(f"answer cut off ({exc.__class__.__name__})") from exc
+        data = self._guarded(self._resp.read)
         self._release(reuse=True)
         return data
 
     def lines(self) -> Iterator[bytes]:
         """The body line by line (server-sent events), as it arrives."""
-        while True:
-            try:
-                line = self._resp.readline()
-            except TimeoutError as exc:
-                self._release(reuse=False)
-                raise UpstreamUnreachable("timed out mid-answer", timed_out=True) from exc
-            except (OSError, http.client.HTTPException) as exc:
-                self._release(reuse=False)
-                raise UpstreamUnreachable(f"answer cut off ({exc.__class__.__name__})") from exc
-            if not line:
-                return
+        while line := self._guarded(self._resp.readline):
             yield line
+
+    def _guarded(self, read: Callable[[], bytes]) -> bytes:
+        """``read()``; a failure closes the connection and says whether the server fell
+        silent (a slow answer) or cut it (a server that may be restarting)."""
+        try:
+            return read()
+        except TimeoutError as exc:
+            self._release(reuse=False)
+            raise UpstreamUnreachable("timed out mid-answer", timed_out=True) from exc
+        except (OSError, http.client.HTTPException) as exc:
+            self._release(reuse=False)
+            raise UpstreamUnreachable(f"answer cut off ({exc.__class__.__name__})") from exc
 
     def release(self) -> None:
         """Give the connection back; one whose answer was not read to the end is closed."""

@@ -36,7 +36,8 @@ def _chunk(text: str, ids: list[int], finish: str | None = None) -> bytes:
 
 
 class Server(http.server.BaseHTTPRequestHandler):
-    """Streams "h", then (``MODE``) "i" and [DONE], or closes the connection, or hangs."""
+    """Streams "h", then (``MODE``) "i" and [DONE], or closes the connection, or hangs; or
+    (``slow-body``) answers a whole call with headers and a stalled body."""
     protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server interface
@@ -46,6 +47,15 @@ class Server(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         self.rfile.read(int(self.headers["Content-Length"]))
+        if MODE["kind"] == "slow-body":  # a whole answer whose body stalls after its headers
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", "100")
+            self.end_headers()
+            self.wfile.write(b'{"id": "c')
+            self.wfile.flush()
+            time.sleep(3)
+            return
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Transfer-Encoding", "chunked")
@@ -124,6 +134,21 @@ def test_a_stream_cut_by_the_server_ends_in_an_error(gateway, new_rollout, redis
     assert redis_client.llen(keys.rollout_calls(rid)) == 0  # nothing half captured
     # a server that closed mid-answer may be restarting with its initial weights: stale
     assert redis_client.sismember(keys.upstreams_stale(), url) == (kind == "close")
+
+
+def test_a_whole_answer_that_stalls_is_slow_not_a_restarted_server(gateway, new_rollout,
+                                                                    redis_client):
+    """A non-streamed answer whose body stops past ``upstream_timeout_s`` after its headers:
+    the agent gets a retryable error and the server is routed around, but, as for a slow
+    first byte, it is not marked stale (which would have its weights reloaded)."""
+    client, url = gateway
+    MODE["kind"] = "slow-body"
+    rid, token, _ = new_rollout()
+    resp = client.post(f"/rollout/{rid}{CHAT[0]}", json=CHAT[1],
+                       headers={"Authorization": f"Bearer {token}"})
+    assert resp.status_code == 503, resp.get_data(as_text=True)
+    assert resp.get_json()["error"]["code"] == "upstream_unavailable"
+    assert not redis_client.sismember(keys.upstreams_stale(), url)
 
 
 def test_a_stream_cut_during_a_weight_update_is_the_updates_doing(gateway, new_rollout,
