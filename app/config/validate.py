@@ -365,6 +365,7 @@ RULES: dict[str, Check] = {
     "controller.kubernetes.ttl_seconds_after_finished": non_negative_int,
     "controller.kubernetes.deadline_slack_s": non_negative_num,
     "controller.kubernetes.watch_timeout_s": positive_int,
+    "controller.kubernetes.start_grace_s": non_negative_num,
     "controller.kubernetes.api_retries": positive_int,
     "trainer.total_steps": positive_int,
     "trainer.test_freq": test_freq,
@@ -570,6 +571,14 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             f"inference.max_model_len ({max_len}): the gateway asks that many tokens for a "
             "call that names none, and refuses a prompt that does not fit beside them")
     problems += _port_rules(cfg, ok)
+    slack = _get(cfg, "controller.kubernetes.deadline_slack_s")
+    window = _get(cfg, "controller.kubernetes.watch_timeout_s")
+    if ok("controller.kubernetes.deadline_slack_s", "controller.kubernetes.watch_timeout_s") \
+            and slack < 2 * window:
+        problems.append(
+            f"controller.kubernetes.deadline_slack_s: value {slack} must be at least twice "
+            f"controller.kubernetes.watch_timeout_s ({window}): the Job's deadline is moved "
+            "out by the time paused once per watch window, and must not run out in between")
     reload_s = _get(cfg, "trainer.reload_timeout_s")
     start_s = _get(cfg, "inference.startup_timeout_s")
     if ok("trainer.reload_timeout_s", "inference.startup_timeout_s") and reload_s < start_s:

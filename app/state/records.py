@@ -94,6 +94,9 @@ class RolloutRecord(_HashRecord):
     # calls the gateway refused for the context length (prompt + max_tokens > max_model_len);
     # HINCRBY'd by the gateway, read by the rollout worker (controller.on_context_overflow)
     context_overflow: int = 0
+    # the rollout worker process running the attempt (``reaper.WORKER_ID``): a later delivery
+    # of its task closes the attempt only once that worker's alive key is gone
+    worker: str = ""
 
 
 @dataclass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -17,17 +18,23 @@ from app.state.records import GroupRecord, RunRecord
 from workers.rollout import episode
 from workers.rollout.episode import _close_attempt, _start_attempt, run_sibling
 
-RUN, GROUP = "attempts-run", "attempts-run-g0"
+RUN = "attempts-run"
 
 
-def make_group(client, *overrides: str) -> Any:
+@pytest.fixture
+def group() -> str:
+    """A group id of this test's own: a group's status is cached per process for 0.5 s."""
+    return f"{RUN}-g{uuid.uuid4().hex[:8]}"
+
+
+def make_group(client, group: str, *overrides: str) -> Any:
     cfg = load_config(None, ["controller.backend=process", "controller.max_attempts=2",
                              *overrides])
     client.hset(keys.run(RUN), mapping=RunRecord(
         run_id=RUN, config=OmegaConf.to_container(cfg, resolve=True)).to_hash())
-    client.hset(keys.group(GROUP), mapping=GroupRecord(
-        group_id=GROUP, run_id=RUN, sample_index=0, sample={"text": "abc"}, n=1).to_hash())
-    client.zadd(keys.run_active(RUN), {GROUP: 0})
+    client.hset(keys.group(group), mapping=GroupRecord(
+        group_id=group, run_id=RUN, sample_index=0, sample={"text": "abc"}, n=1).to_hash())
+    client.zadd(keys.run_active(RUN), {group: 0})
     return cfg
 
 
@@ -35,17 +42,33 @@ def status(client, rollout_id: str) -> str | None:
     return client.hget(keys.rollout(rollout_id), "status")
 
 
-def test_a_redelivered_sibling_closes_the_attempt_its_dead_worker_left_running(redis_client):
-    make_group(redis_client, "controller.agent=echo 0.5")
+def test_a_redelivered_sibling_closes_the_attempt_its_dead_worker_left_running(redis_client,
+                                                                             group):
+    make_group(redis_client, group, "controller.agent=echo 0.5")
     # the first delivery's attempt, whose worker died with its agent still running
-    orphan, _ = _start_attempt(redis_client, RUN, GROUP, 0, 1)
-    other, _ = _start_attempt(redis_client, RUN, GROUP, 1, 1)  # a sibling's: not touched
-    result = run_sibling(redis_client, GROUP, 0)
+    orphan, _ = _start_attempt(redis_client, RUN, group, 0, 1)
+    other, _ = _start_attempt(redis_client, RUN, group, 1, 1)  # a sibling's: not touched
+    result = run_sibling(redis_client, group, 0)
     assert result.status == "ok" and result.reward == 0.5 and result.rollout_id != orphan
     # the gateway refuses the orphan's further calls and reward (it serves running ones only)
     assert status(redis_client, orphan) == "failed"
     assert status(redis_client, other) == "running"
     assert status(redis_client, result.rollout_id) == "finished"
+
+
+def test_the_attempt_of_a_live_worker_is_left_alone(redis_client, group):
+    """A task delivered twice while its first worker lives (taken for dead through a long
+    Redis outage): the first attempt keeps running; the two results stand side by side."""
+    make_group(redis_client, group, "controller.agent=echo 0.5")
+    first, _ = _start_attempt(redis_client, RUN, group, 0, 1)
+    owner = redis_client.hget(keys.rollout(first), "worker")
+    assert owner
+    redis_client.set(keys.worker_alive(owner), "1", px=60_000)
+    try:
+        assert run_sibling(redis_client, group, 0).status == "ok"
+    finally:
+        redis_client.delete(keys.worker_alive(owner))
+    assert status(redis_client, first) == "running"
 
 
 class _Broken:
@@ -58,32 +81,34 @@ class _Broken:
         raise OSError("[Errno 7] Argument list too long")
 
 
-def test_a_controller_crash_fails_the_attempt_and_is_retried(redis_client, monkeypatch):
-    make_group(redis_client)
+def test_a_controller_crash_fails_the_attempt_and_is_retried(redis_client, group,
+                                                             monkeypatch):
+    make_group(redis_client, group)
     monkeypatch.setattr(episode, "make_controller", lambda *a, **k: _Broken())
-    result = run_sibling(redis_client, GROUP, 0)
+    result = run_sibling(redis_client, group, 0)
     assert result.status == "failed" and result.attempts == 2
     assert "OSError" in result.error and "Argument list too long" in result.error
-    rollouts = redis_client.lrange(keys.group_rollouts(GROUP), 0, -1)
+    rollouts = redis_client.lrange(keys.group_rollouts(group), 0, -1)
     assert len(rollouts) == 2
     assert [status(redis_client, r) for r in rollouts] == ["failed", "failed"]
 
 
-def test_a_cancelled_group_keeps_its_short_retention(redis_client):
-    make_group(redis_client, "controller.agent=sleep 30", "controller.rollout_timeout_s=60")
+def test_a_cancelled_group_keeps_its_short_retention(redis_client, group):
+    make_group(redis_client, group, "controller.agent=sleep 30",
+               "controller.rollout_timeout_s=60")
     box: dict = {}
-    t = threading.Thread(target=lambda: box.update(r=run_sibling(redis_client, GROUP, 0)),
+    t = threading.Thread(target=lambda: box.update(r=run_sibling(redis_client, group, 0)),
                          daemon=True)
     t.start()
     deadline = time.monotonic() + 20
-    while not redis_client.llen(keys.group_rollouts(GROUP)):
+    while not redis_client.llen(keys.group_rollouts(group)):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    (rid,) = redis_client.lrange(keys.group_rollouts(GROUP), 0, -1)
+    (rid,) = redis_client.lrange(keys.group_rollouts(group), 0, -1)
     redis_client.rpush(keys.rollout_calls(rid), "{}")  # a call the gateway captured
     # what the driver does to a group past its age cap
-    assert carry.cancel_group(redis_client, RUN, GROUP, 0)
-    retention.expire_untrained(redis_client, GROUP)
+    assert carry.cancel_group(redis_client, RUN, group, 0)
+    retention.expire_untrained(redis_client, group)
     t.join(20)
     assert not t.is_alive()
     result = box["r"]
@@ -93,10 +118,11 @@ def test_a_cancelled_group_keeps_its_short_retention(redis_client):
 
 
 @pytest.mark.parametrize("gone", ["released", "closed"])
-def test_closing_an_attempt_that_is_no_longer_running_changes_nothing(redis_client, gone):
-    rid, _ = _start_attempt(redis_client, RUN, GROUP, 0, 1)
+def test_closing_an_attempt_that_is_no_longer_running_changes_nothing(redis_client, group,
+                                                                     gone):
+    rid, _ = _start_attempt(redis_client, RUN, group, 0, 1)
     if gone == "released":  # its group was trained and its records deleted
-        retention.release_trained(redis_client, [GROUP], keep_s=60)
+        retention.release_trained(redis_client, [group], keep_s=60)
         assert not _close_attempt(redis_client, rid, "failed")
         assert not redis_client.exists(keys.rollout(rid))  # not recreated without a TTL
     else:
@@ -105,15 +131,15 @@ def test_closing_an_attempt_that_is_no_longer_running_changes_nothing(redis_clie
         assert status(redis_client, rid) == "finished"
 
 
-def test_a_call_recorded_after_a_cancel_keeps_the_short_retention(redis_client):
+def test_a_call_recorded_after_a_cancel_keeps_the_short_retention(redis_client, group):
     """A call still in flight when its group is cancelled is recorded after the retention
     shortened the rollout's data: its continuity turn must not live a week."""
     from app.state.pause import Admission
 
     admission = Admission(redis_client)
-    rid, token = _start_attempt(redis_client, RUN, GROUP, 0, 1)
+    rid, token = _start_attempt(redis_client, RUN, group, 0, 1)
     assert admission.record_and_release(f"{rid}|l1", ["{}"], turn=("d1", "t1"))
-    retention.expire_untrained(redis_client, GROUP)
+    retention.expire_untrained(redis_client, group)
     assert admission.record_and_release(f"{rid}|l2", ["{}"], turn=("d2", "t2"))
     for key in (keys.rollout_turns(rid), keys.rollout_calls(rid)):
         assert 0 < redis_client.ttl(key) <= retention.UNTRAINED_TTL_S, key

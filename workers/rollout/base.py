@@ -14,6 +14,10 @@ from typing import Any
 
 from app.state.records import checked_reward
 
+# Linux refuses one environment string over 128 KiB (MAX_ARG_STRLEN): a process agent gets a
+# larger sample on stdin only, and a Kubernetes Job cannot carry one.
+SAMPLE_ENV_MAX_BYTES = 100_000
+
 
 class AgentError(Exception):
     """An attempt failed: the agent raised, exited non-zero, timed out or gave no reward."""

@@ -17,6 +17,7 @@ Timeouts do not count time the gateway spent paused: a weight update must not fa
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -27,6 +28,7 @@ import time
 from typing import Any
 
 from workers.rollout.base import (
+    SAMPLE_ENV_MAX_BYTES,
     AgentError,
     Controller,
     LLMEndpoint,
@@ -75,9 +77,6 @@ class PythonController(Controller):
         return parse_reward(box.get("value"))
 
 
-# Linux refuses one environment string over 128 KiB (MAX_ARG_STRLEN): a larger sample comes
-# on stdin only.
-SAMPLE_ENV_MAX_BYTES = 100_000
 # What is kept of a process agent's stdout and stderr: the reward is its last line, and the
 # error message shows the tail. An agent that logs gigabytes must not fill the worker.
 OUTPUT_TAIL_BYTES = 64 * 1024
@@ -99,8 +98,12 @@ class _Tail:
             if len(self.buf) > 2 * self.limit:
                 del self.buf[:-self.limit]
 
-    def text(self, join_s: float = 2.0) -> str:
-        self.thread.join(join_s)
+    def text(self, by: float) -> str:
+        """What was read by ``by`` (a ``time.monotonic()`` deadline: a process that escaped
+        the group may hold the pipe open for ever)."""
+        self.thread.join(max(0.0, by - time.monotonic()))
+        if not self.thread.is_alive():  # else the reader still uses the fd: left to the GC
+            self.stream.close()
         return bytes(self.buf[-self.limit:]).decode("utf-8", "replace")
 
 
@@ -110,9 +113,11 @@ def _feed(stream: Any, data: bytes) -> None:
     def write() -> None:
         try:
             stream.write(data)
-            stream.close()
         except OSError:  # the agent exited or closed its stdin: it did not want the sample
             pass
+        finally:
+            with contextlib.suppress(OSError):
+                stream.close()
 
     threading.Thread(target=write, daemon=True).start()
 
@@ -135,18 +140,22 @@ class ProcessController(Controller):
                                     start_new_session=True)
         except OSError as exc:  # E2BIG (settings too large), no shell, no memory
             raise AgentError(f"agent process could not be started: {exc}") from None
-        out, err = _Tail(proc.stdout), _Tail(proc.stderr)
-        _feed(proc.stdin, (sample_json + "\n").encode())
         reason = None
-        while proc.poll() is None:
-            time.sleep(0.2)
-            reason = stop_reason(clock, timeout_s, cancelled)
-            if reason:
-                break
-        # The whole process group goes, also when the agent exited by itself: a child it left
-        # running would hold the pipes open and outlive its rollout.
-        _kill_group(proc)
-        stdout, stderr_tail = out.text(), err.text()[-2000:]
+        try:
+            out, err = _Tail(proc.stdout), _Tail(proc.stderr)
+            _feed(proc.stdin, (sample_json + "\n").encode())
+            while proc.poll() is None:
+                time.sleep(0.2)
+                reason = stop_reason(clock, timeout_s, cancelled)
+                if reason:
+                    break
+        finally:
+            # The whole process group goes, also when the agent exited by itself (a child it
+            # left running would hold the pipes open and outlive its rollout) and when
+            # watching it failed (the attempt is retried: two agents must not run).
+            _kill_group(proc)
+        by = time.monotonic() + 2.0
+        stdout, stderr_tail = out.text(by), err.text(by)[-2000:]
         if reason:
             raise AgentError(reason, stderr_tail)
         if proc.returncode != 0:
@@ -169,7 +178,7 @@ class ProcessController(Controller):
 def _kill_group(proc: subprocess.Popen) -> None:
     try:
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):  # the group is gone already
+    except (ProcessLookupError, PermissionError):  # no member left that we may signal
         pass
     proc.wait(5)
 

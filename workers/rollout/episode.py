@@ -29,6 +29,7 @@ from workers.rollout.controller import (
     PauseAwareClock,
     make_controller,
 )
+from workers.rollout.reaper import WORKER_ID
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ def _start_attempt(client: redis.Redis, run_id: str, group_id: str, index: int, 
     token = secrets.token_urlsafe(24)
     rec = RolloutRecord(rollout_id=rollout_id, run_id=run_id, group_id=group_id, index=index,
                         attempt=attempt, token_sha256=hashlib.sha256(token.encode()).hexdigest(),
-                        created_at=time.time(), temperature=temperature)
+                        created_at=time.time(), temperature=temperature, worker=WORKER_ID)
     pipe = client.pipeline()
     pipe.hset(keys.rollout(rollout_id), mapping=rec.to_hash())
     pipe.expire(keys.rollout(rollout_id), ROLLOUT_TTL_S)
@@ -70,17 +71,21 @@ def _close_attempt(client: redis.Redis, rollout_id: str, status: str) -> bool:
 
 
 def _close_earlier_attempts(client: redis.Redis, group_id: str, index: int,
-                            keep: str | None) -> int:
-    """Close this sibling's rollouts left running by an earlier delivery of its task, whose
-    worker died: a process agent may outlive it on its host, and its next model call or
-    reward must be refused, not captured beside the attempt that replaces it."""
+                            keep: str | None) -> list[str]:
+    """Close this sibling's rollouts left running by an earlier delivery of its task whose
+    worker died (its alive key is gone): a process agent may outlive it on its host, and its
+    next model call or reward must be refused, not captured beside the attempt that replaces
+    it. An attempt of a live worker (a task delivered twice) is left alone. -> closed ids."""
     prefix = f"{group_id}.{index}."
     earlier = [rid for rid in client.lrange(keys.group_rollouts(group_id), 0, -1)
                if rid.startswith(prefix) and rid != keep]
-    closed = sum(_close_attempt(client, rid, "failed") for rid in earlier)
+    owners = [client.hget(keys.rollout(rid), RolloutRecord.field("worker")) for rid in earlier]
+    closed = [rid for rid, owner in zip(earlier, owners, strict=True)
+              if not (owner and client.exists(keys.worker_alive(owner)))
+              and _close_attempt(client, rid, "failed")]
     if closed:
-        log.warning("sibling %s/%d: closed %d rollout(s) an earlier delivery left running; "
-                    "their agents' further calls are refused", group_id, index, closed)
+        log.warning("sibling %s/%d: closed %d rollout(s) a dead worker left running; "
+                    "their agents' further calls are refused", group_id, index, len(closed))
     return closed
 
 
@@ -166,7 +171,8 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
         log.warning("sibling %s/%d: cannot look for a running agent to adopt: %s",
                     group_id, index, exc)
         adopted = None
-    _close_earlier_attempts(client, group_id, index, keep=adopted)
+    for rid in _close_earlier_attempts(client, group_id, index, keep=adopted):
+        controller.stop(rid)  # a Job that adopt() could not find, or would not take
     for attempt in range(1, int(ctl_cfg.max_attempts) + 1):
         if cancelled():
             if adopted:  # the earlier delivery's agent is stopped, not left to its deadline
@@ -223,7 +229,10 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
                         f"\n--- agent stderr (tail) ---\n{exc.stderr_tail}" if exc.stderr_tail
                         else "")
             continue
-        _close_attempt(client, rollout_id, "finished")
+        if not _close_attempt(client, rollout_id, "finished"):
+            log.warning("rollout %s was closed by a later delivery of its task (this worker "
+                        "was taken for dead); its result stands beside that one's",
+                        rollout_id)
         return SiblingResult(index=index, rollout_id=rollout_id, status="ok", reward=reward,
                              attempts=attempt, seconds=time.monotonic() - started,
                              paused_seconds=clock.paused)

@@ -29,6 +29,7 @@ import tenacity
 
 from app.state import keys
 from workers.rollout.base import (
+    SAMPLE_ENV_MAX_BYTES,
     AgentError,
     Controller,
     LLMEndpoint,
@@ -47,11 +48,17 @@ LABEL_ATTEMPT = "carryover.io/attempt"
 ANNOTATION_ROLLOUT = "carryover.io/rollout-id"
 # Transient API answers: throttled, server trouble. Everything else 4xx is the request's fault.
 TRANSIENT_STATUS = {0, 408, 429, 500, 502, 503, 504}
-# A container waiting for one of these will not start by itself: the attempt fails at once
-# (with the kubelet's message) instead of at its timeout. A pod that is only unschedulable
-# waits: an autoscaler may add the node.
-NEVER_STARTS = {"ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
-                "CreateContainerConfigError", "CreateContainerError"}
+# A container waiting for one of these never starts: the attempt fails at once (with the
+# kubelet's message) instead of at its timeout.
+NEVER_STARTS = {"InvalidImageName", "ErrImageNeverPull"}
+# These the kubelet retries, and a busy registry or node causes them too: the attempt fails
+# once one has lasted ``start_grace_s``. A pod that is only unschedulable waits for its
+# timeout: an autoscaler may add the node.
+MAY_NOT_START = {"ErrImagePull", "ImagePullBackOff", "CreateContainerConfigError",
+                 "CreateContainerError", "RunContainerError"}
+# The pod is read every this many watch windows until it runs (with thousands of Jobs
+# pending, a read per window would load the API server); the Job's ready count ends it early.
+POD_CHECK_WINDOWS = 3
 
 # One Redis script: reserve the next creation slot, return how long to wait for it.
 _PACE = """
@@ -103,13 +110,19 @@ def build_job(kcfg: Any, *, command: str, llm: LLMEndpoint, gateway_url: str, sa
     """The Job for one attempt, as the client's own models (which check required fields)."""
     from kubernetes import client as k8s
 
+    sample_json = json.dumps(sample)
+    if len(sample_json) > SAMPLE_ENV_MAX_BYTES:  # json.dumps escapes non-ASCII: chars = bytes
+        raise AgentError(f"the task sample is {len(sample_json)} bytes of JSON; a Job gets it "
+                         f"in its environment, which takes at most {SAMPLE_ENV_MAX_BYTES} "
+                         "(Linux refuses one variable over 128 KiB): shorten the sample, or "
+                         "give the agent a reference to fetch")
     base = f"{gateway_url.rstrip('/')}/rollout/{llm.rollout_id}"
     env = {**dict(kcfg.env or {}),
            "OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_KEY": llm.api_key,
            "OPENAI_MODEL": llm.model, "CARRYOVER_ROLLOUT_ID": llm.rollout_id,
            "CARRYOVER_REWARD_URL": f"{base}/reward",
            "CARRYOVER_MAX_WAIT_S": str(llm.max_wait_s),
-           "CARRYOVER_SAMPLE": json.dumps(sample),
+           "CARRYOVER_SAMPLE": sample_json,
            "CARRYOVER_AGENT_SETTINGS": json.dumps(settings)}
     labels = job_labels(run_id, group_id, index, attempt, dict(kcfg.labels or {}))
     container = k8s.V1Container(
@@ -227,6 +240,9 @@ class KubernetesController(Controller):
         self.attempt = 0
         self.pod_state = ""          # why the watched Job's pod waits, for the timeout message
         self.pod_started = False     # its pod left Pending: no more pod reads
+        self.pod_checked_at = 0.0    # monotonic time of the last pod read
+        self.waiting_since: dict[str, float] = {}  # container waiting reason -> first seen
+        self.can_patch = True        # False once RBAC refused a deadline patch
         self.deadline_paused = 0.0   # pause seconds the Job's deadline already covers
 
     # --- API calls with retries -----------------------------------------------------------
@@ -334,13 +350,14 @@ class KubernetesController(Controller):
 
         window = int(self.kcfg.watch_timeout_s)
         self.pod_state, self.pod_started, self.deadline_paused = "", False, 0.0
+        self.pod_checked_at, self.waiting_since = time.monotonic(), {}
         while True:
             job = self._read(name)  # the resync: an event lost between windows is seen here
             done = outcome(job)
             if done:
                 return done
             check()
-            self._watch_pod(name)
+            self._watch_pod(job)
             self._extend_deadline(job, timeout_s, clock)
             w = watch.Watch()
             try:
@@ -362,11 +379,19 @@ class KubernetesController(Controller):
             finally:
                 w.stop()
 
-    def _watch_pod(self, name: str) -> None:
-        """Until the Job's pod runs, once per watch window: fail at once when its container
-        cannot start, and remember why it waits (the timeout's message says it)."""
-        if self.pod_started:
+    def _watch_pod(self, job: Any) -> None:
+        """Every ``POD_CHECK_WINDOWS`` windows until the Job's pod runs: fail the attempt when
+        its container cannot start, and remember why it waits (the timeout's message says)."""
+        status = job.status
+        if self.pod_started or (status is not None and (status.ready or 0) > 0):
+            self.pod_started = True
             return
+        now = time.monotonic()
+        every = POD_CHECK_WINDOWS * float(self.kcfg.watch_timeout_s)
+        if now - self.pod_checked_at < every:
+            return
+        self.pod_checked_at = now
+        name = job.metadata.name
         try:
             pods = self._api("list pods", self.core.list_namespaced_pod, self.namespace,
                              label_selector=f"job-name={name}").items
@@ -374,19 +399,22 @@ class KubernetesController(Controller):
             log.warning("cannot see the pod of Job %s: %s", name, exc)
             return
         for pod in pods:
-            status = pod.status
-            phase = getattr(status, "phase", None) or "Pending"
-            if phase != "Pending":
+            pstatus = pod.status
+            if (getattr(pstatus, "phase", None) or "Pending") != "Pending":
                 self.pod_started, self.pod_state = True, ""
                 return
-            for cs in getattr(status, "container_statuses", None) or []:
+            for cs in getattr(pstatus, "container_statuses", None) or []:
                 waiting = getattr(cs.state, "waiting", None) if cs.state else None
-                if waiting is not None and waiting.reason in NEVER_STARTS:
-                    raise _Stop(f"Job {name}'s container cannot start: {waiting.reason}: "
-                                f"{waiting.message or ''}".rstrip(": "))
-                if waiting is not None and waiting.reason:
-                    self.pod_state = f"Pending ({waiting.reason})"
-            for cond in getattr(status, "conditions", None) or []:
+                if waiting is None or not waiting.reason:
+                    continue
+                why = f"{waiting.reason}: {waiting.message or ''}".rstrip(": ")
+                since = self.waiting_since.setdefault(waiting.reason, now)
+                grace = float(self.kcfg.start_grace_s)
+                if waiting.reason in NEVER_STARTS or (
+                        waiting.reason in MAY_NOT_START and now - since >= grace):
+                    raise _Stop(f"Job {name}'s container cannot start: {why}")
+                self.pod_state = f"Pending ({why})"
+            for cond in getattr(pstatus, "conditions", None) or []:
                 if cond.type == "PodScheduled" and cond.status == "False":
                     self.pod_state = (f"Pending ({cond.reason or 'not scheduled'}: "
                                       f"{cond.message or ''})")
@@ -397,7 +425,7 @@ class KubernetesController(Controller):
         a quarter of the slack (at least a second), so a long weight update never kills an
         agent that is within its timeout."""
         slack = float(self.kcfg.deadline_slack_s)
-        if clock.paused - self.deadline_paused < max(1.0, slack / 4):
+        if not self.can_patch or clock.paused - self.deadline_paused < max(1.0, slack / 4):
             return
         deadline = int(math.ceil(timeout_s + slack + clock.paused))
         name = job.metadata.name
@@ -410,7 +438,12 @@ class KubernetesController(Controller):
             log.info("Job %s: activeDeadlineSeconds now %d (%.0f s paused)", name, deadline,
                      clock.paused)
         except _ApiError as exc:
-            log.warning("%s; trying again next window", exc)
+            if exc.status == 403:  # RBAC without patch: say so once, not every window
+                self.can_patch = False
+                log.error("%s: grant patch on jobs (docs/kubernetes.md); until then time "
+                          "paused counts against Job deadlines", exc)
+            else:
+                log.warning("%s; trying again next window", exc)
 
     def _read(self, name: str) -> Any:
         return self._api(f"read Job {name}", self.batch.read_namespaced_job, name,
