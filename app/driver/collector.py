@@ -31,7 +31,7 @@ from app.driver.selection import oldest_first
 from app.state import carry, keys, retention
 from app.state.completion import finish_group
 from app.state.records import GroupRecord, RunRecord
-from app.state.runs import read_group, read_run
+from app.state.runs import MissingState, read_group, read_run
 
 log = logging.getLogger(__name__)
 
@@ -194,10 +194,8 @@ class Collector:
             rec = read_group(self.r, oldest[0])
             if step - rec.dispatch_step <= int(self.max_age):  # the age (module docstring)
                 return cancelled
-            if not carry.cancel_group(self.r, self.run_id, rec.group_id, rec.sample_index):
+            if not self._cancel(rec):
                 continue  # left the active set meanwhile
-            retention.expire_untrained(self.r, rec.group_id)
-            self.revoke(rec.group_id)
             cancelled += 1
             log.info("group %s cancelled: age %d > max_carry_over_age_steps %s; prompt re-queued",
                      rec.group_id, step - rec.dispatch_step, self.max_age)
@@ -215,6 +213,28 @@ class Collector:
                 break
             out.append(gid)
         return out
+
+    def cancel_all(self) -> int:
+        """Cancel every active group (a finished run's carry-over): their agents stop, their
+        data expires, and their prompts are re-queued (a resumed run sends them again)."""
+        cancelled = 0
+        for gid in self.r.zrange(keys.run_active(self.run_id), 0, -1):
+            try:
+                cancelled += self._cancel(read_group(self.r, gid))
+            except MissingState:
+                continue
+        if cancelled:
+            log.info("run %s: %d carried-over group(s) cancelled at its end", self.run_id,
+                     cancelled)
+        return cancelled
+
+    def _cancel(self, rec: GroupRecord) -> bool:
+        """Cancel one active group; False when it left the active set meanwhile."""
+        if not carry.cancel_group(self.r, self.run_id, rec.group_id, rec.sample_index):
+            return False
+        retention.expire_untrained(self.r, rec.group_id)
+        self.revoke(rec.group_id)
+        return True
 
     def revoke(self, group_id: str) -> None:
         """Siblings still queued are dropped by their workers; running ones see the group's

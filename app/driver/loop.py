@@ -16,12 +16,14 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+import redis
 from omegaconf import OmegaConf
 
 from app.config import ConfigError
 from app.config.loader import flat_keys, repo_path
 from app.driver.collector import Collector, Starved
 from app.driver.evaluation import Evaluator
+from app.driver.lease import DriverLease, RunBusy
 from app.driver.metrics import CARRY, MetricsSink, console_line, val_line
 from app.driver.recovery import OutageWatch, repair
 from app.driver.restore import ServerRestore
@@ -121,6 +123,23 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
         run_id = run_id or new_run_id()
         Collector.create_run(client, run_id, OmegaConf.to_container(cfg, resolve=True),
                              "async" if cfg.agentlightning.async_rollout.enabled else "sync")
+    lease = DriverLease(client, run_id)
+    try:
+        lease.acquire()
+    except RunBusy as exc:
+        raise TrainingFailed(str(exc)) from None
+    try:
+        return _drive(client, cfg, run_id, resume, lease, watch, on_step, should_stop, on_eval)
+    finally:
+        lease.release()
+
+
+def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
+           lease: DriverLease, watch: OutageWatch,
+           on_step: Callable[[int, dict], None] | None,
+           should_stop: Callable[[int, dict], bool] | None,
+           on_eval: Callable[[int, dict], None] | None) -> dict:
+    """The run, once this driver holds its lease."""
     collector = Collector(client, run_id, cfg)
     evaluator = Evaluator(client, run_id, cfg)  # reads data.val_files: fails before training
     restore_servers = ServerRestore(client, cfg, run_id)  # servers the keeper cannot restore
@@ -171,6 +190,9 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
 
     try:
         while step < total:
+            if lease.lost.is_set():
+                raise TrainingFailed(f"run {run_id} was taken over by another driver; this "
+                                     "one stops")
             after_outage()
             chosen = None
             t_step = time.monotonic()
@@ -299,6 +321,9 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
             report_eval(step - 1, evaluator.wait(on_wait=restore_servers))
             evaluator.start(step, int(client.get(keys.policy_version()) or 0))
             report_eval(step, evaluator.wait(on_wait=restore_servers))
+        # the carry-over is of no use to a finished run: its agents stop now (a resumed run
+        # sends their prompts again)
+        collector.cancel_all()
         client.hset(keys.run(run_id), "status", "finished")
     except Starved as exc:
         raise TrainingFailed(f"step {step}: {exc}") from exc

@@ -14,6 +14,9 @@ moment, never a write in the middle. For the driver's own writes in a step's cri
   exactly one step), and the trainer task, sent after it and so lost with it, is sent again
   (trainer tasks are idempotent: a copy that already ran answers from the stored result);
 - the step counter and the step's metrics entry: written again from the driver's memory.
+- a group's chord (sent after its record, and marked ``sent`` after that): a group whose
+  record survived without the mark is sent again, as on resume (a sibling that survived
+  twice runs twice, which siblings tolerate).
 
 Each repair is logged, so the run's log says what the outage cost.
 """
@@ -71,6 +74,20 @@ def reassert_selection(client: redis.Redis, run_id: str, step: int, chosen: list
     again exactly once)."""
     if not chosen or client.exists(keys.run_step_groups(run_id, step)):
         return False
+    # a group the outage took a sibling result from is no longer complete: never trained
+    # partial, it stays active (the selection goes on with the rest)
+    pipe = client.pipeline(transaction=False)
+    for gid in chosen:
+        pipe.hlen(keys.group_results(gid))
+    counts = pipe.execute()
+    partial = [gid for gid, c in zip(chosen, counts, strict=True) if int(c) < n]
+    if partial:
+        log.warning("step %d: %d selected group(s) lost a sibling result in the Redis outage "
+                    "and stay active, not trained partial: %s", step, len(partial),
+                    ", ".join(partial))
+    chosen = [gid for gid in chosen if gid not in partial]
+    if not chosen:
+        return False
     pipe = client.pipeline(transaction=True)
     pipe.zrem(keys.run_ready(run_id), *chosen)
     pipe.zrem(keys.run_active(run_id), *chosen)
@@ -91,8 +108,8 @@ def repair(client: redis.Redis, collector: Any, run_id: str, outage: tuple[float
     ``step`` is the step in progress, ``chosen`` its selection if made, ``last_metrics``
     the previous step's metrics entry. Returns what was redone, and logs it."""
     began, ended = outage
-    redone = {"completed_again": collector.reconcile(), "selection": 0, "step_counter": 0,
-              "metrics_entry": 0}
+    redone = {"completed_again": collector.reconcile(), "resent": collector.resend_unsent(),
+              "selection": 0, "step_counter": 0, "metrics_entry": 0}
     if chosen is not None and reassert_selection(client, run_id, step, chosen, collector.n):
         redone["selection"] = 1
     if int(client.hget(keys.run(run_id), RunRecord.field("step")) or 0) < step:

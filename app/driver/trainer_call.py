@@ -14,6 +14,7 @@ worker finishing the first copy costs only a cached answer to the second.
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,11 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 from app.state import keys
 
 log = logging.getLogger(__name__)
+
+
+def glob_escape(text: str) -> str:
+    """``text`` matched literally in a Redis key pattern."""
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 class TrainerLost(RuntimeError):
@@ -40,10 +46,15 @@ class RedisOutageEnded(RuntimeError):
 
 
 def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: float,
-           poll_s: float, outage: Any = None, each_poll: Callable[[], Any] | None = None
-           ) -> dict:
+           poll_s: float, outage: Any = None, each_poll: Callable[[], Any] | None = None,
+           run_heartbeats: str | None = None) -> dict:
+    """``run_heartbeats``: a key pattern of every trainer task of the run; while one of them
+    beats, a task not yet taken waits behind it (the worker runs one task at a time: a
+    resumed driver's ``init_run`` behind the step a dead driver sent) instead of timing
+    out."""
     start = time.monotonic()
     seen = False
+    waited_behind = False
     while True:
         try:
             return result.get(timeout=poll_s, propagate=True, disable_sync_subtasks=False)
@@ -61,6 +72,15 @@ def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: floa
                               f"without a result")
         # Only a task nobody took times out: a trainer that heartbeats is alive, however
         # long its update takes (a 7B update plus its weight load can take many minutes).
+        if not seen and time.monotonic() - start > timeout_s and run_heartbeats:
+            busy = [k for k in client.scan_iter(match=run_heartbeats, count=1000)
+                    if k != heartbeat_key]
+            if busy:
+                if not waited_behind:
+                    log.warning("the trainer worker is still busy with %s of this run (sent "
+                                "before this driver started); waiting for it", busy[0])
+                    waited_behind = True
+                start = time.monotonic()
         if not seen and time.monotonic() - start > timeout_s:
             raise TrainerTimeout(
                 f"no trainer worker took the task within {timeout_s:.0f} s "
@@ -92,7 +112,8 @@ def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: s
         first = False
         try:
             return _await(client, result, key, float(cfg.trainer.step_timeout_s), poll_s,
-                          outage, while_running)
+                          outage, while_running,
+                          keys.trainer_heartbeat(glob_escape(run_id), "*"))
         except RedisOutageEnded:
             if after_outage is not None:
                 after_outage()

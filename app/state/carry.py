@@ -17,17 +17,27 @@ from __future__ import annotations
 
 import redis
 
-from app.state import keys
+from app.state import keys, retention
 from app.state.records import RunRecord
 
 FIELD = RunRecord.field("finished_active")
 
-# KEYS: group_results, run_active, run   ARGV: sibling index, result JSON, group id
-# -> 1 a new result, 0 an overwrite (a redelivered sibling)
+# KEYS: group_results, run_active, run, group   ARGV: sibling index, result JSON, group id,
+# untrained TTL, guard TTL   -> 1 a new result, 0 an overwrite (a redelivered sibling). A
+# result for a group no longer active, whose results have no TTL, gives them one: the short
+# one when the group will never be trained (cancelled, dropped, filtered, or its record
+# already expired), else (selected, not yet trained) a week, far past any step.
 STORE = """
 local new = redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-if new == 1 and redis.call('ZSCORE', KEYS[2], ARGV[3]) then
-  redis.call('HINCRBY', KEYS[3], 'finished_active', 1)
+if redis.call('ZSCORE', KEYS[2], ARGV[3]) then
+  if new == 1 then redis.call('HINCRBY', KEYS[3], 'finished_active', 1) end
+elseif redis.call('TTL', KEYS[1]) == -1 then
+  local status = redis.call('HGET', KEYS[4], 'status')
+  if status == 'selected' then
+    redis.call('EXPIRE', KEYS[1], ARGV[5])
+  else
+    redis.call('EXPIRE', KEYS[1], ARGV[4])
+  end
 end
 return new
 """
@@ -50,8 +60,10 @@ return 1
 def store_sibling_result(client: redis.Redis, run_id: str, group_id: str, index: int,
                          result_json: str) -> bool:
     return bool(client.register_script(STORE)(
-        keys=[keys.group_results(group_id), keys.run_active(run_id), keys.run(run_id)],
-        args=[str(index), result_json, group_id]))
+        keys=[keys.group_results(group_id), keys.run_active(run_id), keys.run(run_id),
+              keys.group(group_id)],
+        args=[str(index), result_json, group_id, retention.UNTRAINED_TTL_S,
+              retention.GUARD_TTL_S]))
 
 
 def cancel_group(client: redis.Redis, run_id: str, group_id: str, sample_index: int) -> bool:

@@ -21,7 +21,7 @@ import redis
 
 from app.state import keys, retention
 from app.state.records import SUCCESS_REWARD, SiblingResult
-from app.state.runs import read_group, run_config
+from app.state.runs import MissingState, read_group, run_config
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +32,12 @@ def sibling_results(client: redis.Redis, group_id: str) -> dict[int, SiblingResu
 
 
 def finish_group(client: redis.Redis, group_id: str) -> str:
-    group = read_group(client, group_id)
+    try:
+        group = read_group(client, group_id)
+    except MissingState:  # a cancelled or dropped group's record expired before this callback
+        log.info("group %s: no record left (expired after it was dropped or cancelled); "
+                 "nothing to complete", group_id)
+        return "gone"
     results = sibling_results(client, group_id)
     if len(results) < group.n:
         # Only a chord that fired early could get here (a sibling that ran twice: a worker

@@ -134,6 +134,13 @@ def run_metrics(run_id: str) -> str:
     return PREFIX + "run:" + run_id + ":metrics"
 
 
+def run_driver(run_id: str) -> str:
+    """STRING the id of the driver process driving the run, with a short TTL it refreshes
+    (``app.driver.lease``): a second driver of the same run (a ``--resume`` while the first
+    still runs) is refused instead of selecting the same groups."""
+    return PREFIX + "run:" + run_id + ":driver"
+
+
 def group(group_id: str) -> str:
     """HASH of a prompt group (see records.GroupRecord). Written by the driver at dispatch."""
     return PREFIX + "group:" + group_id

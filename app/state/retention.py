@@ -14,8 +14,10 @@ enough that a long run keeps about 80 bytes per trained rollout. The exactly-onc
 left behind by a crash do): a late duplicate callback or a retried step must still find them,
 and a long run must not keep one per group for ever.
 
-Groups that are never trained (dropped, cancelled) keep their data for ``UNTRAINED_TTL_S``,
-since siblings may still be stopping and a debugging user may want to look.
+Groups that are never trained (dropped, filtered, cancelled) keep their data, record and
+results for ``UNTRAINED_TTL_S``, since siblings may still be stopping and a debugging user may
+want to look. A result stored later for a group no longer active (a late sibling) gives the
+results a TTL of ``GUARD_TTL_S`` if they had none, so nothing a run leaves lives for ever.
 """
 
 from __future__ import annotations
@@ -70,9 +72,11 @@ def release_trained(client: redis.Redis, group_ids: list[str], keep_s: float) ->
 
 
 def expire_untrained(client: redis.Redis, group_id: str) -> None:
-    """Shorten the life of a dropped or cancelled group's captured data."""
+    """Shorten the life of a dropped, filtered or cancelled group: its captured data, its
+    record (which holds the whole sample) and its sibling results."""
     rids = client.lrange(keys.group_rollouts(group_id), 0, -1)
     pipe = client.pipeline(transaction=False)
-    for key in _rollout_keys(rids) + [keys.group_rollouts(group_id)]:
+    for key in _rollout_keys(rids) + [keys.group_rollouts(group_id), keys.group(group_id),
+                                      keys.group_results(group_id)]:
         pipe.expire(key, UNTRAINED_TTL_S)
     pipe.execute()

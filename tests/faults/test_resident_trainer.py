@@ -1,5 +1,6 @@
 """The trainer a worker keeps between a run's steps: a retry of a step that failed after its
-update starts again from the recorded weights (not from that update), and a restarted
+update publishes that update (any other step starts from the recorded weights), a run taken
+up from its checkpoint reports the updates lost, and a restarted
 driver's ``init_run`` keeps the weights of the steps trained since the last checkpoint,
 unless another trainer worker trained past them. A step that fails after its export leaves
 the published export in place, however few versions are kept, and a version bump a Redis
@@ -12,6 +13,7 @@ import os
 from pathlib import Path
 
 import pytest
+from omegaconf import OmegaConf
 
 from app.config import load_config
 from app.state import keys
@@ -45,8 +47,11 @@ def _weights() -> dict:
     return {k: v.clone() for k, v in service._resident.trainer.full_weights().items()}
 
 
-def test_a_retry_of_a_step_that_failed_after_its_update_starts_from_the_recorded_weights(
-        redis_client, tmp_path, real_trainer):
+def test_a_retry_of_a_step_that_failed_after_its_update_publishes_that_update(
+        upstream, redis_client, tmp_path, real_trainer):
+    """The update ran and the load of its weights failed. The retry must neither train the
+    step's groups again on top of it nor reload the last checkpoint (which loses every
+    update since): it publishes the weights it has and records the step."""
     run_id = "retry-run"
     cfg = _cfg(f"http://127.0.0.1:{free_port()}", tmp_path)  # nobody listens: the load fails
     _prepared_run(redis_client, run_id, cfg)
@@ -57,12 +62,49 @@ def test_a_retry_of_a_step_that_failed_after_its_update_starts_from_the_recorded
     with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
         service.train_step(redis_client, run_id, 0)
     assert redis_client.get(keys.run_step_result(run_id, 0)) is None
-    assert max_diff(before, _weights()) > 0  # the update ran before the load failed
-    # the step's next attempt (the driver re-sends it) gets the run's weights, not those
-    # of an update no recorded step holds: trained on top, its groups would count twice
-    again = service.resident_trainer(run_id, cfg, settings)
+    updated = _weights()
+    assert max_diff(before, updated) > 0  # the update ran before the load failed
+    update_metrics = dict(first.update_metrics)
+    assert update_metrics
+    # the server is back; the driver sends the step again
+    redis_client.hset(keys.run(run_id), "config",
+                      json.dumps(OmegaConf.to_container(_cfg(upstream, tmp_path))))
+    m = service.train_step(redis_client, run_id, 0)
+    assert service._resident is first and max_diff(updated, _weights()) == 0
+    assert redis_client.get(keys.run_step_result(run_id, 0)) is not None
+    assert {k: m[k] for k in update_metrics} == update_metrics  # the update's own figures
+    assert not first.unrecorded and first.steps_done == 1
+
+
+def test_a_retry_of_another_step_starts_from_the_recorded_weights(redis_client, tmp_path,
+                                                                  real_trainer):
+    """An unrecorded update is published only by its own step: any other step gets the
+    run's recorded weights, not those of an update no recorded step holds."""
+    run_id = "other-run"
+    cfg = _cfg(f"http://127.0.0.1:{free_port()}", tmp_path)
+    _prepared_run(redis_client, run_id, cfg)
+    settings = TrainerSettings.from_config(cfg)
+    first = service.resident_trainer(run_id, cfg, settings)
+    first.published = True
+    before = _weights()
+    with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
+        service.train_step(redis_client, run_id, 0)
+    again = service.resident_trainer(run_id, cfg, settings, step=1)
     assert again is not first and not again.published
     assert max_diff(before, _weights()) == 0
+
+
+def test_a_run_taken_up_from_its_checkpoint_reports_the_updates_lost(
+        upstream, redis_client, tmp_path, real_trainer):
+    """A resumed run whose trainer worker is new: the checkpoint (none yet here) lacks the
+    run's 3 recorded updates; the driver is told, with the next step's metrics."""
+    run_id = "lost-run"
+    cfg = _cfg(upstream, tmp_path)
+    _prepared_run(redis_client, run_id, cfg)
+    redis_client.hset(keys.run(run_id), "step", 3)
+    m = service.init_run(redis_client, run_id)
+    assert m["trainer/rolled_back_updates"] == 3 and m["trainer/restored_from_step"] is None
+    assert service._resident.rollback["trainer/rolled_back_updates"] == 3
 
 
 def test_a_restarted_driver_keeps_the_updates_since_the_last_checkpoint(

@@ -153,8 +153,12 @@ def test_scripted_carry_over_scenario(stack, tmp_path):
         assert not any(stack.exists(keys.rollout_calls(r.rollout_id), keys.rollout(r.rollout_id))
                        for r in results)
         assert not stack.exists(keys.group_rollouts(gid))
-    # still active and carried past the end: the two groups held by the "end" gate
-    assert sorted(stack.zrange(keys.run_active(run_id), 0, -1)) == sorted([g[6], g[7]])
+    # carried past the end, the two groups held by the "end" gate are cancelled with it:
+    # their agents stop, and their prompts are re-queued for a resumed run
+    assert stack.zcard(keys.run_active(run_id)) == 0
+    assert [stack.hget(keys.group(x), "status") for x in (g[6], g[7])] == ["cancelled"] * 2
+    assert sorted(stack.lrange(keys.run_requeue(run_id), 0, -1)) == sorted(
+        stack.hget(keys.group(x), "sample_index") for x in (g[6], g[7]))
     # refill during update s: the groups start on the weights update s replaces
     for gid in g[4:]:
         dispatched = int(stack.hget(keys.group(gid), "dispatch_step"))
@@ -341,9 +345,10 @@ def test_driver_killed_and_resumed_keeps_its_carry_over(stack, tmp_path):
     assert stack.hget(keys.run(run_id), "step") == "4"
     trained = [g for s in range(4) for g in stack.lrange(keys.run_step_groups(run_id, s), 0, -1)]
     assert len(trained) == len(set(trained)) == 4  # no group trained twice
-    still = set(stack.zrange(keys.run_active(run_id), 0, -1))
-    assert active_before <= set(trained) | still  # no carried-over group lost
-    assert f"{run_id}-g1" in still
+    assert stack.zcard(keys.run_active(run_id)) == 0  # the end cancels the carry-over
+    ended = {x for x in active_before if stack.hget(keys.group(x), "status") == "cancelled"}
+    assert active_before <= set(trained) | ended  # no carried-over group lost
+    assert f"{run_id}-g1" in ended
     # the resumed step reports the carry-over its selection had, as if never interrupted
     rows = {r["step"]: r for r in map(json.loads, stack.lrange(keys.run_metrics(run_id), 0, -1))}
     assert sorted(rows) == [0, 1, 2, 3]

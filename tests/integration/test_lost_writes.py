@@ -67,7 +67,7 @@ def make_run(tmp_path, client, groups: int) -> tuple[Collector, list[str]]:
         rec = GroupRecord(group_id=gid, run_id=run_id, sample_index=seq, sample={"sleep": 0},
                           n=N, seq=seq, dispatch_step=0, dispatch_version=0,
                           dispatched_at=time.time())
-        client.hset(keys.group(gid), mapping=rec.to_hash())
+        client.hset(keys.group(gid), mapping={**rec.to_hash(), "sent": "1"})  # chord sent
         client.zadd(keys.run_active(run_id), {gid: seq})
         for i in range(N):
             res = SiblingResult(index=i, rollout_id=f"{gid}-r{i}", status="ok", reward=1.0,
@@ -98,6 +98,29 @@ def test_a_lost_completion_mark_is_completed_again_from_the_sibling_results(
     assert finish_group(client, gids[0]) == "duplicate"
 
 
+def test_a_group_whose_chord_was_lost_is_sent_again(server, tmp_path, monkeypatch):
+    """The lost suffix began after the group's record and before its chord (or its
+    ``sent`` mark): nothing would ever run it, and a sync run would wait for it for ever."""
+    client = connect(server.url)
+    collector, gids = make_run(tmp_path, client, 1)
+    crash = Crash(server, client)
+    crash.mark()
+    pipe = client.pipeline(transaction=True)  # what top_up records before sending
+    rec = GroupRecord(group_id="lost-writes-g9", run_id=collector.run_id, sample_index=9,
+                      sample={"sleep": 0}, n=N, seq=9)
+    pipe.hset(keys.group(rec.group_id), mapping=rec.to_hash())
+    pipe.zadd(keys.run_active(collector.run_id), {rec.group_id: 9})
+    pipe.execute()
+    crash.mark()  # the record is on disk
+    client.hset(keys.group(rec.group_id), "sent", "1")  # the chord went; its mark is lost
+    crash.lose()
+    sent: list[str] = []
+    monkeypatch.setattr(collector, "_send", sent.append)
+    redone = repair(client, collector, collector.run_id, (time.time() - 2, time.time()), 0,
+                    None, None)
+    assert redone["resent"] == 1 and sent == [rec.group_id]
+
+
 def test_a_lost_selection_is_made_again_with_the_same_groups(server, tmp_path):
     client = connect(server.url)
     collector, gids = make_run(tmp_path, client, 3)
@@ -122,6 +145,35 @@ def test_a_lost_selection_is_made_again_with_the_same_groups(server, tmp_path):
     # written once: a second look finds it and changes nothing
     assert not reassert_selection(client, run_id, 0, chosen, N)
     assert int(client.hget(keys.run(run_id), "finished_active")) == finished_after
+
+
+def test_a_selected_group_that_lost_a_sibling_result_is_not_trained_partial(server,
+                                                                          tmp_path):
+    """The outage took the last sibling result of a selected group with the selection: the
+    selection written again leaves that group out, still active, instead of training it
+    with a sibling missing."""
+    client = connect(server.url)
+    collector, gids = make_run(tmp_path, client, 3)
+    run_id = collector.run_id
+    last = client.hget(keys.group_results(gids[0]), "1")
+    client.hdel(keys.group_results(gids[0]), "1")
+    client.hincrby(keys.run(run_id), "finished_active", -1)
+    crash = Crash(server, client)
+    crash.mark()
+    from app.state import carry
+
+    carry.store_sibling_result(client, run_id, gids[0], 1, last)
+    for gid in gids:
+        finish_group(client, gid)
+    chosen = collector.select(0, 0, 0.0).group_ids
+    assert chosen == gids[:2]
+    crash.lose()
+    assert client.hlen(keys.group_results(gids[0])) == 1
+    redone = repair(client, collector, run_id, (time.time() - 2, time.time()), 0, chosen, None)
+    assert redone["selection"] == 1
+    assert client.lrange(keys.run_step_groups(run_id, 0), 0, -1) == [gids[1]]
+    assert client.hget(keys.group(gids[0]), "status") == "active"
+    assert client.zscore(keys.run_active(run_id), gids[0]) is not None
 
 
 def test_a_lost_step_counter_and_metrics_entry_are_written_again(server, tmp_path):

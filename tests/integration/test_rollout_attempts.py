@@ -114,7 +114,23 @@ def test_a_cancelled_group_keeps_its_short_retention(redis_client, group):
     result = box["r"]
     assert result.status == "failed" and result.error == "group cancelled"
     assert status(redis_client, rid) == "cancelled"
-    assert 0 < redis_client.ttl(keys.rollout_calls(rid)) <= retention.UNTRAINED_TTL_S
+    # nothing of a group that is never trained stays longer: calls, record (the whole
+    # sample), sibling results (written after the cancel, by this sibling)
+    for key in (keys.rollout_calls(rid), keys.group(group), keys.group_results(group)):
+        assert 0 < redis_client.ttl(key) <= retention.UNTRAINED_TTL_S, key
+
+
+def test_a_late_result_for_a_group_whose_data_expired_does_not_stay_for_ever(redis_client,
+                                                                             group):
+    """A sibling stores its result after its cancelled group's record and results expired:
+    the results it makes anew expire too, and the chord callback finds nothing to do."""
+    from app.state.completion import finish_group
+    from app.state.records import SiblingResult
+    from workers.rollout.episode import store_result
+
+    store_result(redis_client, group, SiblingResult(0, "r", "failed", None, 1, 0.1))
+    assert 0 < redis_client.ttl(keys.group_results(group)) <= retention.UNTRAINED_TTL_S
+    assert finish_group(redis_client, group) == "gone"
 
 
 @pytest.mark.parametrize("gone", ["released", "closed"])

@@ -9,7 +9,7 @@ import time
 import pytest
 from celery.exceptions import TimeoutError as CeleryTimeout
 
-from app.driver.trainer_call import TrainerLost, TrainerTimeout, _await
+from app.driver.trainer_call import TrainerLost, TrainerTimeout, _await, glob_escape
 
 
 class SlowResult:
@@ -55,3 +55,22 @@ def test_a_trainer_whose_heartbeat_stops_is_lost(redis_client):
     redis_client.set("co:test:dead", 1, px=300)
     with pytest.raises(TrainerLost):
         _await(redis_client, SlowResult(None), "co:test:dead", 30, 0.1)
+
+
+def test_a_task_queued_behind_another_task_of_the_run_waits_for_it(redis_client):
+    """A resumed driver's ``init_run`` sits behind the step its dead predecessor sent: the
+    worker is busy with the run, so the task is not "taken by nobody"."""
+    stop = threading.Event()
+    other = "co:run:R[1]:trainer:3"  # the step's heartbeat; the run id has glob characters
+    t = threading.Thread(target=beat, args=(redis_client, other, stop), daemon=True)
+    t.start()
+    try:
+        assert _await(redis_client, SlowResult(2.0), "co:run:R[1]:trainer:init", 0.5, 0.1,
+                      run_heartbeats=f"co:run:{glob_escape('R[1]')}:trainer:*") == {"ok": True}
+    finally:
+        stop.set()
+        t.join()
+    redis_client.delete(other)
+    with pytest.raises(TrainerTimeout):  # and with nothing of the run running, it times out
+        _await(redis_client, SlowResult(None), "co:run:R[1]:trainer:init", 0.5, 0.1,
+               run_heartbeats=f"co:run:{glob_escape('R[1]')}:trainer:*")

@@ -24,6 +24,7 @@ Invariants:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import shutil
@@ -77,6 +78,11 @@ class Resident:
     # an update ran that no recorded step holds (its step failed after it): these weights
     # are not the run's, and a retry of the step must not train on top of them
     unrecorded: bool = False
+    # the step whose whole update those weights hold (it failed later: the load, the
+    # probe): a retry of that step publishes them and records it, without training its
+    # groups again or throwing away the updates since the last checkpoint
+    updated_step: int | None = None
+    update_metrics: Metrics = field(default_factory=dict)  # what that update reported
     published: bool = False                # the servers hold this process's weights
     saves: checkpoint.BackgroundSaves = field(default_factory=checkpoint.BackgroundSaves)
     export_root: Path | None = None        # where this process's exports go (decided once)
@@ -87,6 +93,10 @@ class Resident:
     # the rollback of a take-over made outside a step (restore_servers): the next step's
     # metrics report it, so the driver's warning names the updates lost
     rollback: Metrics = field(default_factory=dict)
+    # which trainer this is in this process (each one built gets the next number): a step
+    # remembered as trained by another (an earlier one, replaced since) is not in these
+    # weights
+    generation: int = 0
 
     def close(self) -> None:
         """Finish a checkpoint still being written, then free the engine and the exports
@@ -104,6 +114,13 @@ class Resident:
 
 
 _resident: Resident | None = None
+_generations = itertools.count(1)
+
+
+def resident_generation(run_id: str) -> int | None:
+    """The generation of this process's trainer when it is ``run_id``'s, else None."""
+    return _resident.generation if _resident is not None and _resident.run_id == run_id \
+        else None
 
 
 def close_resident() -> None:
@@ -116,19 +133,23 @@ def close_resident() -> None:
     _resident = None
 
 
-def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings) -> Resident:
+def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
+                     step: int | None = None) -> Resident:
     """The run's resident trainer, loaded from the run's last checkpoint when it has one (a
-    resumed run, or a restarted worker)."""
+    resumed run, or a restarted worker). ``step``: the step about to be trained (None: the
+    next one to record)."""
     global _resident
     if _resident is not None and _resident.run_id == run_id:
-        if not _resident.unrecorded:
+        if not _resident.unrecorded or _resident.updated_step == (
+                _resident.steps_done if step is None else step):
             return _resident
         log.warning("run %s: an earlier attempt updated this trainer's weights and failed "
                     "before its step was recorded; reloading the last checkpoint instead of "
                     "training on top of that update", run_id)
     close_resident()
     trainer = EngineTrainer(cfg, str(settings.model_path))
-    resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path))
+    resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path),
+                        generation=next(_generations))
     log.info("loaded policy for run %s on %s", run_id, trainer.device)
     latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
     if latest is not None:
@@ -194,19 +215,26 @@ def take_back_orphans(client: redis.Redis, settings: TrainerSettings) -> list[st
 
 def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
                 settings: TrainerSettings, beats: Beats) -> Metrics:
-    resident = resident_trainer(run_id, cfg, settings)
+    resident = resident_trainer(run_id, cfg, settings, step)
     metrics: Metrics = {}
     timings: dict[str, float] = {}
+    # this step's update already ran here and only its publish failed: publish it again
+    redo = resident.unrecorded and resident.updated_step == step
+    if redo:
+        log.warning("step %d of run %s: its update is already in this trainer's weights (the "
+                    "step failed after it); publishing it again, its groups not trained again",
+                    step, run_id)
+        metrics.update(resident.update_metrics)
     if resident.saves.pending:
         # the previous step's checkpoint, written while this step's groups were collected
         metrics["timing/trainer_wait_for_checkpoint_seconds"] = resident.saves.wait()
         metrics["timing/trainer_background_checkpoint_seconds"] = resident.saves.last_write_s
-    if not resident.published:
+    if not resident.published and not redo:
         metrics.update(_restore_servers(client, settings, resident, beats, step))
     metrics.update(resident.rollback)
     group_ids, samples, stats = claim(client, run_id, step, settings)
     collocated = settings.collocated(resident.trainer.device)
-    if not collocated:
+    if not collocated and not redo:
         update(resident, samples, stats, step, metrics, timings)  # rollouts go on meanwhile
     pause = Pause(client, settings.lease_ttl_s)
     t = time.monotonic()
@@ -215,7 +243,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
         held = undo.enter_context(drain_for(settings).quiet(pause, metrics))
         timings["pause_drain"] = time.monotonic() - t
         asleep = weights.NOTHING_HELD
-        if collocated:
+        if collocated and not redo:
             require_pause(pause, "the update")
             t = time.monotonic()
             if settings.sleeps(resident.trainer.device):
@@ -232,6 +260,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
     metrics.update(step_metrics(stats, version, timings))
     record(client, run_id, step, group_ids, metrics, settings)
     resident.unrecorded, resident.steps_done, resident.rollback = False, step + 1, {}
+    resident.updated_step, resident.update_metrics = None, {}
     save_if_due(client, settings, resident, run_id, step, version, metrics)
     return metrics
 
@@ -325,6 +354,7 @@ def update(resident: Resident, samples: list[Sample], stats: BatchStats, step: i
     trainer = resident.trainer
     resident.weights_version = None
     resident.unrecorded = True  # until the step is recorded
+    resident.updated_step = None  # until the update has run to its end
     if not samples:  # every call was cut at max_tokens and masked (algorithm.overlong.mask)
         log.warning("step %d trains nothing: all %d trainable calls were cut at max_tokens "
                     "and masked out (algorithm.overlong.mask)", step,
@@ -333,6 +363,8 @@ def update(resident: Resident, samples: list[Sample], stats: BatchStats, step: i
     else:
         metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id, stats.rowless),
                                       step))
+    resident.updated_step = step
+    resident.update_metrics = dict(metrics)
     timings["update"] = time.monotonic() - t
 
 
@@ -799,7 +831,8 @@ def holds_latest(client: redis.Redis, resident: Resident, run_id: str) -> bool:
     """``resident``'s weights are run ``run_id``'s latest: every update it ran was recorded,
     its last step has a stored result, and no later step has one (no other trainer worker
     trained past it meanwhile)."""
-    if resident.run_id != run_id or resident.unrecorded:
+    if resident.run_id != run_id or (resident.unrecorded
+                                      and resident.updated_step != resident.steps_done):
         return False
     n = resident.steps_done
     return (n == 0 or bool(client.exists(keys.run_step_result(run_id, n - 1)))) \
@@ -817,15 +850,32 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
     # and the driver must see a trainer at work, not "no trainer worker took the task"
     with Beats(client, keys.trainer_heartbeat(run_id, "init"), settings.heartbeat_s) as beats:
         take_back_orphans(client, settings)
-        if _resident is not None and holds_latest(client, _resident, run_id):
+        kept = _resident if _resident is not None and holds_latest(client, _resident,
+                                                                   run_id) else None
+        if kept is not None:
             # a restarted driver: this worker's trainer is the run's, reloading the last
             # checkpoint would throw away the updates made since
             log.info("run %s: this worker's trainer holds the run's latest weights (%d "
-                     "updates); kept", run_id, _resident.steps_done)
+                     "updates); kept", run_id, kept.steps_done)
         else:
             close_resident()
         resident = resident_trainer(run_id, cfg, settings)
         version = _serve_resident(client, settings, resident, beats, metrics)
+        if resident is not kept:
+            # the next step's metrics report the updates the checkpoint lacks, as a
+            # take-over in a step does (the driver warns with them)
+            lost = max(read_run(client, run_id).step - (resident.restored_step or 0), 0)
+            if lost:
+                log.warning("run %s: restored %s, so %d update(s) since are lost "
+                            "(trainer.save_freq %d)", run_id,
+                            "the initial weights (no checkpoint yet)"
+                            if resident.restored_step is None
+                            else f"the checkpoint of step {resident.restored_step}",
+                            lost, settings.save_freq)
+                resident.rollback = {"trainer/restored_from_step": resident.restored_step,
+                                     "trainer/restored_policy_version": version,
+                                     "trainer/rolled_back_updates": lost}
+                metrics.update(resident.rollback)
     metrics["policy/version"] = version
     metrics["resumed_from_step"] = resident.restored_step
     return metrics

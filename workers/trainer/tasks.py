@@ -35,28 +35,32 @@ def _watch_outages() -> None:
             lambda began, ended: published_here.check_soon(task_redis()))
 
 
-# The steps this worker process trained, with their metrics (the last few). A step's stored
-# result (keys.run_step_result) is what makes a re-sent step answer instead of training
-# again; a Redis crash can lose it with the last second of writes, while this process's
-# model already holds the update. Trained again, its groups would get a second update.
-_trained: dict[tuple[str, int], dict] = {}
+# The steps this worker process trained, with their metrics and the generation of the
+# trainer that holds the update (the last few). A step's stored result
+# (keys.run_step_result) is what makes a re-sent step answer instead of training again; a
+# Redis crash can lose it with the last second of writes, while this process's model
+# already holds the update. Trained again, its groups would get a second update. Once that
+# trainer is replaced (reloaded from a checkpoint), its weights no longer hold the update,
+# and the step is trained again.
+_trained: dict[tuple[str, int], tuple[dict, int | None]] = {}
 TRAINED_KEPT = 8
 
 
 @celery_app.task(name="workers.trainer.tasks.train_step", acks_late=False)
 def train_step(run_id: str, step: int) -> dict:
+    from workers.trainer.service import resident_generation
     from workers.trainer.service import train_step as run_step
 
     _watch_outages()
     client = task_redis()
-    done = _trained.get((run_id, int(step)))
-    if done is not None:
+    done, generation = _trained.get((run_id, int(step)), (None, None))
+    if done is not None and generation == resident_generation(run_id):
         if client.set(keys.run_step_result(run_id, int(step)), json.dumps(done), nx=True):
             log.warning("step %s of run %s: its stored result was lost (a Redis crash); "
                         "answered from this worker's memory, not trained again", step, run_id)
         return done
     metrics = run_step(client, run_id, step)
-    _trained[(run_id, int(step))] = metrics
+    _trained[(run_id, int(step))] = (metrics, resident_generation(run_id))
     while len(_trained) > TRAINED_KEPT:
         del _trained[next(iter(_trained))]
     return metrics

@@ -1,0 +1,32 @@
+"""The trainer worker's memory of the steps it trained: a re-sent step whose stored result a
+Redis crash lost is answered from it, but only while the trainer that holds that update is
+still the one loaded (``workers.trainer.tasks.train_step``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from app.state import keys
+from workers.trainer import service, tasks
+
+
+def test_a_remembered_step_is_answered_only_by_the_trainer_that_holds_it(redis_client,
+                                                                         monkeypatch):
+    trained: list[int] = []
+
+    def run_step(client, run_id, step):
+        trained.append(step)
+        client.set(keys.run_step_result(run_id, step), "{}")
+        return {"n": len(trained)}
+
+    monkeypatch.setattr(service, "train_step", run_step)
+    monkeypatch.setattr(tasks, "_trained", {})
+    monkeypatch.setattr(service, "_resident", SimpleNamespace(run_id="memo", generation=1))
+    assert tasks.train_step("memo", 0) == {"n": 1}
+    redis_client.delete(keys.run_step_result("memo", 0))  # lost in a Redis crash
+    assert tasks.train_step("memo", 0) == {"n": 1} and trained == [0]  # answered
+    assert redis_client.get(keys.run_step_result("memo", 0)) is not None  # stored again
+    # the trainer was replaced (reloaded from a checkpoint that lacks step 0's update)
+    monkeypatch.setattr(service, "_resident", SimpleNamespace(run_id="memo", generation=2))
+    redis_client.delete(keys.run_step_result("memo", 0))
+    assert tasks.train_step("memo", 0) == {"n": 2} and trained == [0, 0]  # trained again
