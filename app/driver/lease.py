@@ -44,6 +44,19 @@ return 0
 _HELD_HERE: set[str] = set()  # the leases this process holds
 
 
+def _pid_space() -> str:
+    """This machine's boot and this process's pid namespace: two processes compare pids
+    only when these agree (containers may share a hostname, not their pids)."""
+    try:
+        boot = open("/proc/sys/kernel/random/boot_id").read().strip()[:8]
+        return f"{boot}-{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""  # no way to tell: never taken over at once
+
+
+PID_SPACE = _pid_space()
+
+
 class RunBusy(RuntimeError):
     """Another live driver drives the run."""
 
@@ -52,7 +65,8 @@ class DriverLease:
     def __init__(self, client: redis.Redis, run_id: str, ttl_s: float = LEASE_TTL_S) -> None:
         self.client, self.run_id, self.ttl_s = client, run_id, ttl_s
         self.key = keys.run_driver(run_id)
-        self.me = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
+        self.me = (f"{socket.gethostname()}:{os.getpid()}:{PID_SPACE}:"
+                   f"{secrets.token_hex(3)}")
         self.lost = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -82,11 +96,12 @@ class DriverLease:
 
     @staticmethod
     def _dead_here(holder: str) -> bool:
-        """``holder`` ran on this host and its process is gone (or had this process's pid
-        without being one of its leases: an earlier incarnation of a restarted container)."""
-        host, _, rest = holder.partition(":")
-        pid = rest.partition(":")[0]
-        if host != socket.gethostname() or not pid.isdigit():
+        """``holder`` ran in this pid namespace of this boot of this host and its process is
+        gone (or had this process's pid without being one of its leases: an earlier
+        incarnation of a restarted container)."""
+        host, pid, space, _ = (holder.split(":", 3) + ["", "", ""])[:4]
+        if host != socket.gethostname() or not pid.isdigit() or not PID_SPACE \
+                or space != PID_SPACE:
             return False
         if int(pid) == os.getpid():  # an earlier incarnation's, unless this process holds it
             return holder not in _HELD_HERE

@@ -127,6 +127,7 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
     try:
         lease.acquire()
     except RunBusy as exc:
+        watch.close()
         raise TrainingFailed(str(exc)) from None
     try:
         return _drive(client, cfg, run_id, resume, lease, watch, on_step, should_stop, on_eval)
@@ -183,6 +184,12 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
     last_entry: dict[str, Any] | None = None  # the metrics entry of the last step done
     chosen: list[str] | None = None           # the current step's selection, once made
 
+    def still_driving() -> None:
+        """Before anything that changes the run: the lease is still this driver's."""
+        if lease.lost.is_set():
+            raise TrainingFailed(f"run {run_id} was taken over by another driver; this one "
+                                 "stops")
+
     def after_outage() -> None:
         outage = watch.take()
         if outage is not None:
@@ -190,9 +197,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
 
     try:
         while step < total:
-            if lease.lost.is_set():
-                raise TrainingFailed(f"run {run_id} was taken over by another driver; this "
-                                     "one stops")
+            still_driving()
             after_outage()
             chosen = None
             t_step = time.monotonic()
@@ -209,6 +214,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                 serving = [version]
 
                 def on_wait(serving: list[int] = serving) -> None:
+                    still_driving()
                     after_outage()
                     # servers the keeper cannot restore: no group would finish without them
                     if restore_servers() is not None:  # they serve a new version now
@@ -228,6 +234,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
             refill_early = is_async and step + 1 < total and refill_during_update
 
             def refill(v: int = version, s: int = step) -> None:
+                still_driving()
                 # a slot freed once the step's weights are loaded starts on them: its age
                 # counts from the next step, as after_update's refill does
                 now = int(client.get(keys.policy_version()) or 0)
@@ -242,7 +249,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                     client, cfg, "workers.trainer.tasks.train_step", run_id, str(step),
                     [run_id, step], while_running=refill if refill_early else None,
                     outage=watch, after_outage=after_outage)
-            except Starved:
+            except (Starved, TrainingFailed):
                 raise  # the driver's own refill, not the trainer
             except Exception as exc:
                 raise TrainingFailed(f"update {step} failed in the trainer worker: "
@@ -296,6 +303,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
             })
             last_counters = counters
             step += 1
+            still_driving()  # the step's counter and metrics are written by the lease's holder
             collector.set_step(step)
             last_entry = {"step": step - 1, **metrics}
             chosen = None
@@ -316,14 +324,15 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                                 evaluator.pending.step)
             if should_stop is not None and should_stop(step - 1, metrics):
                 break
+        # the carry-over is of no use to a finished run: its agents stop now, before the final
+        # evaluation's rollouts need the slots (a resumed run sends their prompts again)
+        still_driving()
+        collector.cancel_all()
         if step >= total and evaluator.freq > 0 and evaluator.enabled:
             # the final policy is always measured (verl's last validation)
             report_eval(step - 1, evaluator.wait(on_wait=restore_servers))
             evaluator.start(step, int(client.get(keys.policy_version()) or 0))
             report_eval(step, evaluator.wait(on_wait=restore_servers))
-        # the carry-over is of no use to a finished run: its agents stop now (a resumed run
-        # sends their prompts again)
-        collector.cancel_all()
         client.hset(keys.run(run_id), "status", "finished")
     except Starved as exc:
         raise TrainingFailed(f"step {step}: {exc}") from exc

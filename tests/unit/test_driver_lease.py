@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from app.driver.lease import DriverLease, RunBusy
+from app.driver.lease import PID_SPACE, DriverLease, RunBusy
 from app.state import keys
 
 
@@ -35,8 +35,8 @@ def test_a_second_driver_of_a_live_run_is_refused(redis_client):
 def test_the_lease_of_a_driver_that_died_on_this_host_is_taken_at_once(redis_client):
     dead = subprocess.Popen(["true"])
     dead.wait()
-    redis_client.set(keys.run_driver("orphaned"), f"{socket.gethostname()}:{dead.pid}:ab",
-                     px=60_000)
+    redis_client.set(keys.run_driver("orphaned"),
+                     f"{socket.gethostname()}:{dead.pid}:{PID_SPACE}:ab", px=60_000)
     lease = DriverLease(redis_client, "orphaned")
     start = time.monotonic()
     lease.acquire()
@@ -45,6 +45,17 @@ def test_the_lease_of_a_driver_that_died_on_this_host_is_taken_at_once(redis_cli
         assert redis_client.get(keys.run_driver("orphaned")) == lease.me
     finally:
         lease.release()
+
+
+def test_a_dead_pid_of_another_pid_namespace_proves_nothing(redis_client):
+    """Containers can share a hostname (host networking) and not their pids: a holder whose
+    pid is not running here may be alive there. Its lease is waited for."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    redis_client.set(keys.run_driver("elsewhere"),
+                     f"{socket.gethostname()}:{dead.pid}:other-space:ab", px=60_000)
+    with pytest.raises(RunBusy):
+        DriverLease(redis_client, "elsewhere", ttl_s=0.5).acquire(poll_s=0.1)
 
 
 def test_a_driver_whose_lease_was_taken_over_knows_it(redis_client):

@@ -225,6 +225,9 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
                     "step failed after it); publishing it again, its groups not trained again",
                     step, run_id)
         metrics.update(resident.update_metrics)
+        # one such try: should the publish fail again (weights it cannot load, say), the
+        # next attempt reloads the last checkpoint instead of trying them for ever
+        resident.updated_step = None
     if resident.saves.pending:
         # the previous step's checkpoint, written while this step's groups were collected
         metrics["timing/trainer_wait_for_checkpoint_seconds"] = resident.saves.wait()
@@ -243,15 +246,18 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
         held = undo.enter_context(drain_for(settings).quiet(pause, metrics))
         timings["pause_drain"] = time.monotonic() - t
         asleep = weights.NOTHING_HELD
-        if collocated and not redo:
+        if collocated:
             require_pause(pause, "the update")
             t = time.monotonic()
             if settings.sleeps(resident.trainer.device):
+                # also for a redo: the publish then hands the memory over as after an
+                # update (the trainer's state offloaded before the engines' KV cache wakes)
                 asleep = undo.enter_context(sleep_engines(settings, step))
                 # on a failure before the load completed, the engines are woken (by the
                 # context) on weights that may be gone (sleep level 2): stale until reloaded
                 undo.callback(_stale, client, asleep)
-            update(resident, samples, stats, step, metrics, timings)
+            if not redo:
+                update(resident, samples, stats, step, metrics, timings)
             timings["update"] = time.monotonic() - t  # the engines' sleep included
         require_pause(pause, "loading the new weights")
         published = publish(client, settings, resident, timings, metrics, asleep, held)

@@ -60,7 +60,9 @@ def train_step(run_id: str, step: int) -> dict:
                         "answered from this worker's memory, not trained again", step, run_id)
         return done
     metrics = run_step(client, run_id, step)
-    _trained[(run_id, int(step))] = (metrics, resident_generation(run_id))
+    generation = resident_generation(run_id)
+    if generation is not None:  # else answered from the stored result, trained elsewhere
+        _trained[(run_id, int(step))] = (metrics, generation)
     while len(_trained) > TRAINED_KEPT:
         del _trained[next(iter(_trained))]
     return metrics
