@@ -109,11 +109,14 @@ class Collector:
 
     # --- dispatch ------------------------------------------------------------------
 
-    def _next_sample_index(self, run: RunRecord) -> int:
+    def _next_sample_index(self, run: RunRecord) -> tuple[int, bool]:
+        """The next prompt, and whether it is the head of the re-queue: then the dispatch's
+        own transaction pops it, so a driver that dies in between loses no prompt."""
         quarantined = self.r.hkeys(keys.run_quarantined(self.run_id))
-        while (requeued := self.r.lpop(keys.run_requeue(self.run_id))) is not None:
-            if requeued not in quarantined:  # (one re-queued before its quarantine)
-                return int(requeued)
+        while (requeued := self.r.lindex(keys.run_requeue(self.run_id), 0)) is not None:
+            if requeued not in quarantined:
+                return int(requeued), True
+            self.r.lpop(keys.run_requeue(self.run_id))  # re-queued before its quarantine
         if len(quarantined) >= len(self.samples):
             raise Starved(f"every one of the {len(self.samples)} prompts is quarantined "
                           "(data.max_prompt_failures): the agent fails on all of them")
@@ -127,7 +130,7 @@ class Collector:
             if run.cursor >= len(self._order):
                 run.cursor, run.epoch = 0, run.epoch + 1
             if str(index) not in quarantined:
-                return index
+                return index, False
 
     def top_up(self, policy_version: int, dispatch_step: int | None = None) -> int:
         """Dispatch new groups until ``active_target`` are active; returns how many.
@@ -136,7 +139,7 @@ class Collector:
         run = self.run()
         sent = 0
         while active + sent < self.active_target:
-            index = self._next_sample_index(run)
+            index, requeued = self._next_sample_index(run)
             seq = run.next_seq
             run.next_seq += 1
             gid = f"{self.run_id}-g{seq}"
@@ -146,6 +149,8 @@ class Collector:
                               else dispatch_step, dispatch_version=policy_version,
                               dispatched_at=time.time())
             pipe = self.r.pipeline(transaction=True)
+            if requeued:  # the head read above: one driver per run, and others only append
+                pipe.lpop(keys.run_requeue(self.run_id))
             pipe.hset(keys.group(gid), mapping=rec.to_hash())
             pipe.zadd(keys.run_active(self.run_id), {gid: seq})
             pipe.hset(keys.run(self.run_id), mapping={

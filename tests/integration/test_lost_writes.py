@@ -121,6 +121,31 @@ def test_a_group_whose_chord_was_lost_is_sent_again(server, tmp_path, monkeypatc
     assert redone["resent"] == 1 and sent == [rec.group_id]
 
 
+def test_a_driver_that_dies_while_dispatching_a_requeued_prompt_loses_no_prompt(
+        server, tmp_path, monkeypatch):
+    """The re-queued prompt is taken off the queue in the same transaction that records its
+    group: a driver that dies before that transaction lands leaves it queued."""
+    import redis
+
+    client = connect(server.url)
+    collector, _ = make_run(tmp_path, client, 0)
+    client.rpush(keys.run_requeue(collector.run_id), "5")
+
+    def dies(self, *args, **kwargs):
+        raise redis.ConnectionError("the driver's host went away")
+
+    monkeypatch.setattr(redis.client.Pipeline, "execute", dies)
+    with pytest.raises(redis.ConnectionError):
+        collector.top_up(0)
+    monkeypatch.undo()
+    assert client.lrange(keys.run_requeue(collector.run_id), 0, -1) == ["5"]
+    sent: list[str] = []
+    monkeypatch.setattr(collector, "_send", sent.append)
+    assert collector.top_up(0) >= 1  # the resumed driver dispatches it, once
+    assert client.llen(keys.run_requeue(collector.run_id)) == 0
+    assert client.hget(keys.group(sent[0]), "sample_index") == "5"
+
+
 def test_a_lost_selection_is_made_again_with_the_same_groups(server, tmp_path):
     client = connect(server.url)
     collector, gids = make_run(tmp_path, client, 3)
