@@ -148,11 +148,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
     sink = MetricsSink(run_dir, run_id, cfg, console=bool(cfg.logging.console))
     total = int(cfg.trainer.total_steps)
     step = read_run(client, run_id).step
-    if resume:
-        resent = collector.resend_unsent()
-        log.info("resuming run %s at step %d with %d active groups (%d re-sent)",
-                 run_id, step, collector.active_count(), resent)
-    else:
+    if not resume:
         log.info("run %s started (metrics in %s; after a crash: carryover train --resume "
                  "%s)", run_id, run_dir, run_id)
     # The engine must serve this run's policy before any rollout of it starts.
@@ -161,6 +157,10 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
     except Exception as exc:
         raise TrainingFailed(f"the trainer worker could not load run {run_id}'s policy into "
                              f"the inference server: {exc.__class__.__name__}: {exc}") from exc
+    if resume:  # what the dead driver recorded and did not send, now on the run's policy
+        resent = collector.resend_unsent()
+        log.info("resuming run %s at step %d with %d active groups (%d re-sent)",
+                 run_id, step, collector.active_count(), resent)
 
     def report_eval(steps_done: int, val: dict[str, float] | None) -> None:
         if val is None:

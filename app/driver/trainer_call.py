@@ -27,6 +27,9 @@ from app.state import keys
 log = logging.getLogger(__name__)
 
 
+RESULT_GRACE_S = 3.0
+
+
 def glob_escape(text: str) -> str:
     """``text`` matched literally in a Redis key pattern."""
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
@@ -68,8 +71,14 @@ def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: floa
         if alive:
             seen = True
         elif seen and not result.ready():
-            raise TrainerLost(f"the trainer worker's heartbeat ({heartbeat_key}) expired "
-                              f"without a result")
+            # the worker ends its heartbeat just before Celery stores the task's result: a
+            # moment's grace before calling it dead
+            try:
+                return result.get(timeout=RESULT_GRACE_S, propagate=True,
+                                  disable_sync_subtasks=False)
+            except CeleryTimeout:
+                raise TrainerLost(f"the trainer worker's heartbeat ({heartbeat_key}) "
+                                  "expired without a result") from None
         # Only a task nobody took times out: a trainer that heartbeats is alive, however
         # long its update takes (a 7B update plus its weight load can take many minutes).
         if not seen and time.monotonic() - start > timeout_s and run_heartbeats:
