@@ -96,6 +96,16 @@ def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: floa
                 "(trainer.step_timeout_s): is one running on queue 'trainer'?")
 
 
+def _stop_waiting(app: Any, result: Any) -> None:
+    """Unsubscribe from a result no longer waited for (answered, or given up for a copy
+    sent again), now: Celery otherwise does it when the object is collected, maybe after
+    Redis went away, and then waits out the reconnect budget in a finalizer."""
+    try:
+        app.backend.remove_pending_result(result)
+    except Exception as exc:  # noqa: BLE001 - Redis gone: nothing left to unsubscribe from
+        log.debug("could not unsubscribe from %s: %s", result.id, exc)
+
+
 def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: str,
                  args: list[Any], poll_s: float = 0.5,
                  while_running: Callable[[], Any] | None = None, outage: Any = None,
@@ -116,10 +126,10 @@ def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: s
     first = True
     while True:
         result = celery_app.send_task(task, args=args)
-        if while_running is not None and first:
-            while_running()
-        first = False
         try:
+            if while_running is not None and first:
+                while_running()
+            first = False
             return _await(client, result, key, float(cfg.trainer.step_timeout_s), poll_s,
                           outage, while_running,
                           keys.trainer_heartbeat(glob_escape(run_id), "*"))
@@ -138,3 +148,5 @@ def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: s
             log.warning("%s (%s %s): sending it again (attempt %d of %d)", exc, task, label,
                         attempt + 2, retries + 1)
             attempt += 1
+        finally:
+            _stop_waiting(celery_app, result)

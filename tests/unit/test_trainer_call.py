@@ -85,3 +85,21 @@ def test_a_result_stored_just_after_the_heartbeat_ended_is_taken(redis_client):
     redis_client.set("co:test:ending", 1, px=300)
     # the result lands about 0.5 s after the heartbeat is gone
     assert _await(redis_client, SlowResult(0.8), "co:test:ending", 30, 0.1) == {"ok": True}
+
+
+def test_a_result_given_up_on_is_unsubscribed_at_once(redis_client):
+    """Waiting on a result subscribes to it; one the driver gives up on (its worker died,
+    the task is sent again) must not stay subscribed until the object is collected, maybe
+    after Redis is gone, where Celery's unsubscribe would wait out the reconnect budget."""
+    from app.celery_app import celery_app
+    from app.driver.trainer_call import _stop_waiting
+
+    result = celery_app.AsyncResult("never-answered-task")
+    with pytest.raises(CeleryTimeout):
+        result.get(timeout=0.2)
+    consumer = celery_app.backend.result_consumer
+    key = celery_app.backend.get_key_for_task(result.id)
+    assert key in consumer.subscribed_to
+    _stop_waiting(celery_app, result)
+    assert key not in consumer.subscribed_to
+    del result  # and collecting it later touches nothing
