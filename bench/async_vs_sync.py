@@ -114,13 +114,15 @@ def run_mode(base: list[str], data: Path, tmp: Path, dist: str, sigma: float, mo
     rows: list[dict] = []
     marks: list[float] = []
     inflight_age: list[float] = []
-    state: dict[str, Any] = {"timed_from": None}
+    state: dict[str, Any] = {"timed_from": None, "active_at_end": set()}
     run_id = new_run_id()
 
     def on_step(step: int, metrics: dict) -> None:
         rows.append(metrics)
         marks.append(time.time())
         active = client.zrange(keys.run_active(run_id), 0, -1)
+        # in flight when the run ends (the run then cancels them: not the age cap's doing)
+        state["active_at_end"] = set(active)
         pipe = client.pipeline(transaction=False)
         for gid in active:
             pipe.hget(keys.group(gid), "dispatch_step")
@@ -173,7 +175,9 @@ def run_mode(base: list[str], data: Path, tmp: Path, dist: str, sigma: float, mo
         gid = f"{run_id}-g{seq}"
         seq += 1
         status = client.hget(keys.group(gid), "status")
-        kind = ("trained" if gid in trained_at else "cancelled" if status == "cancelled"
+        kind = ("trained" if gid in trained_at
+                else "in_flight" if gid in state["active_at_end"]
+                else "cancelled" if status == "cancelled"
                 else "dropped" if status == "dropped" else "in_flight")
         statuses[kind] += 1
         for raw in client.hvals(keys.group_results(gid)):
