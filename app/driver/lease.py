@@ -5,8 +5,8 @@ the other's step selections: groups would be selected and never trained. So a dr
 the run's lease before it touches the run, and a second one (``carryover train --resume``
 while the first still runs) waits at most one lease TTL for it (a dead driver's lease runs
 out; one that ran on this host and whose process is gone is taken over at once) and is then
-refused, naming the holder. A driver whose lease another took over (its
-own was lost, say through a long Redis outage) stops at its next step.
+refused, naming the holder. A driver whose lease another took over (its own was lost, say
+through a long Redis outage) stops before its next write to the run.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ class DriverLease:
             try:
                 if not self._renew():
                     log.error("run %s: another driver took the run over (%s); this one "
-                              "stops at its next step", self.run_id, self.client.get(self.key))
+                              "stops before its next write", self.run_id,
+                              self.client.get(self.key))
                     self.lost.set()
                     return
             except redis.RedisError as exc:  # an outage: try again next tick

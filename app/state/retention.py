@@ -16,8 +16,9 @@ and a long run must not keep one per group for ever.
 
 Groups that are never trained (dropped, filtered, cancelled) keep their data, record and
 results for ``UNTRAINED_TTL_S``, since siblings may still be stopping and a debugging user may
-want to look. A result stored later for a group no longer active (a late sibling) gives the
-results a TTL of ``GUARD_TTL_S`` if they had none, so nothing a run leaves lives for ever.
+want to look. A result stored later for a group no longer active (a late sibling) gives
+results that had no TTL one (``UNTRAINED_TTL_S``; ``GUARD_TTL_S`` for a selected group not yet
+trained), so nothing a run leaves lives for ever.
 """
 
 from __future__ import annotations

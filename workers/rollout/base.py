@@ -19,6 +19,11 @@ from app.state.records import checked_reward
 SAMPLE_ENV_MAX_BYTES = 100_000
 
 
+def fits_environment(text: str) -> bool:
+    """Whether ``text`` may go in one environment variable (``SAMPLE_ENV_MAX_BYTES``)."""
+    return len(text.encode()) <= SAMPLE_ENV_MAX_BYTES
+
+
 class AgentError(Exception):
     """An attempt failed: the agent raised, exited non-zero, timed out or gave no reward."""
 

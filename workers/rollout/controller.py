@@ -28,11 +28,11 @@ import time
 from typing import Any
 
 from workers.rollout.base import (
-    SAMPLE_ENV_MAX_BYTES,
     AgentError,
     Controller,
     LLMEndpoint,
     PauseAwareClock,
+    fits_environment,
     parse_reward,
     stop_reason,
 )
@@ -132,7 +132,7 @@ class ProcessController(Controller):
         sample_json = json.dumps(sample)
         env = {**os.environ, **llm.env(),
                "CARRYOVER_AGENT_SETTINGS": json.dumps(self.settings)}
-        if len(sample_json.encode()) <= SAMPLE_ENV_MAX_BYTES:
+        if fits_environment(sample_json):
             env["CARRYOVER_SAMPLE"] = sample_json
         try:
             proc = subprocess.Popen(self.command, shell=True, env=env, stdin=subprocess.PIPE,

@@ -34,6 +34,7 @@ from workers.rollout.base import (
     Controller,
     LLMEndpoint,
     PauseAwareClock,
+    fits_environment,
     parse_reward,
     stop_reason,
 )
@@ -111,7 +112,7 @@ def build_job(kcfg: Any, *, command: str, llm: LLMEndpoint, gateway_url: str, sa
     from kubernetes import client as k8s
 
     sample_json = json.dumps(sample)
-    if len(sample_json) > SAMPLE_ENV_MAX_BYTES:  # json.dumps escapes non-ASCII: chars = bytes
+    if not fits_environment(sample_json):
         raise AgentError(f"the task sample is {len(sample_json)} bytes of JSON; a Job gets it "
                          f"in its environment, which takes at most {SAMPLE_ENV_MAX_BYTES} "
                          "(Linux refuses one variable over 128 KiB): shorten the sample, or "

@@ -817,8 +817,9 @@ def _serve_resident(client: redis.Redis, settings: TrainerSettings, resident: Re
 
 def _restore_servers(client: redis.Redis, settings: TrainerSettings, resident: Resident,
                      beats: Beats, step: int) -> Metrics:
-    """This process took up a run mid-way (its previous trainer worker died): bring every
-    inference server back to the weights it restored before training on."""
+    """This process took up a run mid-way (its previous trainer worker died, or a resumed
+    driver's worker reloaded the checkpoint): bring every inference server back to the
+    weights it restored before training on; -> the rollback's metrics."""
     restored = resident.restored_step or 0  # updates the checkpoint holds (0: none)
     lost = max(step - restored, 0)
     log.warning("trainer worker took up run %s at step %d: restored %s, so %d update(s) "
@@ -866,22 +867,15 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
         else:
             close_resident()
         resident = resident_trainer(run_id, cfg, settings)
-        version = _serve_resident(client, settings, resident, beats, metrics)
-        if resident is not kept:
-            # the next step's metrics report the updates the checkpoint lacks, as a
-            # take-over in a step does (the driver warns with them)
-            lost = max(read_run(client, run_id).step - (resident.restored_step or 0), 0)
-            if lost:
-                log.warning("run %s: restored %s, so %d update(s) since are lost "
-                            "(trainer.save_freq %d)", run_id,
-                            "the initial weights (no checkpoint yet)"
-                            if resident.restored_step is None
-                            else f"the checkpoint of step {resident.restored_step}",
-                            lost, settings.save_freq)
-                resident.rollback = {"trainer/restored_from_step": resident.restored_step,
-                                     "trainer/restored_policy_version": version,
-                                     "trainer/rolled_back_updates": lost}
-                metrics.update(resident.rollback)
+        step = read_run(client, run_id).step
+        if resident is not kept and step > (resident.restored_step or 0):
+            # the checkpoint lacks updates the run recorded: served as a take-over in a step
+            # is, and the next step's metrics report them (the driver warns with them)
+            resident.rollback = _restore_servers(client, settings, resident, beats, step)
+            metrics.update(resident.rollback)
+            version = resident.rollback["trainer/restored_policy_version"]
+        else:
+            version = _serve_resident(client, settings, resident, beats, metrics)
     metrics["policy/version"] = version
     metrics["resumed_from_step"] = resident.restored_step
     return metrics
