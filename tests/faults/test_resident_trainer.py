@@ -129,6 +129,38 @@ def test_a_restarted_driver_keeps_the_updates_since_the_last_checkpoint(
     assert service._resident is not kept and max_diff(initial, _weights()) == 0
 
 
+def test_a_checkpoint_past_the_runs_record_is_passed_over(upstream, redis_client, tmp_path,
+                                                         real_trainer):
+    """Step 0 was trained, recorded and checkpointed; then a Redis crash lost its record
+    (the run's step counter still says 0) and the trainer worker restarted. Its checkpoint
+    holds step 0's update: loaded, step 0 would be trained a second time on top of it. A
+    checkpoint is passed over unless the run recorded every update it holds; one whose
+    record is stored (the driver died before counting the step) is kept."""
+    run_id = "past-run"
+    cfg = _cfg(upstream, tmp_path, "trainer.save_freq=1")
+    _prepared_run(redis_client, run_id, cfg)
+    service.init_run(redis_client, run_id)
+    initial = _weights()
+    service.train_step(redis_client, run_id, 0)
+    trained = _weights()
+    service.close_resident()  # the worker restarts; its checkpoint write is finished
+    assert (tmp_path / "c" / run_id / "step_000001" / "meta.json").exists()
+    result = redis_client.get(keys.run_step_result(run_id, 0))
+    # the driver died after the step's record, before counting it: the checkpoint is kept
+    service.init_run(redis_client, run_id)
+    assert service._resident.restored_step == 1 and max_diff(trained, _weights()) == 0
+    service.close_resident()
+    # the crash lost the record: the run holds no update, nor may the trainer
+    redis_client.delete(keys.run_step_result(run_id, 0))
+    service.init_run(redis_client, run_id)
+    assert service._resident.restored_step is None and max_diff(initial, _weights()) == 0
+    service.close_resident()
+    # the same for a step sent again to a new worker
+    redis_client.delete(keys.group_trained(f"{run_id}-g0"))
+    service.train_step(redis_client, run_id, 0)
+    assert service._resident.restored_step is None and result is not None
+
+
 def test_a_failed_step_keeps_the_published_export(upstream, redis_client, tmp_path,
                                                   real_trainer):
     """With ``keep_weight_versions: 1`` the next export must not delete the published one

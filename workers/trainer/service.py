@@ -134,10 +134,12 @@ def close_resident() -> None:
 
 
 def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
-                     step: int | None = None) -> Resident:
+                     step: int | None = None, recorded: int | None = None) -> Resident:
     """The run's resident trainer, loaded from the run's last checkpoint when it has one (a
     resumed run, or a restarted worker). ``step``: the step about to be trained (None: the
-    next one to record)."""
+    next one to record). ``recorded``: the updates the run has recorded; a checkpoint
+    holding more (written after a step whose record a Redis crash then lost) is passed
+    over, else the step it holds would be trained a second time on top of it."""
     global _resident
     if _resident is not None and _resident.run_id == run_id:
         if not _resident.unrecorded or _resident.updated_step == (
@@ -151,7 +153,13 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
     resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path),
                         generation=next(_generations))
     log.info("loaded policy for run %s on %s", run_id, trainer.device)
-    latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
+    latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id, recorded)
+    newest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
+    if newest != latest and newest is not None:
+        log.warning("run %s: the checkpoint %s holds %d updates, but the run recorded %d "
+                    "(a Redis crash lost the latest records): restoring %s instead, so no "
+                    "step is trained twice", run_id, newest, checkpoint.checkpoint_step(newest),
+                    recorded, latest if latest is not None else "the initial weights")
     if latest is not None:
         meta = checkpoint.load_checkpoint(trainer, latest)
         resident.restored_step = resident.steps_done = meta["step"]
@@ -179,6 +187,14 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> Metrics:
     with Beats(client, keys.trainer_heartbeat(run_id, str(step)), settings.heartbeat_s) as beats:
         take_back_orphans(client, settings)
         return _train_step(client, run_id, step, cfg, settings, beats)
+
+
+def recorded_steps(client: redis.Redis, run_id: str, step: int) -> int:
+    """The updates run ``run_id`` has recorded, ``step`` being the driver's step counter: a
+    driver that died between a step's record and its counter's increment is one behind."""
+    while client.exists(keys.run_step_result(run_id, step)):
+        step += 1
+    return step
 
 
 def _task_start(client: redis.Redis, run_id: str) -> tuple[Any, TrainerSettings]:
@@ -215,7 +231,7 @@ def take_back_orphans(client: redis.Redis, settings: TrainerSettings) -> list[st
 
 def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
                 settings: TrainerSettings, beats: Beats) -> Metrics:
-    resident = resident_trainer(run_id, cfg, settings, step)
+    resident = resident_trainer(run_id, cfg, settings, step, recorded=step)
     metrics: Metrics = {}
     timings: dict[str, float] = {}
     # this step's update already ran here and only its publish failed: publish it again
@@ -866,8 +882,9 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
                      "updates); kept", run_id, kept.steps_done)
         else:
             close_resident()
-        resident = resident_trainer(run_id, cfg, settings)
         step = read_run(client, run_id).step
+        resident = resident_trainer(run_id, cfg, settings,
+                                    recorded=recorded_steps(client, run_id, step))
         if resident is not kept and step > (resident.restored_step or 0):
             # the checkpoint lacks updates the run recorded: served as a take-over in a step
             # is, and the next step's metrics report them (the driver warns with them)
@@ -896,7 +913,8 @@ def restore_servers(client: redis.Redis, run_id: str) -> Metrics:
     with Beats(client, keys.trainer_heartbeat(run_id, "restore"),
                settings.heartbeat_s) as beats:
         take_back_orphans(client, settings)
-        resident = resident_trainer(run_id, cfg, settings)
+        resident = resident_trainer(run_id, cfg, settings,
+                                    recorded=recorded_steps(client, run_id, step))
         if resident.published:  # the trainer is here: only the servers lost its weights
             metrics = {"trainer/restored_policy_version":
                        _serve_resident(client, settings, resident, beats, {})}
