@@ -7,18 +7,26 @@ so any number of worker processes and hosts act as one gateway.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from flask import Flask
+if TYPE_CHECKING:
+    from flask import Flask
 
-from gateway.settings import GatewaySettings
-from gateway.state import GatewayState
+    from gateway.settings import GatewaySettings
 
 __version__ = "0.1.0"
-__all__ = ["GatewayState", "create_app"]
+__all__ = ["create_app"]
 
 
 def create_app(settings: GatewaySettings | None = None, cfg: Any | None = None) -> Flask:
+    # imported here, not with the package: gunicorn's master imports the package for its
+    # worker class (gateway.worker) before the worker's gevent monkey-patching, which must
+    # come before flask and redis are imported
+    from flask import Flask
+
+    from gateway.settings import GatewaySettings
+    from gateway.state import GatewayState
+
     if settings is None:
         if cfg is None:
             from app.config import service_config

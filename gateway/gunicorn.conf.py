@@ -12,7 +12,7 @@ _cfg = service_config()
 
 bind = f"{_cfg.gateway.host}:{_cfg.gateway.port}"
 workers = int(_cfg.gateway.workers)
-worker_class = "gevent"
+worker_class = "gateway.worker.GatewayWorker"  # gevent, without idle keep-alives holding a stop
 worker_connections = 1000
 timeout = int(_cfg.gateway.upstream_timeout_s) + 30
 graceful_timeout = 10
@@ -21,3 +21,6 @@ accesslog = None
 errorlog = "-"
 loglevel = "info"
 proc_name = "carryover-gateway"
+# gunicorn's control socket has one default path per user: every gateway on a host (and any
+# other gunicorn) would bind the same one, and the first to stop would remove it
+control_socket_disable = True
