@@ -69,7 +69,16 @@ def inference_server(cfg, log: Path, timeout: float = 300) -> Iterator[tuple[str
     """The inference server ``cfg`` describes (the project's own command line), on
     ``cfg.inference.port``; yields (its URL, its Popen) once it answers /health, and stops
     it (SIGKILL after 30 s) on the way out."""
-    import signal
+    with inference_servers([(cfg, log)], timeout) as [served]:
+        yield served
+
+
+@contextmanager
+def inference_servers(servers: list[tuple[object, Path]], timeout: float = 300
+                      ) -> Iterator[list[tuple[str, object]]]:
+    """Several inference servers, each ``(cfg, log)`` as :func:`inference_server` takes,
+    started together (a start is mostly imports, one core each) rather than one after
+    another; yields their (URL, Popen) in order once every one answers /health."""
     import subprocess
     import time
 
@@ -77,35 +86,47 @@ def inference_server(cfg, log: Path, timeout: float = 300) -> Iterator[tuple[str
 
     from app.services.commands import inference_command
 
-    cmd = inference_command(cfg)
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env}, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{cfg.inference.port}"
+    procs: list[tuple[str, subprocess.Popen, Path]] = []
     try:
+        for cfg, log in servers:
+            cmd = inference_command(cfg)
+            with open(log, "w") as out:
+                procs.append((f"http://127.0.0.1:{cfg.inference.port}", subprocess.Popen(
+                    cmd.argv, env={**os.environ, **cmd.env}, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True), log))
         deadline = time.monotonic() + timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the inference server exited: {log.read_text()[-2000:]}")
-            try:
-                if requests.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except requests.ConnectionError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the inference server did not answer /health in "
-                                   f"{timeout:.0f} s (log: {log})")
-            time.sleep(1)
-        yield url, proc
+        for url, proc, log in procs:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"the inference server exited: "
+                                       f"{log.read_text()[-2000:]}")
+                try:
+                    if requests.get(url + "/health", timeout=1).status_code == 200:
+                        break
+                except requests.ConnectionError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the inference server did not answer /health in "
+                                       f"{timeout:.0f} s (log: {log})")
+                time.sleep(1)
+        yield [(url, proc) for url, proc, _ in procs]
     finally:
-        import contextlib
+        for _, proc, _ in procs:
+            _stop_group(proc)
 
-        # the group may be gone already (a test that killed the server)
+
+def _stop_group(proc) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 30 s."""
+    import contextlib
+    import signal
+    import subprocess
+
+    # the group may be gone already (a test that killed the server)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

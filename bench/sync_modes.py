@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tiny", action="store_true", help="the demo's tiny model (a smoke run)")
     args = ap.parse_args(argv)
 
-    from bench.stack import free_port, inference_server
+    from bench.stack import free_port, inference_servers
 
     tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
     port, lora_port = free_port(), free_port()
@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     weights_dir = Path("/dev/shm") / f"carryover-bench-{os.getpid()}" \
         if Path("/dev/shm").is_dir() else tmp / "weights"
     digests: dict[str, str] | None = None
-    with inference_server(cfg, tmp / "vllm.log") as (full_url, _), \
-            inference_server(lora_cfg, tmp / "vllm-lora.log") as (lora_url, _):
+    with inference_servers([(cfg, tmp / "vllm.log"), (lora_cfg, tmp / "vllm-lora.log")]) \
+            as [(full_url, _), (lora_url, _)]:
         for url in (full_url, lora_url):
             weights.engine_probe_logprobs(url, name, ids)  # the first probe warms it up
         weights.weight_checksums(full_url)
