@@ -25,7 +25,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -153,6 +152,13 @@ def run_load(url: str, headers: dict, connections: int, total: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.stack import bench_dir
+
+    with bench_dir() as tmp:
+        return run(argv, tmp)
+
+
+def run(argv: list[str] | None, tmp: Path) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
@@ -161,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
                     help="another checkout whose gateway is measured beside this one")
     args = ap.parse_args(argv)
 
-    tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
     redis_port, standin_port, gw_port, bare_port, base_port = (free_port() for _ in range(5))
     overrides = [f"redis.port={redis_port}", f"redis.dir={tmp}", f"gateway.port={gw_port}",
                  f"gateway.url=http://127.0.0.1:{gw_port}",

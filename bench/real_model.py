@@ -21,7 +21,6 @@ import os
 import random
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -89,6 +88,13 @@ def batch(rows: int, prompt: int, response: int, groups_of: int = 8):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.stack import bench_dir
+
+    with bench_dir() as tmp:
+        return run(argv, tmp)
+
+
+def run(argv: list[str] | None, tmp: Path) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32, help="rollouts (rows) per update")
     ap.add_argument("--prompt", type=int, default=45, help="first prompt tokens")
@@ -105,7 +111,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.stack import free_port, inference_server
 
-    tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
     port = free_port()
     os.environ.setdefault("WANDB_MODE", "disabled")
     from app.config import load_config

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,9 +37,27 @@ def stack_overrides(tmp: Path, *extra: str) -> list[str]:
 
 
 @contextmanager
+def bench_dir() -> Iterator[Path]:
+    """A temporary directory for one benchmark's logs, Redis data and exports: removed when
+    the benchmark ends well, kept (and named on stderr) when it fails."""
+    tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
+    try:
+        yield tmp
+    except BaseException:
+        print(f"the benchmark's logs and data are kept in {tmp}", file=sys.stderr)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextmanager
 def bench_stack(roles: list[str], *extra: str) -> Iterator[tuple[list[str], Path]]:
     """Start ``roles``; yields (the overrides every run config must include, a temp dir)."""
-    tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
+    with bench_dir() as tmp, _started(tmp, roles, *extra) as base:
+        yield base, tmp
+
+
+@contextmanager
+def _started(tmp: Path, roles: list[str], *extra: str) -> Iterator[list[str]]:
     base = stack_overrides(tmp, *extra)
     os.environ.pop("REDIS_URL", None)
     os.environ["CARRYOVER_OVERRIDES"] = json.dumps(base)
@@ -48,7 +68,7 @@ def bench_stack(roles: list[str], *extra: str) -> Iterator[tuple[list[str], Path
     with Supervisor(service_config(), log_dir=tmp / "logs",
                     env={"PYTHONPATH": str(REPO)}) as sup:
         sup.start(roles)
-        yield base, tmp
+        yield base
 
 
 def redis_calls(client) -> int:

@@ -29,7 +29,6 @@ import os
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -38,6 +37,13 @@ MODES = ("disk", "transfer", "lora")
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.stack import bench_dir
+
+    with bench_dir() as tmp:
+        return run(argv, tmp)
+
+
+def run(argv: list[str] | None, tmp: Path) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--bucket-mb", type=float, default=256)
@@ -48,7 +54,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.stack import free_port, inference_servers
 
-    tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
     port, lora_port = free_port(), free_port()
     os.environ.setdefault("WANDB_MODE", "disabled")
     from app.config import load_config

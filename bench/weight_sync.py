@@ -17,7 +17,6 @@ import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,6 +24,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def main(argv: list[str] | None = None) -> int:
+    from bench.stack import bench_dir
+
+    with bench_dir() as tmp:
+        return run(argv, tmp)
+
+
+def run(argv: list[str] | None, tmp: Path) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cycles", type=int, default=10)
     ap.add_argument("--samples", type=int, default=128)
@@ -32,7 +38,6 @@ def main(argv: list[str] | None = None) -> int:
 
     from bench.gateway import free_port
 
-    tmp = Path(tempfile.mkdtemp(prefix="carryover-bench-"))
     inf_port = free_port()
     os.environ.pop("REDIS_URL", None)
     os.environ["CARRYOVER_OVERRIDES"] = json.dumps([
