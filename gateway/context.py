@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.errors import GatewayError
+from gateway.rendering import TemplateInput
 
 log = logging.getLogger(__name__)
 
@@ -41,16 +42,6 @@ def is_vllm_overflow(status: int, message: str) -> bool:
     return status == 400 and any(p in message for p in VLLM_PHRASES)
 
 
-def _text_parts_joined(message: dict[str, Any]) -> dict[str, Any]:
-    """A message whose content is a list of text parts, as vLLM renders it for a template
-    that takes a string: the texts joined by newlines."""
-    content = message.get("content")
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                         for p in content):
-        return {**message, "content": "\n".join(str(p.get("text", "")) for p in content)}
-    return message
-
-
 def served_tokenizer(tokenizer_path: Path, chat_template: str | None = None) -> Any:
     """The served model's tokenizer, with the chat template the servers render with
     (``inference.chat_template``, else the model's own)."""
@@ -69,6 +60,7 @@ class ContextCheck:
     def __init__(self, tokenizer: Any, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
+        self.template_input = TemplateInput(tokenizer)
         self.fixed_bytes, self.message_bytes = self._template_overhead()
 
     def _template_overhead(self) -> tuple[int, int]:
@@ -115,7 +107,7 @@ class ContextCheck:
     def prompt_tokens(self, body: dict[str, Any], endpoint: str) -> int:
         if endpoint == "chat.completions":
             ids = self.tokenizer.apply_chat_template(
-                [_text_parts_joined(m) for m in body["messages"]], tools=body.get("tools"),
+                self.template_input(body["messages"]), tools=body.get("tools"),
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
                 tokenize=True, return_dict=False, **(body.get("chat_template_kwargs") or {}))

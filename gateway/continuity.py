@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 
 from app.state import keys
+from gateway.rendering import TemplateInput
 
 log = logging.getLogger(__name__)
 
@@ -44,7 +45,8 @@ def _arguments(raw: Any) -> Any:
 def normalized(message: dict[str, Any]) -> dict[str, Any]:
     content = message.get("content")
     if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        # joined as vLLM joins text parts: a list and its joined string are one message
+        content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
     out: dict[str, Any] = {"role": message.get("role"),
                            "content": (content or "").strip() if isinstance(content, str)
                            or content is None else content}
@@ -92,6 +94,7 @@ class Continuity:
 
     def __init__(self, tokenizer: Any, client: Any) -> None:
         self.tokenizer = tokenizer
+        self.template_input = TemplateInput(tokenizer)
         eos = tokenizer.eos_token_id
         self.eos_id: int | None = int(eos) if eos is not None else None
         self.eos_text: str = tokenizer.decode([eos]) if eos is not None else ""
@@ -140,6 +143,7 @@ class Continuity:
         token (the messages after ``last`` and the generation prompt), or None when the
         template does not render the kept part as a prefix of the whole."""
         render = self.tokenizer.apply_chat_template
+        msgs = self.template_input(msgs)  # what the server would render
         whole = str(render(msgs, tools=tools, add_generation_prompt=True, tokenize=False))
         head = str(render(msgs[:last + 1], tools=tools, add_generation_prompt=False,
                           tokenize=False))

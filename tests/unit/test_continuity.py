@@ -76,6 +76,24 @@ def test_a_later_turn_continues_from_the_sampled_tokens(tok, redis_client):
     assert tok.decode(ids[len(prompt + response):]).startswith("\n<|im_start|>user\n<tool_")
 
 
+def test_new_messages_given_as_text_parts_are_rendered_as_the_server_renders_them(
+        tok, redis_client):
+    """The OpenAI Agents SDK and others send a content as a list of text parts; vLLM joins
+    them with newlines for a template that takes a string (this one: it fails on a list),
+    and the continued prompt must carry the same text."""
+    body, prompt, response = first_turn(tok, redis_client, "r1p")
+    nxt = second_turn(body)
+    nxt["messages"][-1]["content"] = [{"type": "text", "text": "7"}]
+    nxt["messages"].append({"role": "user", "content": [{"type": "text", "text": "and"},
+                                                         {"type": "text", "text": "then?"}]})
+    ids = Continuity(tok, redis_client).prompt_ids("r1p", nxt)
+    assert ids is not None and ids[:len(prompt + response)] == prompt + response
+    joined = [*nxt["messages"][:-2], {**nxt["messages"][-2], "content": "7"},
+              {"role": "user", "content": "and\nthen?"}]
+    assert tok.decode(ids) == tok.apply_chat_template(
+        joined, tools=TOOLS, add_generation_prompt=True, tokenize=False)
+
+
 def test_the_echo_may_differ_in_ids_spacing_and_argument_formatting(tok, redis_client):
     body, prompt, response = first_turn(tok, redis_client, "r2")
     echoed = {"role": "assistant", "content": "", "tool_calls": [{

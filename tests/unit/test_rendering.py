@@ -1,0 +1,68 @@
+"""The messages as vLLM hands them to a chat template: what the gateway's own renderings (the
+context-length count, token continuity) give the template."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from gateway.rendering import TemplateInput, content_format
+from tests.conftest import REPO
+
+STRING = "{% for m in messages %}<{{ m.role }}>{{ m['content'] | trim }}{% endfor %}"
+PARTS = ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}"
+         "{% for part in m['content'] %}{{ part.text }}{% endfor %}{% endif %}{% endfor %}")
+NAMED = ("{% for message in messages %}{% set content = message.content %}"
+         "{% for item in content %}{{ item.text }}{% endfor %}{% endfor %}")
+
+
+@pytest.mark.parametrize("template, fmt", [
+    (STRING, "string"), (PARTS, "openai"), (NAMED, "openai"),
+    ((REPO / "config" / "templates" / "smollm2-tools.jinja").read_text(), "string"),
+    ("{% for m in messages %}{{ m.content", "string"),  # does not parse: vLLM's default
+    (None, "string"),
+])
+def test_the_content_format_is_the_one_vllm_detects(template, fmt):
+    assert content_format(template) == fmt
+
+
+def test_text_parts_are_joined_for_a_template_that_takes_a_string():
+    convert = TemplateInput(SimpleNamespace(chat_template=STRING))
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert convert([{"role": "user", "content": parts},
+                    {"role": "assistant", "content": None}]) == [
+        {"role": "user", "content": "a\nb"}, {"role": "assistant", "content": ""}]
+
+
+def test_text_parts_stay_a_list_for_a_template_that_loops_over_them_except_a_tools():
+    convert = TemplateInput(SimpleNamespace(chat_template=PARTS))
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert convert([{"role": "user", "content": parts},
+                    {"role": "tool", "tool_call_id": "c", "content": parts}]) == [
+        {"role": "user", "content": parts},
+        {"role": "tool", "tool_call_id": "c", "content": "a\nb"}]
+
+
+def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role():
+    msg = [{"role": "developer", "content": "be brief"}]
+    assert TemplateInput(SimpleNamespace(chat_template=STRING))(msg)[0]["role"] == "system"
+    named = STRING + "{% if m.role == 'developer' %}{% endif %}"
+    assert TemplateInput(SimpleNamespace(chat_template=named))(msg)[0]["role"] == "developer"
+
+
+def test_tool_call_arguments_are_given_as_an_object():
+    convert = TemplateInput(SimpleNamespace(chat_template=STRING))
+
+    def call(arguments):
+        return {"id": "c", "type": "function",
+                "function": {"name": "add", "arguments": arguments}}
+
+    out = convert([{"role": "assistant", "content": None,
+                    "tool_calls": [call('{"a": 1}'), call("not json"), call("[1]"),
+                                   call("")]}])
+    assert [c["function"]["arguments"] for c in out[0]["tool_calls"]] == [{"a": 1}, {}, {}, {}]
+    # an empty list of calls is no call at all; the request's own message is not changed
+    msgs = [{"role": "assistant", "content": "hi", "tool_calls": []}]
+    assert convert(msgs) == [{"role": "assistant", "content": "hi"}]
+    assert msgs[0]["tool_calls"] == []
