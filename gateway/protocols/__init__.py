@@ -65,7 +65,8 @@ def named_function(name: str) -> dict[str, Any]:
 
 def text_of(content: Any, where: str) -> str:
     """A string, or a list of text parts ({"type": "text" | "input_text" | "output_text",
-    "text": ...}), as one string."""
+    "text": ...}), as one string: the parts joined with newlines, as vLLM joins a chat
+    message's text parts (Claude Code, for one, sends its system prompt in several)."""
     from gateway.errors import bad_request
 
     if content is None:
@@ -82,4 +83,4 @@ def text_of(content: Any, where: str) -> str:
             raise bad_request(f"{where}[{j}]: content of type {kind!r} is not supported by "
                               f"this gateway (text only)", param=f"{where}[{j}].type")
         texts.append(part["text"])
-    return "".join(texts)
+    return "\n".join(texts)

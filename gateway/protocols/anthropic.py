@@ -98,13 +98,34 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
                               f"{role} message (text, tool_use, tool_result)",
                               param=f"{at}.type")
     if role == "assistant":
-        msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts)}
+        msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)
     elif texts or not out:
-        out.append({"role": "user", "content": "".join(texts)})
+        out.append({"role": "user", "content": "\n".join(texts)})
     return out
+
+
+def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The JSON schema structured outputs ask the answer to follow (``output_config.format``,
+    or the earlier beta's top-level ``output_format``), else None. Served as the chat
+    route's ``response_format`` (constrained decoding, captured as such); the effort an
+    ``output_config`` may name concerns extended thinking, which is not served, and is
+    ignored."""
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise bad_request("output_config must be an object", param="output_config")
+    for where, fmt in (("output_config.format", (config or {}).get("format")),
+                       ("output_format", body.get("output_format"))):
+        if fmt is None:
+            continue
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" \
+                or not isinstance(fmt.get("schema"), dict):
+            raise bad_request(f"{where}: only {{\"type\": \"json_schema\", \"schema\": {{...}}}} "
+                              f"is supported by this gateway", param=where)
+        return fmt["schema"]
+    return None
 
 
 class Messages(Protocol):
@@ -157,6 +178,10 @@ class Messages(Protocol):
             # a prefill: the answer continues the assistant's text, in the same turn
             chat["continue_final_message"] = True
             chat["add_generation_prompt"] = False
+        schema = _output_schema(body)
+        if schema is not None:
+            chat["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": "output", "schema": schema, "strict": True}}
         if body.get("stream"):
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

@@ -105,6 +105,61 @@ def test_messages_keep_the_meaning_of_their_options():
     assert "continue_final_message" not in chat and "add_generation_prompt" not in chat
 
 
+def test_text_blocks_are_joined_as_vllm_joins_text_parts():
+    """Several text blocks (Claude Code's system prompt, a reminder beside the user's
+    text) are one text each: joined with newlines, not glued together."""
+    blocks = [{"type": "text", "text": "You are terse."}, {"type": "text", "text": "Be exact."}]
+    chat = Messages().to_chat({"max_tokens": 5, "system": blocks, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hi"},
+                                     {"type": "text", "text": "there"}]}]})
+    assert chat["messages"] == [{"role": "system", "content": "You are terse.\nBe exact."},
+                                {"role": "user", "content": "hi\nthere"}]
+    chat = Responses().to_chat({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}]})
+    assert chat["messages"][-1] == {"role": "user", "content": "a\nb"}
+
+
+def test_anthropic_structured_outputs_are_served_constrained():
+    """``messages.parse(output_format=...)`` of the anthropic SDK: the schema goes to the
+    chat route as its response_format (constrained, captured as such), and the SDK parses
+    the answer."""
+    import anthropic
+    import httpx2
+    from pydantic import BaseModel
+
+    class Answer(BaseModel):
+        x: int
+
+    seen: dict = {}
+
+    def handler(request: httpx2.Request) -> httpx2.Response:
+        body = json.loads(request.content)
+        seen["chat"] = Messages().to_chat(body)
+        chat = {"id": "chatcmpl-1", "model": "m", "choices": [{
+            "finish_reason": "stop", "message": {"content": '{"x": 3}'}}],
+                "usage": {"prompt_tokens": 5, "completion_tokens": 4}}
+        return httpx2.Response(200, json=Messages().answer(chat, body))
+
+    client = anthropic.Anthropic(base_url="http://gateway/rollout/r", api_key="k",
+                                 max_retries=0, http_client=httpx2.Client(
+                                     transport=httpx2.MockTransport(handler)))
+    out = client.messages.parse(model="m", max_tokens=20, output_format=Answer,
+                                messages=[{"role": "user", "content": "x?"}])
+    assert out.parsed_output == Answer(x=3)
+    fmt = seen["chat"]["response_format"]
+    assert fmt["type"] == "json_schema" and fmt["json_schema"]["strict"] is True
+    assert fmt["json_schema"]["schema"]["properties"]["x"]["type"] == "integer"
+    # the earlier beta's top-level field, the same; a format not served is a 400 naming it
+    schema = {"type": "object", "properties": {"y": {"type": "string"}}}
+    chat = Messages().to_chat({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}],
+                               "output_format": {"type": "json_schema", "schema": schema}})
+    assert chat["response_format"]["json_schema"]["schema"] == schema
+    with pytest.raises(GatewayError) as err:
+        Messages().to_chat({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}],
+                            "output_config": {"format": {"type": "regex"}}})
+    assert err.value.param == "output_config.format"
+
+
 def test_a_chat_answer_becomes_a_message():
     chat = {"id": "chatcmpl-9", "model": "m", "usage": {"prompt_tokens": 7,
                                                          "completion_tokens": 3},
