@@ -288,7 +288,10 @@ class MessagesStream(StreamTranslator):
                 continue
             delta = choice.get("delta") or {}
             text = delta.get("content")
-            if text:
+            # vLLM's streamed tool parser passes on what the model writes between calls
+            # (a newline), which its whole answer drops: an agent that echoes the message
+            # back would send text the model never wrote in that place
+            if text and not self.tool_calls:
                 if self.block != "text":
                     yield from self._open("text", {"type": "text", "text": ""})
                 yield _event("content_block_delta", {

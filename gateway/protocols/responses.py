@@ -289,7 +289,10 @@ class ResponsesStream(StreamTranslator):
                 continue
             delta = choice.get("delta") or {}
             text = delta.get("content")
-            if text:
+            # as the whole answer has it: no text after the first call (vLLM's streamed
+            # tool parser passes on a newline between calls, which would become a message
+            # item between them and, echoed back, split the turn in two)
+            if text and not self.calls:
                 if self.open is None or self.open["type"] != "message":
                     yield from self._add(_message_item(_item_id("msg"), "", "in_progress"))
                 assert self.open is not None

@@ -320,6 +320,31 @@ def test_a_chat_stream_becomes_responses_events():
     assert final["output"][1]["status"] == "completed"
 
 
+def test_text_between_streamed_tool_calls_is_not_shown():
+    """vLLM's streamed tool parser passes on the newline the model writes between two
+    calls; its whole answer drops it. Shown, it became a message item (a text block)
+    between the calls, and an agent echoing the turn back split it in two."""
+    def call(k: int, arguments: str) -> dict:
+        return {"tool_calls": [{"index": k, "id": f"c{k}", "type": "function",
+                                "function": {"name": "add", "arguments": arguments}}]}
+
+    chunks = chat_chunks({"content": "adding"}, call(0, '{"a": 1}'), {"content": "\n"},
+                         call(1, '{"a": 2}'), {"content": "\n"}, finish="tool_calls")
+    stream = Responses().stream({})
+    raw = [b for c in chunks for b in stream.chunk(c)] + list(stream.done())
+    final = events(raw)[-1][1]["response"]
+    assert [i["type"] for i in final["output"]] == ["message", "function_call", "function_call"]
+    assert final["output"][0]["content"][0]["text"] == "adding"
+    stream = Messages().stream({})
+    raw = [b for c in chunks for b in stream.chunk(c)] + list(stream.done())
+    starts = [body["content_block"]["type"] for kind, body in events(raw)
+              if kind == "content_block_start"]
+    assert starts == ["text", "tool_use", "tool_use"]
+    texts = [body["delta"]["text"] for kind, body in events(raw)
+             if kind == "content_block_delta" and body["delta"]["type"] == "text_delta"]
+    assert texts == ["adding"]
+
+
 # --- through the SDKs' own stream accumulators ------------------------------------------
 
 def vllm_stream(tool: bool, finish: str) -> list[dict]:
