@@ -246,7 +246,11 @@ def _event(kind: str, data: dict[str, Any]) -> bytes:
 
 class MessagesStream(StreamTranslator):
     """Chat chunks to Messages events: message_start, a content block per text run or tool
-    call (start, deltas, stop), message_delta with the stop reason and usage, message_stop."""
+    call (start, deltas, stop), message_delta with the stop reason and usage, message_stop.
+    A tool call's arguments come as one ``input_json_delta`` when its block closes, read as
+    the whole answer reads them (:func:`_arguments`): a small model's arguments may be a
+    JSON string or not JSON at all, which streamed piece by piece the SDK would take as
+    another input than the unstreamed answer has, or fail to parse."""
 
     def __init__(self, request: dict[str, Any]) -> None:
         self.request = request
@@ -254,6 +258,7 @@ class MessagesStream(StreamTranslator):
         self.block: str | None = None   # the open block's kind: "text" or "tool_use"
         self.index = -1
         self.tool_calls: dict[int, int] = {}  # chat tool-call index -> block index
+        self.arguments: dict[int, str] = {}   # the open tool call's arguments so far
         self.finish: dict[str, Any] = {}
         self.tool_called = False
         self.usage = {"input_tokens": 0, "output_tokens": 0}
@@ -273,6 +278,12 @@ class MessagesStream(StreamTranslator):
 
     def _close(self) -> Iterator[bytes]:
         if self.block is not None:
+            for raw in self.arguments.values():
+                yield _event("content_block_delta", {
+                    "index": self.index, "delta": {
+                        "type": "input_json_delta",
+                        "partial_json": json.dumps(_arguments(raw), ensure_ascii=False)}})
+            self.arguments = {}
             yield _event("content_block_stop", {"index": self.index})
             self.block = None
 
@@ -305,11 +316,9 @@ class MessagesStream(StreamTranslator):
                         "type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
                         "input": {}})
                     self.tool_calls[k] = self.index
-                if fn.get("arguments"):
-                    yield _event("content_block_delta", {
-                        "index": self.tool_calls[k],
-                        "delta": {"type": "input_json_delta",
-                                  "partial_json": fn["arguments"]}})
+                    self.arguments[k] = ""
+                if fn.get("arguments") and k in self.arguments:
+                    self.arguments[k] += fn["arguments"]
             if choice.get("finish_reason"):
                 self.finish = choice
 

@@ -195,7 +195,7 @@ def test_a_chat_stream_becomes_messages_events():
     assert [k for k, _ in got] == [
         "message_start", "content_block_start", "content_block_delta", "content_block_delta",
         "content_block_stop", "content_block_start", "content_block_delta",
-        "content_block_delta", "content_block_stop", "message_delta", "message_stop"]
+        "content_block_stop", "message_delta", "message_stop"]  # the arguments: one delta
     assert got[0][1]["message"]["usage"]["input_tokens"] == 5
     assert got[1][1] == {"type": "content_block_start", "index": 0,
                          "content_block": {"type": "text", "text": ""}}
@@ -204,8 +204,33 @@ def test_a_chat_stream_becomes_messages_events():
     partial = "".join(b["delta"]["partial_json"] for k, b in got
                       if k == "content_block_delta" and b["index"] == 1)
     assert json.loads(partial) == {"a": 1}
-    assert got[9][1]["delta"]["stop_reason"] == "tool_use"
-    assert got[9][1]["usage"] == {"output_tokens": 4}
+    assert got[8][1]["delta"]["stop_reason"] == "tool_use"
+    assert got[8][1]["usage"] == {"output_tokens": 4}
+
+
+@pytest.mark.parametrize("arguments", ['"{\\"a\\": 1}"', "a=1", "[1, 2]", ""])
+def test_streamed_tool_input_is_the_unstreamed_answers(arguments):
+    """A small model's arguments may be a JSON string, or not JSON: the anthropic SDK
+    accumulates the streamed input as the unstreamed answer has it, instead of another
+    value (a string) or a parse error."""
+    from anthropic._models import construct_type
+    from anthropic.lib.streaming._messages import accumulate_event
+    from anthropic.types import RawMessageStreamEvent
+
+    whole = Messages().answer({"choices": [{"finish_reason": "tool_calls", "message": {
+        "tool_calls": [{"id": "c1", "function": {"name": "add",
+                                                 "arguments": arguments}}]}}]}, {})
+    stream = Messages().stream({})
+    raw = [b for c in chat_chunks(
+        {"tool_calls": [{"index": 0, "id": "c1", "function": {"name": "add",
+                                                               "arguments": arguments[:3]}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": arguments[3:]}}]},
+        finish="tool_calls") for b in stream.chunk(c)] + list(stream.done())
+    snapshot, buffers = None, {}
+    for _, body in events(raw):
+        event = construct_type(type_=RawMessageStreamEvent, value=body)
+        snapshot = accumulate_event(event=event, current_snapshot=snapshot, json_bufs=buffers)
+    assert snapshot.content[0].input == whole["content"][0]["input"]
 
 
 def test_anthropic_error_types():
