@@ -227,7 +227,10 @@ def _message_id(chat: dict[str, Any]) -> str:
 def _stop(choice: dict[str, Any], request: dict[str, Any],
           tool_called: bool) -> tuple[str | None, str | None]:
     finish = choice.get("finish_reason")
-    if finish is None:
+    if finish is None or finish == "abort":
+        # cut by an engine pause the gateway did not carry on (an operator's
+        # /pause?mode=abort): no reason the answer would have ended for, as vLLM's own
+        # Messages route reports it, rather than a normal end
         return None, None
     matched = choice.get("stop_reason")  # vLLM: the stop string that ended the text
     if isinstance(matched, str) and matched in (request.get("stop_sequences") or []):

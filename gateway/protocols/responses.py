@@ -175,6 +175,10 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
+# the finish reasons of an answer that ended short -> the response's status
+CUT = {"length": "incomplete", "abort": "cancelled"}
+
+
 def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
@@ -190,10 +194,12 @@ def _call_item(item_id: str, call_id: str, name: Any, arguments: str,
 def _response(request: dict[str, Any], model: Any, output: list[dict[str, Any]],
               finish: str | None, usage: dict[str, Any] | None, status: str,
               response_id: str | None = None, created: int | None = None) -> dict[str, Any]:
-    if status == "completed" and finish == "length":
-        status = "incomplete"
-        for item in output:
-            item["status"] = "incomplete"
+    if status == "completed" and finish in CUT:
+        # the last item is the one cut (those before it ended); an answer cut by an engine
+        # pause the gateway did not carry on is "cancelled", as vLLM's own route has it
+        status = CUT[finish]
+        if output:
+            output[-1]["status"] = "incomplete"
     usage = usage or {}
     return {
         "id": response_id or _item_id("resp"), "object": "response",
@@ -247,7 +253,8 @@ class ResponsesStream(StreamTranslator):
         if item is None:
             return
         index = self.items.index(item)
-        item["status"] = "completed"
+        # closed at the end of an answer that was cut: this item is the one cut
+        item["status"] = "incomplete" if self.finish in CUT else "completed"
         if item["type"] == "message":
             part = item["content"][0]
             yield self._event("response.output_text.done", item_id=item["id"],
@@ -323,8 +330,8 @@ class ResponsesStream(StreamTranslator):
             yield from self.chunk({})
         yield from self._close()
         final = self._snapshot("completed")
-        kind = "response.incomplete" if final["status"] == "incomplete" else \
-            "response.completed"
+        kind = "response.completed" if final["status"] == "completed" else \
+            "response.incomplete"  # the SDK's event for an answer that ended short
         yield self._event(kind, response=final)
 
     def error(self, err: GatewayError) -> bytes:

@@ -370,6 +370,35 @@ def test_text_between_streamed_tool_calls_is_not_shown():
     assert texts == ["adding"]
 
 
+@pytest.mark.parametrize("finish, stop_reason, status", [
+    ("abort", None, "cancelled"), ("length", "max_tokens", "incomplete"),
+    ("stop", "end_turn", "completed")])
+def test_an_answer_that_ended_short_is_not_reported_as_a_normal_end(finish, stop_reason,
+                                                                    status):
+    """An answer cut by an engine pause the gateway did not carry on (an operator's
+    ``/pause?mode=abort``) is no normal end: no stop reason in Messages, "cancelled" in
+    Responses, as vLLM's own routes report it. The item cut is the one marked so, the same
+    in its output_item.done event as in the final response."""
+    chat = {"choices": [{"finish_reason": finish, "message": {"content": "partial"}}]}
+    assert Messages().answer(chat, {})["stop_reason"] == stop_reason
+    whole = Responses().answer(chat, {})
+    assert whole["status"] == status
+    assert whole["output"][-1]["status"] == ("completed" if status == "completed"
+                                             else "incomplete")
+    chunks = chat_chunks({"content": "part"}, {"content": "ial"}, finish=finish)
+    stream = Messages().stream({})
+    raw = [b for c in chunks for b in stream.chunk(c)] + list(stream.done())
+    assert [b["delta"]["stop_reason"] for k, b in events(raw) if k == "message_delta"] == [
+        stop_reason]
+    stream = Responses().stream({})
+    got = events([b for c in chunks for b in stream.chunk(c)] + list(stream.done()))
+    done = [b["item"]["status"] for k, b in got if k == "response.output_item.done"]
+    kind, final = got[-1]
+    assert final["response"]["status"] == status
+    assert done == [final["response"]["output"][-1]["status"]]
+    assert kind == ("response.completed" if status == "completed" else "response.incomplete")
+
+
 # --- through the SDKs' own stream accumulators ------------------------------------------
 
 def vllm_stream(tool: bool, finish: str) -> list[dict]:
