@@ -150,10 +150,15 @@ def test_a_checkpoint_past_the_runs_record_is_passed_over(upstream, redis_client
     service.init_run(redis_client, run_id)
     assert service._resident.restored_step == 1 and max_diff(trained, _weights()) == 0
     service.close_resident()
-    # the crash lost the record: the run holds no update, nor may the trainer
+    # the crash lost the record: the run holds no update, nor may the trainer; the
+    # checkpoint is set aside (else the pruning would delete the step's new one first, and
+    # a later restart could load it)
     redis_client.delete(keys.run_step_result(run_id, 0))
     service.init_run(redis_client, run_id)
     assert service._resident.restored_step is None and max_diff(initial, _weights()) == 0
+    names = [p.name for p in (tmp_path / "c" / run_id).iterdir()]
+    assert "step_000001" not in names and any(n.startswith("passed_over-step_000001")
+                                              for n in names)
     service.close_resident()
     # the same for a step sent again to a new worker
     redis_client.delete(keys.group_trained(f"{run_id}-g0"))

@@ -68,6 +68,22 @@ def latest_checkpoint(root: Path, run_id: str, at_most: int | None = None) -> Pa
     return done[-1] if done else None
 
 
+def set_aside_after(root: Path, run_id: str, recorded: int) -> list[Path]:
+    """Move the run's checkpoints holding more than ``recorded`` updates out of the way
+    (renamed ``passed_over-step_<k>-<time>``, kept for a person to look at): they belong to
+    steps whose record was lost, which will be trained again. Left in place, the pruning
+    of older checkpoints would delete the new ones first, and a later restart could load
+    one of them. -> where they went."""
+    run_dir = root / run_id
+    moved = []
+    for path in sorted(run_dir.iterdir() if run_dir.is_dir() else []):
+        if path.name.startswith("step_") and checkpoint_step(path) > recorded:
+            target = run_dir / f"passed_over-{path.name}-{time.time_ns()}"
+            path.rename(target)
+            moved.append(target)
+    return moved
+
+
 def load_checkpoint(trainer: Any, path: Path) -> dict:
     trainer.load(path / "engine")
     rng = torch.load(path / "rng.pt", weights_only=False)

@@ -155,11 +155,14 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
     log.info("loaded policy for run %s on %s", run_id, trainer.device)
     latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id, recorded)
     newest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
-    if newest != latest and newest is not None:
+    if newest != latest and newest is not None and recorded is not None:
+        moved = checkpoint.set_aside_after(settings.checkpoint_dir, run_id, recorded)
         log.warning("run %s: the checkpoint %s holds %d updates, but the run recorded %d "
                     "(a Redis crash lost the latest records): restoring %s instead, so no "
-                    "step is trained twice", run_id, newest, checkpoint.checkpoint_step(newest),
-                    recorded, latest if latest is not None else "the initial weights")
+                    "step is trained twice; set aside: %s", run_id, newest,
+                    checkpoint.checkpoint_step(newest), recorded,
+                    latest if latest is not None else "the initial weights",
+                    ", ".join(p.name for p in moved))
     if latest is not None:
         meta = checkpoint.load_checkpoint(trainer, latest)
         resident.restored_step = resident.steps_done = meta["step"]
