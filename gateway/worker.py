@@ -6,9 +6,10 @@ until no connection handler is left. A handler includes a keep-alive connection 
 its client's next request (an agent's SDK keeps its connections open between calls), so
 one idle client held every stop for the whole timeout, a restart of the gateway with it.
 Here, once the worker stops, the read side of each connection that is between requests is
-shut down: its handler sees the end of the stream and returns. A request already being
-served is not touched; it finishes within the timeout, its answer sent with
-``Connection: close``.
+shut down (again every ``STOP_POLL_S``, for those accepted or idle since): its handler sees
+the end of the stream and returns. A request already being served is not touched; it
+finishes within the timeout, answered with ``Connection: close`` where its headers are not
+sent yet, and its connection is closed after the answer.
 """
 
 from __future__ import annotations
@@ -25,8 +26,21 @@ STOP_POLL_S = 0.2
 class GatewayWorker(GeventWorker):
     def init_process(self) -> None:
         self._open: set[Any] = set()   # the connections this worker handles
-        self._busy: set[Any] = set()   # those serving a request now
+        self._busy: set[Any] = set()   # those serving a request now (or speaking HTTP/2)
         super().init_process()
+
+    def load_wsgi(self) -> None:
+        super().load_wsgi()
+        app: Any = self.wsgi  # type: ignore[has-type]  # gunicorn sets it, untyped
+
+        def closing_once_stopped(environ: Any, start_response: Any) -> Any:
+            def start(status: str, headers: Any, exc_info: Any = None) -> Any:
+                if not self.alive:  # the stop began while this request was served
+                    start_response.__self__.force_close()
+                return start_response(status, headers, exc_info)
+            return app(environ, start)
+
+        self.wsgi = closing_once_stopped
 
     def run(self) -> None:
         gevent.spawn(self._close_idle_once_stopping)
@@ -49,13 +63,25 @@ class GatewayWorker(GeventWorker):
             raise StopIteration  # gunicorn's way to close the connection after the answer
         return bool(keep_open)
 
+    def handle_http2(self, listener: Any, client: Any, addr: Any, *args: Any,
+                     **kwargs: Any) -> Any:
+        # streams share the connection: it is never idle in this sense, and gunicorn ends
+        # it itself once the worker stops (a GOAWAY after the streams it has)
+        self._busy.add(client)
+        try:
+            return super().handle_http2(listener, client, addr, *args, **kwargs)
+        finally:
+            self._busy.discard(client)
+
     def _close_idle_once_stopping(self) -> None:
         while self.alive:
             gevent.sleep(STOP_POLL_S)
-        # a request served now closes its connection once answered (handle_request), so
-        # one pass over those between requests is enough
-        for sock in list(self._open - self._busy):
-            _stop_reading(sock)
+        done: set[Any] = set()
+        while True:  # until the process exits: gunicorn accepts for up to a second more
+            for sock in self._open - self._busy - done:
+                done.add(sock)
+                _stop_reading(sock)
+            gevent.sleep(STOP_POLL_S)
 
 
 def _stop_reading(sock: Any) -> None:
