@@ -143,7 +143,10 @@ class Continuity:
         token (the messages after ``last`` and the generation prompt), or None when the
         template does not render the kept part as a prefix of the whole."""
         render = self.tokenizer.apply_chat_template
-        msgs = self.template_input(msgs)  # what the server would render
+        served, merged = self.template_input.convert(msgs)  # what the server renders
+        if merged:
+            return None  # system messages merged into the first: the kept turn changed
+        msgs = served
         whole = str(render(msgs, tools=tools, add_generation_prompt=True, tokenize=False))
         head = str(render(msgs[:last + 1], tools=tools, add_generation_prompt=False,
                           tokenize=False))

@@ -4,10 +4,12 @@ context-length count, token continuity's new messages).
 vLLM does not pass a request's messages to the template as they came. For a template that
 takes each message's content as a string (one that never loops over it: most text models'),
 a content given as a list of text parts is joined with newlines, and a missing content is an
-empty string; for one that loops over content parts it stays a list. A ``developer`` message
-becomes a ``system`` one for a template that does not name that role, and an assistant's tool
-call arguments are given as an object (a JSON string decoded; anything that is not an object
-becomes ``{}``), as templates expect them. Rendered otherwise,
+empty string; for one that loops over content parts it is a list (a string one part, a
+missing content none). A tool message's parts are always joined. A ``developer`` message
+becomes a ``system`` one for a template that does not name that role, and then every system
+message is merged into one, first. An assistant's tool call arguments are given as an object
+(a JSON string decoded; anything that is not an object becomes ``{}``), and its reasoning
+under both ``reasoning`` and ``reasoning_content``. Rendered otherwise,
 a later turn would carry tokens the server never renders (a Python list's repr, an empty
 user turn) or fail in the template.
 """
@@ -61,6 +63,19 @@ def _content_params(ast: Any) -> dict[int, set[str]]:
     return out
 
 
+def _environment() -> Any:
+    """The Jinja environment transformers renders chat templates in (its extensions, such
+    as ``{% generation %}``, parse), else a plain one with loop controls."""
+    import jinja2
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        return _compile_jinja_template("").environment
+    except Exception:  # noqa: BLE001 - another transformers: the plain environment
+        return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+
+
 def content_format(chat_template: Any) -> ContentFormat:
     """``openai`` when the template loops over a message's content (it takes lists of
     parts), else ``string``, as vLLM's ``--chat-template-content-format auto`` decides: a
@@ -72,7 +87,7 @@ def content_format(chat_template: Any) -> ContentFormat:
     import jinja2.nodes as n
 
     try:
-        ast = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(chat_template)
+        ast = _environment().parse(chat_template)
     except jinja2.TemplateError:
         return "string"
     in_macros: dict[int, set[str]] = {}
@@ -100,27 +115,69 @@ class TemplateInput:
             '"developer"' in template or "'developer'" in template)
 
     def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [self._message(m) for m in messages]
+        return self.convert(messages)[0]
+
+    def convert(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+        """-> (the messages as served, whether system messages were merged into one: the
+        served list is then not the request's message for message)."""
+        out = [self._message(m) for m in messages]
+        if not self.developer_role and any(m.get("role") == "developer" for m in messages):
+            merged = _one_system_message(out)
+            return merged, merged is not out
+        return out, False
 
     def _message(self, message: dict[str, Any]) -> dict[str, Any]:
         out = dict(message)
         if out.get("role") == "developer" and not self.developer_role:
             out["role"] = "system"
         content = out.get("content")
+        texts = _texts(content)
         if self.format == "string" or out.get("role") == "tool":
             # vLLM joins a tool message's text parts whatever the template
-            if content is None:
-                out["content"] = ""
-            elif isinstance(content, list) and all(
-                    isinstance(p, dict) and p.get("type") == "text" for p in content):
-                out["content"] = "\n".join(str(p.get("text", "")) for p in content)
-        calls = out.get("tool_calls")
-        if out.get("role") == "assistant" and isinstance(calls, list):
-            if calls:
-                out["tool_calls"] = [_with_object_arguments(c) for c in calls]
-            else:
-                del out["tool_calls"]
+            if texts is not None:
+                out["content"] = "\n".join(texts)
+        elif isinstance(content, str) or content is None:
+            # the template loops over parts: it gets them even for a plain string
+            out["content"] = [] if content is None else [{"type": "text", "text": content}]
+        if out.get("role") == "assistant":
+            reasoning = out.get("reasoning", out.get("reasoning_content"))
+            if reasoning is not None:  # vLLM gives the template both names
+                out["reasoning"] = out["reasoning_content"] = reasoning
+            calls = out.get("tool_calls")
+            if isinstance(calls, list):
+                if calls:
+                    out["tool_calls"] = [_with_object_arguments(c) for c in calls]
+                else:
+                    del out["tool_calls"]
         return out
+
+
+def _texts(content: Any) -> list[str] | None:
+    """The texts of a content that is nothing but text (None: none), else None."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [content]
+    if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" for p in content):
+        return [str(p.get("text") or "") for p in content]
+    return None
+
+
+def _one_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """After developer messages became system ones: every system message merged into one,
+    first (some templates refuse a system message anywhere else), as vLLM does."""
+    systems = [i for i, m in enumerate(messages) if m.get("role") == "system"]
+    if not systems or systems == [0]:
+        return messages
+    texts = []
+    for i in systems:
+        joined = _texts(messages[i].get("content"))
+        text = "\n".join(joined) if joined is not None else ""
+        if text:
+            texts.append(text)
+    rest = [m for m in messages if m.get("role") != "system"]
+    return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
 
 
 def _with_object_arguments(call: Any) -> Any:

@@ -94,6 +94,16 @@ def test_new_messages_given_as_text_parts_are_rendered_as_the_server_renders_the
         joined, tools=TOOLS, add_generation_prompt=True, tokenize=False)
 
 
+def test_a_later_developer_message_merged_into_the_system_one_is_rendered(tok, redis_client):
+    """This template names no developer role: vLLM makes a developer message a system one
+    and merges every system message into the first, which changes the kept turn's
+    prompt. The call is rendered, not continued without the message."""
+    body, _, _ = first_turn(tok, redis_client, "r1d")
+    nxt = second_turn(body)
+    nxt["messages"].append({"role": "developer", "content": "answer in words"})
+    assert Continuity(tok, redis_client).prompt_ids("r1d", nxt) is None
+
+
 def test_the_echo_may_differ_in_ids_spacing_and_argument_formatting(tok, redis_client):
     body, prompt, response = first_turn(tok, redis_client, "r2")
     echoed = {"role": "assistant", "content": "", "tool_calls": [{

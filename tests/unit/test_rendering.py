@@ -21,6 +21,9 @@ NAMED = ("{% for message in messages %}{% set content = message.content %}"
     (STRING, "string"), (PARTS, "openai"), (NAMED, "openai"),
     ((REPO / "config" / "templates" / "smollm2-tools.jinja").read_text(), "string"),
     ("{% for m in messages %}{{ m.content", "string"),  # does not parse: vLLM's default
+    # transformers' own tag parses (its environment)
+    ("{% for m in messages %}{% generation %}{% for p in m.content %}{{ p.text }}{% endfor %}"
+     "{% endgeneration %}{% endfor %}", "openai"),
     (None, "string"),
 ])
 def test_the_content_format_is_the_one_vllm_detects(template, fmt):
@@ -44,11 +47,36 @@ def test_text_parts_stay_a_list_for_a_template_that_loops_over_them_except_a_too
         {"role": "tool", "tool_call_id": "c", "content": "a\nb"}]
 
 
+def test_a_plain_string_is_one_text_part_for_a_template_that_loops_over_parts():
+    """A Gemma-3-style template takes a string or a list, and raises on a null content,
+    which an assistant's tool call has: vLLM gives it parts, and so does the gateway."""
+    convert = TemplateInput(SimpleNamespace(chat_template=PARTS))
+    assert convert([{"role": "user", "content": "hi"},
+                    {"role": "assistant", "content": None, "tool_calls": [
+                        {"id": "c", "type": "function",
+                         "function": {"name": "f", "arguments": "{}"}}]}]) == [
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"role": "assistant", "content": [], "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": {}}}]}]
+
+
 def test_a_developer_message_is_a_system_one_unless_the_template_names_the_role():
     msg = [{"role": "developer", "content": "be brief"}]
     assert TemplateInput(SimpleNamespace(chat_template=STRING))(msg)[0]["role"] == "system"
     named = STRING + "{% if m.role == 'developer' %}{% endif %}"
     assert TemplateInput(SimpleNamespace(chat_template=named))(msg)[0]["role"] == "developer"
+    # converted, every system message is merged into one, first (some templates refuse
+    # a system message anywhere else), as vLLM does
+    later = [{"role": "system", "content": "A"}, {"role": "user", "content": "u"},
+             {"role": "developer", "content": [{"type": "text", "text": "B"}]}]
+    assert TemplateInput(SimpleNamespace(chat_template=STRING))(later) == [
+        {"role": "system", "content": "A\n\nB"}, {"role": "user", "content": "u"}]
+
+
+def test_an_assistants_reasoning_is_given_under_both_names():
+    convert = TemplateInput(SimpleNamespace(chat_template=STRING))
+    out = convert([{"role": "assistant", "content": "x", "reasoning_content": "think"}])
+    assert out[0]["reasoning"] == out[0]["reasoning_content"] == "think"
 
 
 def test_tool_call_arguments_are_given_as_an_object():
