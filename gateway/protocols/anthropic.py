@@ -179,6 +179,11 @@ class Messages(Protocol):
             chat["continue_final_message"] = True
             chat["add_generation_prompt"] = False
         schema = _output_schema(body)
+        if schema is not None and chat.get("continue_final_message"):
+            # the grammar would start at the prefill's end, the schema at the answer's
+            raise bad_request("structured outputs cannot continue a prefilled assistant "
+                              "message", param="output_config.format"
+                              if body.get("output_config") else "output_format")
         if schema is not None:
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": schema, "strict": True}}

@@ -158,6 +158,12 @@ def test_anthropic_structured_outputs_are_served_constrained():
         Messages().to_chat({"max_tokens": 5, "messages": [{"role": "user", "content": "a"}],
                             "output_config": {"format": {"type": "regex"}}})
     assert err.value.param == "output_config.format"
+    with pytest.raises(GatewayError) as err:  # a prefill: the grammar would start mid-answer
+        Messages().to_chat({"max_tokens": 5, "output_format": {"type": "json_schema",
+                                                               "schema": schema},
+                            "messages": [{"role": "user", "content": "a"},
+                                         {"role": "assistant", "content": "{"}]})
+    assert err.value.param == "output_format"
 
 
 def test_a_chat_answer_becomes_a_message():
