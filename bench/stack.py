@@ -20,10 +20,20 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, never one this process was given before: the kernel may hand the
+    same ephemeral port to two binds in a row once the first socket is closed, and two
+    services of one stack must not share one (the config refuses it)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _handed_out:
+            _handed_out.add(port)
+            return port
 
 
 def stack_overrides(tmp: Path, *extra: str) -> list[str]:

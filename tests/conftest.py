@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -21,13 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from bench.stack import free_port
+
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stack_overrides(tmp: Path) -> list[str]:
