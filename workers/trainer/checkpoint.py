@@ -56,15 +56,12 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
 
 
-def latest_checkpoint(root: Path, run_id: str, at_most: int | None = None) -> Path | None:
-    """The run's newest complete checkpoint; with ``at_most``, the newest holding at most
-    that many updates."""
+def latest_checkpoint(root: Path, run_id: str) -> Path | None:
     run_dir = root / run_id
     if not run_dir.is_dir():
         return None
     done = sorted(p for p in run_dir.iterdir()
-                  if p.name.startswith("step_") and (p / "meta.json").exists()
-                  and (at_most is None or checkpoint_step(p) <= at_most))
+                  if p.name.startswith("step_") and (p / "meta.json").exists())
     return done[-1] if done else None
 
 

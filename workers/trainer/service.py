@@ -153,14 +153,13 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
     resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path),
                         generation=next(_generations))
     log.info("loaded policy for run %s on %s", run_id, trainer.device)
-    latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id, recorded)
-    newest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
-    if newest != latest and newest is not None and recorded is not None:
-        moved = checkpoint.set_aside_after(settings.checkpoint_dir, run_id, recorded)
-        log.warning("run %s: the checkpoint %s holds %d updates, but the run recorded %d "
-                    "(a Redis crash lost the latest records): restoring %s instead, so no "
-                    "step is trained twice; set aside: %s", run_id, newest,
-                    checkpoint.checkpoint_step(newest), recorded,
+    moved = [] if recorded is None else \
+        checkpoint.set_aside_after(settings.checkpoint_dir, run_id, recorded)
+    latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
+    if moved:
+        log.warning("run %s: checkpoints hold more updates than the %d the run recorded (a "
+                    "Redis crash lost the latest records): restoring %s instead, so no step "
+                    "is trained twice; set aside: %s", run_id, recorded,
                     latest if latest is not None else "the initial weights",
                     ", ".join(p.name for p in moved))
     if latest is not None:
