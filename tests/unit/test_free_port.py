@@ -1,6 +1,6 @@
 """The ports a stack is given: never one the process was given before, though the kernel may
-hand the same ephemeral port to two binds in a row (seen: a benchmark's Flower and Redis got
-one port, and its config was refused)."""
+hand the same ephemeral port to two binds in a row (two services of one stack on one port:
+the config refuses it)."""
 
 from __future__ import annotations
 
