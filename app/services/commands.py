@@ -19,6 +19,7 @@ from app.config.loader import REPO_ROOT, repo_path
 from app.config.secrets import inference_api_key
 from app.config.settings import MAX_LORA_RANKS, lora_rank, sleep_mode, transfer_engine
 from app.services.device import resolve as resolve_device
+from app.services.rpc_sockets import rpc_dir, sweep
 from app.services.transfer_wire import SHM_BACKEND
 from app.state.connection import is_external
 
@@ -119,6 +120,11 @@ def inference_command(cfg: Any) -> Command:
     # environment, not the command line, where any user's `ps` would show it.
     env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
            "VLLM_API_KEY": inference_api_key(cfg)}
+    # vLLM never removes its IPC sockets: they go to a private directory, where each start
+    # removes the dead ones (rpc_sockets)
+    sockets = rpc_dir()
+    sweep(sockets)
+    env["VLLM_RPC_BASE_PATH"] = str(sockets)
     if rank:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
     if engine == "ipc":
