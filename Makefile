@@ -7,14 +7,11 @@ setup:
 demo: setup
 	@.venv/bin/carryover demo $(ARGS)
 
-# two workers, one per core of the CI machine; tests/schedule.py says how they share the suite
-XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
-
 test: setup
-	@.venv/bin/python -m pytest $(XDIST) $(ARGS)
+	@.venv/bin/python -m pytest $(ARGS)
 
 test-fast: setup
-	@.venv/bin/python -m pytest $(XDIST) --fast $(ARGS)
+	@.venv/bin/python -m pytest --fast $(ARGS)
 
 up: setup
 	@PATH="$(CURDIR)/.venv/bin:$$PATH" .venv/bin/honcho start

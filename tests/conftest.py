@@ -75,12 +75,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                      help="skip tests marked slow (end-to-end through every process)")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if getattr(config.option, "loadgroup", False):  # an xdist worker (make test)
-        from tests.schedule import distribute
-
-        distribute(items)
     if config.getoption("--fast"):
         skip = pytest.mark.skip(reason="--fast given")
         for item in items:
