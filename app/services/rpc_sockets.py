@@ -21,12 +21,20 @@ from pathlib import Path
 # beside this one may have bound it and not yet be listening.
 _MIN_AGE_S = 120.0
 _DEAD = {errno.ECONNREFUSED, errno.ENOENT}
+# A Unix socket's path holds at most 107 bytes on Linux; vLLM adds "/" and a uuid4.
+_PATH_MAX, _NAME_BYTES = 107, 37
 
 
 def rpc_dir() -> Path:
-    """The directory for this user's vLLM IPC sockets (created, mode 0700). Short: a Unix
-    socket's path holds at most 107 bytes, and vLLM adds a 37-byte name."""
-    path = Path(tempfile.gettempdir()) / f"carryover-vllm-rpc-{os.getuid()}"
+    """The directory for this user's vLLM IPC sockets (created, mode 0700), in the temporary
+    directory, or in /tmp where that one's path is too long for a socket's."""
+    name = f"carryover-vllm-rpc-{os.getuid()}"
+    fits = [p for p in (Path(tempfile.gettempdir()) / name, Path("/tmp") / name)
+            if len(os.fsencode(p)) + _NAME_BYTES <= _PATH_MAX]
+    if not fits:
+        raise RuntimeError(f"no directory for vLLM's IPC sockets: a socket path holds at most "
+                           f"{_PATH_MAX} bytes; set TMPDIR to a shorter path")
+    path = fits[0]
     path.mkdir(mode=0o700, exist_ok=True)
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
@@ -40,6 +48,9 @@ def rpc_dir() -> Path:
 
 def _dead(path: Path) -> bool:
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        # never wait: the listen queue of a server that stopped accepting (SIGSTOP, a
+        # debugger) fills up, and a blocking connect would then hang every later start
+        sock.setblocking(False)
         try:
             sock.connect(str(path))
         except OSError as exc:

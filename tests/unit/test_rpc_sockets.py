@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import tempfile
 import time
 from pathlib import Path
+
+import pytest
 
 from app.services.rpc_sockets import rpc_dir, sweep
 
@@ -51,3 +54,27 @@ def test_the_inference_command_points_vllm_at_it():
 
     env = inference_command(load_config(None, ["inference.device=cpu"])).env
     assert env["VLLM_RPC_BASE_PATH"] == str(rpc_dir())
+
+
+@pytest.mark.timeout(20)
+def test_a_server_that_stopped_accepting_is_kept_and_the_sweep_does_not_block(tmp_path):
+    """A stopped server (SIGSTOP, a debugger) accepts nothing: its listen queue fills with
+    each sweep's connects, and a blocking connect would then wait for good."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(tmp_path / "stuck"))
+    server.listen(0)
+    os.utime(tmp_path / "stuck", (0, 0))
+    try:
+        for _ in range(5):
+            assert sweep(tmp_path) == 0
+        assert (tmp_path / "stuck").exists()
+    finally:
+        server.close()
+
+
+def test_a_long_temporary_directory_falls_back_to_tmp(tmp_path, monkeypatch):
+    deep = tmp_path / ("d" * (100 - len(str(tmp_path))))
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    path = rpc_dir()
+    assert path.parent == Path("/tmp") and len(str(path)) + 37 <= 107
