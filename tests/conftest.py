@@ -28,23 +28,16 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from bench.stack import free_port  # noqa: E402
+from bench.stack import stack_overrides as bench_stack_overrides  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def stack_overrides(tmp: Path) -> list[str]:
-    redis_port, inf_port, gw_port, flower_port = (free_port() for _ in range(4))
-    return [
-        f"redis.port={redis_port}",
-        f"redis.dir={tmp / 'redis'}",
-        f"inference.port={inf_port}",
-        f"inference.urls=[http://127.0.0.1:{inf_port}]",
-        f"gateway.port={gw_port}",
-        f"gateway.url=http://127.0.0.1:{gw_port}",
-        f"services.flower_port={flower_port}",
-        "gateway.workers=2",
-        "services.worker_heartbeat_s=3",  # fault tests wait this long for a dead worker
-    ]
+    """A stack of its own ports and data directory, as the benchmarks start one."""
+    return bench_stack_overrides(tmp, "gateway.workers=2",
+                                 # fault tests wait this long for a dead worker
+                                 "services.worker_heartbeat_s=3")
 
 
 _TMP = Path(tempfile.mkdtemp(prefix="carryover-test-"))
