@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -68,6 +69,16 @@ def pytest_configure(config: pytest.Config) -> None:
     # (``timeout``, a CI runner) would exit without fixture teardown and leave them running;
     # as a KeyboardInterrupt, pytest still tears its fixtures down.
     signal.signal(signal.SIGTERM, _interrupt)
+
+
+@pytest.hookimpl(trylast=True)  # after the session fixtures' teardown stopped the services
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # A passing run leaves nothing in the temp directory (its Redis data and service logs
+    # are a few MB a run); a failing one keeps them, and says where.
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+        shutil.rmtree(_TMP, ignore_errors=True)
+    else:
+        session.config.get_terminal_writer().line(f"\nservices' logs kept in {_TMP / 'logs'}")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
