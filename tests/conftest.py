@@ -75,7 +75,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # A passing run leaves nothing in the temp directory (its Redis data and service logs
     # are a few MB a run); a failing one keeps them, and says where.
-    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED):
+    passed = exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+    if passed or not any(_TMP.iterdir()):  # nothing started, nothing to keep
         shutil.rmtree(_TMP, ignore_errors=True)
     else:
         session.config.get_terminal_writer().line(f"\nservices' logs kept in {_TMP / 'logs'}")
