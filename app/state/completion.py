@@ -20,10 +20,19 @@ from collections.abc import Iterable
 import redis
 
 from app.state import keys, retention
-from app.state.records import SUCCESS_REWARD, SiblingResult
+from app.state.records import SUCCESS_REWARD, GroupRecord, SiblingResult
 from app.state.runs import MissingState, read_group, run_config
 
 log = logging.getLogger(__name__)
+
+
+# The early flag goes only on a record that still exists: a plain HSET on one that expired
+# since it was read would bring it back as a one-field hash without a TTL, kept for good.
+_FLAG_EARLY = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HSET', KEYS[1], ARGV[1], '1')
+return 1
+"""
 
 
 def sibling_results(client: redis.Redis, group_id: str) -> dict[int, SiblingResult]:
@@ -44,7 +53,9 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
         # wrongly presumed dead). Never mark a partial group; flag it so the last sibling
         # to store its result finishes it (flag first, then look again: one of the two
         # sides always sees the other).
-        client.hset(keys.group(group_id), "callback_early", "1")
+        if not client.register_script(_FLAG_EARLY)(
+                keys=[keys.group(group_id)], args=[GroupRecord.field("callback_early")]):
+            return _gone(group_id)
         results = sibling_results(client, group_id)
         if len(results) < group.n:
             log.warning("group %s: callback saw %d of %d siblings; the last sibling will "
@@ -67,6 +78,8 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
         args=[group_id, outcome, str(time.time()), group.seq, group.sample_index,
               int(limit or 0), (failed[0].error or "") if failed else "",
               retention.GUARD_TTL_S])
+    if answer == "gone":
+        return _gone(group_id)
     if answer == "duplicate":
         log.info("group %s: completion already recorded (duplicate callback)", group_id)
     elif answer == "dropped":
@@ -87,6 +100,13 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
     return str(answer)
 
 
+def _gone(group_id: str) -> str:
+    # expired (dropped or cancelled long ago) between the callback's read and its write
+    log.info("group %s: its record expired while the callback ran; nothing to complete",
+             group_id)
+    return "gone"
+
+
 def equal_rewards(results: Iterable[SiblingResult], metric: str) -> bool:
     """Whether a complete group's rollouts all scored the same under ``metric`` (its GRPO
     advantages are then all zero). A failed rollout scores 0 (``on_failure: zero_reward``)."""
@@ -100,13 +120,15 @@ def equal_rewards(results: Iterable[SiblingResult], metric: str) -> bool:
 # Status check, exactly-once mark and the outcome's writes in one step (see the invariants).
 # A dropped group's prompt is re-queued unless its groups have now been dropped ARGV[6]
 # times (0: no limit): then it is quarantined with its last error (once: the answer is
-# 'quarantined' the first time, 'dropped' after). A filtered group leaves the active set
+# 'quarantined' the first time, 'dropped' after). A record that expired since it was read
+# is left gone ('gone'), not brought back without a TTL. A filtered group leaves the active set
 # like a dropped one (its slot is free), and its prompt is not re-queued.
 # KEYS: group, group_done, run_active, run_ready, run_requeue, run, run_wakeup, group_results,
 #       run_prompt_failures, run_quarantined
 # ARGV: group id, outcome (complete | dropped | filtered), completed_at, seq, sample index,
 #       max prompt failures, the last error, the guard's TTL (s)
 _COMPLETE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 'gone' end
 if redis.call('HGET', KEYS[1], 'status') == 'cancelled' then return 'cancelled' end
 if not redis.call('SET', KEYS[2], '1', 'NX', 'EX', ARGV[8]) then return 'duplicate' end
 redis.call('HSET', KEYS[1], 'status', ARGV[2], 'completed_at', ARGV[3])

@@ -52,3 +52,38 @@ def test_cancel_after_completion_removes_it_from_the_ready_set(redis_client, tmp
     assert collector.cancel_stale(step=5) == 1
     assert redis_client.zscore(keys.run_ready("race2"), gid) is None
     assert completion.finish_group(redis_client, gid) == "cancelled"  # a late duplicate
+
+
+def test_an_early_callback_never_recreates_an_expired_record(redis_client, tmp_path,
+                                                             monkeypatch):
+    # a partial group whose record expires (it was dropped or cancelled long ago) between
+    # the callback's read and its early flag: the flag must not bring back a one-field
+    # record that no TTL would ever remove
+    _, gid = setup_group(redis_client, tmp_path, "expired")
+    redis_client.hdel(keys.group_results(gid), "1")
+    results = completion.sibling_results
+
+    def results_then_expire(client, group_id):
+        found = results(client, group_id)
+        client.delete(keys.group(group_id))  # the record's TTL runs out here
+        return found
+
+    monkeypatch.setattr(completion, "sibling_results", results_then_expire)
+    assert completion.finish_group(redis_client, gid) == "gone"
+    assert not redis_client.exists(keys.group(gid))
+
+
+def test_a_callback_never_recreates_a_record_that_expired_while_it_ran(redis_client, tmp_path,
+                                                                      monkeypatch):
+    _, gid = setup_group(redis_client, tmp_path, "expired2")
+    results = completion.sibling_results
+
+    def results_then_expire(client, group_id):
+        found = results(client, group_id)
+        client.delete(keys.group(group_id))
+        return found
+
+    monkeypatch.setattr(completion, "sibling_results", results_then_expire)
+    assert completion.finish_group(redis_client, gid) == "gone"
+    assert not redis_client.exists(keys.group(gid))
+    assert redis_client.zscore(keys.run_ready("expired2"), gid) is None  # never trainable
