@@ -159,3 +159,13 @@ def test_a_call_recorded_after_a_cancel_keeps_the_short_retention(redis_client, 
     assert admission.record_and_release(f"{rid}|l2", ["{}"], turn=("d2", "t2"))
     for key in (keys.rollout_turns(rid), keys.rollout_calls(rid)):
         assert 0 < redis_client.ttl(key) <= retention.UNTRAINED_TTL_S, key
+
+
+def test_a_sibling_redelivered_after_its_group_expired_runs_nothing_quietly(redis_client,
+                                                                           group, caplog):
+    """A sibling message redelivered after its cancelled group's record expired (a worker
+    lost for over an hour): nothing to run, nothing stored, and no crash in the log."""
+    result = run_sibling(redis_client, group, 0)
+    assert result.status == "failed" and "expired" in (result.error or "")
+    assert not redis_client.exists(keys.group_results(group))
+    assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]

@@ -22,7 +22,7 @@ import redis
 
 from app.state import cached_reads, carry, keys
 from app.state.records import RolloutRecord, RunRecord, SiblingResult
-from app.state.runs import read_group, run_config
+from app.state.runs import MissingState, read_group, run_config
 from workers.rollout.controller import (
     AgentError,
     LLMEndpoint,
@@ -120,6 +120,14 @@ def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult
         return done
     try:
         result = _run(client, group_id, index)
+    except MissingState as exc:
+        # its group (or run) is gone: a message redelivered after the group was cancelled or
+        # dropped and its records expired. Nothing to run, and nothing to store: a result
+        # stored now would only wait for its own TTL.
+        log.info("sibling %s/%d: nothing to run, its group's records expired (%s)",
+                 group_id, index, exc)
+        return SiblingResult(index=index, rollout_id="", status="failed", reward=None,
+                             attempts=0, seconds=0.0, error=f"records expired: {exc}")
     except Exception as exc:  # noqa: BLE001 - a broken sibling is a failed result
         log.exception("sibling %s/%d crashed outside the agent", group_id, index)
         result = SiblingResult(index=index, rollout_id="", status="failed", reward=None,
