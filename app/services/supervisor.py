@@ -201,12 +201,18 @@ class Supervisor:
 
     def _count_restart(self, role: str) -> None:
         """Record the restart where ``carryover status`` reads it (best effort: Redis may be
-        the role that is down)."""
+        the role that is down). One quick try: a client that rode out an outage would hold
+        this loop, and with it the restart of Redis itself, for the whole reconnect window."""
         try:
             from app.state import keys
             from app.state.connection import connect, resolve_redis_url
 
-            connect(resolve_redis_url(self.cfg)).hincrby(keys.role_restarts(), role, 1)
+            client = connect(resolve_redis_url(self.cfg), retry=None, socket_timeout=1,
+                             socket_connect_timeout=1)
+            try:
+                client.hincrby(keys.role_restarts(), role, 1)
+            finally:
+                client.connection_pool.disconnect()
         except Exception as exc:  # noqa: BLE001 - counting must never stop a restart
             log.info("could not count the restart of %s in Redis: %s", role, exc)
 

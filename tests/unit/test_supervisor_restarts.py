@@ -51,3 +51,28 @@ def test_a_role_that_keeps_failing_at_start_stops_the_stack(sup):
             time.sleep(0.05)
     assert sup.restarts["rollout"] == sv.MAX_QUICK_FAILURES
     assert sup.procs["gateway"].poll() is None
+
+
+def test_counting_a_restart_never_waits_for_redis(tmp_path, monkeypatch):
+    """The restart count goes to Redis, which may be the role that is down and waiting for
+    this very loop to start it again: a count that rode out the outage (as every other
+    client does) held the loop, and Redis with it, for the whole reconnect window."""
+    from bench.stack import free_port
+
+    monkeypatch.setattr(sv, "command_for", lambda cfg, role: Command(role, ["sleep", "60"]))
+    monkeypatch.setattr(sv, "BACKOFF_S", (0.2, 1.0))
+    s = sv.Supervisor(load_config(None, [f"redis.port={free_port()}", "redis.reconnect_s=30"]),
+                      log_dir=tmp_path)
+    try:
+        s._spawn(sv.command_for(s.cfg, "rollout"))
+        s.procs["rollout"].send_signal(signal.SIGKILL)
+        s.procs["rollout"].wait()
+        began = time.monotonic()
+        deadline = began + 10
+        while not s.restarts and time.monotonic() < deadline:
+            s.watch()
+            time.sleep(0.05)
+        assert s.restarts == {"rollout": 1}
+        assert time.monotonic() - began < 5  # not the 30 s reconnect window
+    finally:
+        s.stop(grace=2)
