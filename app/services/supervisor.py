@@ -15,6 +15,7 @@ after its start (``MAX_QUICK_FAILURES`` times in a row) stops the stack.
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import signal
@@ -95,6 +96,7 @@ class Supervisor:
         self.quick_failures: dict[str, int] = {}
         self.restart_due: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
+        self.uncounted: collections.Counter[str] = collections.Counter()  # not in Redis yet
 
     def log_path(self, role: str) -> Path:
         return self.log_dir / f"{role}.log"
@@ -197,24 +199,39 @@ class Supervisor:
                 self.restarts[role] = self.restarts.get(role, 0) + 1
                 self._count_restart(role)
                 restarted.append(role)
+        if not restarted:
+            self._flush_restart_counts()  # the ones Redis could not take at their restart
         return restarted
 
     def _count_restart(self, role: str) -> None:
-        """Record the restart where ``carryover status`` reads it (best effort: Redis may be
-        the role that is down). One quick try: a client that rode out an outage would hold
-        this loop, and with it the restart of Redis itself, for the whole reconnect window."""
-        try:
-            from app.state import keys
-            from app.state.connection import connect, resolve_redis_url
+        self.uncounted[role] += 1
+        self._flush_restart_counts()
 
+    def _flush_restart_counts(self) -> None:
+        """Add the restarts not counted yet where ``carryover status`` reads them. One quick
+        try per look, never a wait: Redis may be the role that is down, waiting for this
+        very loop to start it again (a client that rode out the outage held the loop, and
+        the restart of Redis with it, for the whole reconnect window). What Redis could not
+        take now is counted at a later look."""
+        if not self.uncounted:
+            return
+        from app.state import keys
+        from app.state.connection import connect, resolve_redis_url
+
+        try:
             client = connect(resolve_redis_url(self.cfg), retry=None, socket_timeout=1,
                              socket_connect_timeout=1)
             try:
-                client.hincrby(keys.role_restarts(), role, 1)
+                pipe = client.pipeline(transaction=True)
+                for role, count in self.uncounted.items():
+                    pipe.hincrby(keys.role_restarts(), role, count)
+                pipe.execute()
             finally:
                 client.connection_pool.disconnect()
         except Exception as exc:  # noqa: BLE001 - counting must never stop a restart
-            log.info("could not count the restart of %s in Redis: %s", role, exc)
+            log.debug("restarts not counted in Redis yet (%s): %s", dict(self.uncounted), exc)
+            return
+        self.uncounted.clear()
 
     def watch_forever(self, every_s: float = 1.0,
                       stop: Callable[[], bool] = lambda: False) -> None:

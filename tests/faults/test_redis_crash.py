@@ -15,7 +15,9 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -63,9 +65,61 @@ def stack_up(tmp_path: Path, *extra: str) -> Iterator[tuple[dict, object, subpro
         up_log.close()
 
 
+@dataclass
+class Stack:
+    env: dict[str, str]
+    cfg: Any
+    up: subprocess.Popen
+    log: Path
+
+    def log_since(self, offset: int) -> str:
+        return self.log.read_text()[offset:]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    """One ``carryover up`` for the module's tests (a start and a stop cost ~25 s): each
+    test trains a run of its own, and reads only what the stack logged and recorded since it
+    began. With the demo's 256 rollout slots, which the demo-load test needs."""
+    tmp = tmp_path_factory.mktemp("redis-crash")
+    with stack_up(tmp) as (env, cfg, up):
+        yield Stack(env, cfg, up, tmp / "up.log")
+
+
+def start_run(stack: Stack, tmp_path: Path, *overrides: str
+              ) -> tuple[subprocess.Popen, Callable[[], str | None]]:
+    """``carryover train`` with the run's own ``overrides`` against the shared stack;
+    returns it and a function giving its run id once the driver has made it."""
+    client = connect(resolve_redis_url(stack.cfg))
+    before = set(client.scan_iter(keys.run("*") + ":metrics"))
+    env = {**stack.env, "CARRYOVER_OVERRIDES": json.dumps([
+        *json.loads(stack.env["CARRYOVER_OVERRIDES"]), f"logging.dir={tmp_path / 'runs'}",
+        f"trainer.weights_dir={tmp_path / 'w'}", f"trainer.checkpoint_dir={tmp_path / 'c'}",
+        *overrides])}
+    train = subprocess.Popen([str(BIN / "carryover"), "train"], cwd=REPO, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def run_id() -> str | None:
+        new = [k for k in client.scan_iter(keys.run("*") + ":metrics") if k not in before]
+        return new[0].split(":")[-2] if new else None
+
+    return train, run_id
+
+
+def role_process(up: subprocess.Popen, match: Callable[[list[str]], bool]) -> psutil.Process:
+    """The running child of ``carryover up`` whose command line ``match`` accepts (a role
+    just killed stays a zombie until the supervisor's next look)."""
+    for child in psutil.Process(up.pid).children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and match(child.cmdline()):
+                return child
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    raise AssertionError("no such role running under carryover up")
+
+
 def kill_redis(up: subprocess.Popen) -> None:
-    server = next(p for p in psutil.Process(up.pid).children()
-                  if "redis-server" in " ".join(p.cmdline()))
+    server = role_process(up, lambda cmd: "redis-server" in " ".join(cmd))
     os.killpg(server.pid, signal.SIGKILL)
 
 
@@ -78,11 +132,6 @@ def wait_for(what: str, cond: Callable[[], bool], train: subprocess.Popen, timeo
                                  + train.communicate()[0][-4000:])
         assert time.monotonic() < deadline, f"timed out waiting for {what}"
         time.sleep(every_s)
-
-
-def run_id_of(client) -> str | None:
-    runs = [k for k in client.scan_iter(keys.run("*") + ":metrics")]
-    return runs[0].split(":")[-2] if runs else None
 
 
 def check_run(client, run_id: str, steps: int, batch: int, n: int) -> None:
@@ -103,121 +152,110 @@ def check_run(client, run_id: str, steps: int, batch: int, n: int) -> None:
     assert not twice, f"trained twice: {twice}"
 
 
-def test_redis_killed_at_three_points_of_a_step(tmp_path):
+def steps_done(client, run_id: Callable[[], str | None]) -> int:
+    rid = run_id()
+    return client.llen(keys.run_metrics(rid)) if rid else 0
+
+
+def test_redis_killed_at_three_points_of_a_step(stack, tmp_path):
     steps, batch, n = 7, 4, 2
-    with stack_up(tmp_path, "services.rollout_concurrency=16", f"data.train_batch_size={batch}",
-                  f"actor_rollout_ref.rollout.n={n}",
-                  "agentlightning.async_rollout.async_train_batch_size=8",
-                  f"trainer.total_steps={steps}") as (env, cfg, up):
-        client = connect(resolve_redis_url(cfg))
-        train = subprocess.Popen([str(BIN / "carryover"), "train"], cwd=REPO, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            def steps_done() -> int:
-                run_id = run_id_of(client)
-                return client.llen(keys.run_metrics(run_id)) if run_id else 0
-
-            # 1. while groups are collected: step 1 is waiting for completions
-            wait_for("step 0", lambda: steps_done() >= 1, train, 240)
-            wait_for("collection", lambda: not client.exists(keys.paused()), train, 60, 0.01)
-            kill_redis(up)
-            # 2. during the update: the trainer holds the gateway paused
-            wait_for("step 2", lambda: steps_done() >= 3, train, 240)
-            wait_for("an update", lambda: client.exists(keys.paused()), train, 120, 0.005)
-            kill_redis(up)
-            # 3. between the weight save/load and the version bump: the new version's
-            # weights are on disk, the version not bumped yet. The window is tens of
-            # milliseconds; a look that comes after the bump tries the next step.
-            wait_for("step 4", lambda: steps_done() >= 5, train, 240)
-            # where the trainer exports (weights_dir, or shared memory: weights_in_memory)
-            weights_dir = Path(client.hget(keys.policy_published(), "path")).parent
-            for _ in range(steps - 5):
-                version = int(client.get(keys.policy_version()) or 0)
-                new = weights_dir / f"v{version + 1:06d}"
-                wait_for("the next weights", new.exists, train, 120, 0.002)
-                if int(client.get(keys.policy_version()) or 0) == version:
-                    kill_redis(up)
-                    break
-            else:
-                pytest.fail("no look at the weights came before the version bump")
-            out, _ = train.communicate(timeout=300)
-        finally:
-            if train.poll() is None:
-                train.kill()
-        assert train.returncode == 0, out[-4000:]
-        assert up.poll() is None  # the stack is still up
-        run_id = run_id_of(client)
-        check_run(client, run_id, steps, batch, n)
-        # the version went up once per step and the gateway never went back
-        assert int(client.get(keys.policy_version())) >= steps
-        up_log = (tmp_path / "up.log").read_text()
-        assert up_log.count("redis exited with code -9") == 3, up_log[-3000:]
-        assert up_log.count("exited with code") == 3, up_log[-3000:]  # no other role died
-        outages = [OutageRecord.from_json(r) for r in client.lrange(keys.redis_outages(), 0, -1)]
-        assert {"driver", "gateway", "rollout", "groups", "trainer"} <= {o.role for o in outages}
-        status = subprocess.run([str(BIN / "carryover"), "status"], cwd=REPO, env=env,
-                                capture_output=True, text=True, timeout=60)
-        assert "redis outage" in status.stdout, status.stdout
-        assert status.returncode == 0, status.stdout + status.stderr  # every part up, Flower too
+    client = connect(resolve_redis_url(stack.cfg))
+    log_from = len(stack.log.read_text())
+    outages_from = client.llen(keys.redis_outages())
+    train, run_id = start_run(stack, tmp_path, f"data.train_batch_size={batch}",
+                              f"actor_rollout_ref.rollout.n={n}",
+                              "agentlightning.async_rollout.async_train_batch_size=8",
+                              f"trainer.total_steps={steps}")
+    try:
+        # 1. while groups are collected: step 1 is waiting for completions
+        wait_for("step 0", lambda: steps_done(client, run_id) >= 1, train, 240)
+        wait_for("collection", lambda: not client.exists(keys.paused()), train, 60, 0.01)
+        kill_redis(stack.up)
+        # 2. during the update: the trainer holds the gateway paused
+        wait_for("step 2", lambda: steps_done(client, run_id) >= 3, train, 240)
+        wait_for("an update", lambda: client.exists(keys.paused()), train, 120, 0.005)
+        kill_redis(stack.up)
+        # 3. between the weight save/load and the version bump: the new version's
+        # weights are on disk, the version not bumped yet. The window is tens of
+        # milliseconds; a look that comes after the bump tries the next step.
+        wait_for("step 4", lambda: steps_done(client, run_id) >= 5, train, 240)
+        # where the trainer exports (weights_dir, or shared memory: weights_in_memory)
+        weights_dir = Path(client.hget(keys.policy_published(), "path")).parent
+        for _ in range(steps - 5):
+            version = int(client.get(keys.policy_version()) or 0)
+            new = weights_dir / f"v{version + 1:06d}"
+            wait_for("the next weights", new.exists, train, 120, 0.002)
+            if int(client.get(keys.policy_version()) or 0) == version:
+                kill_redis(stack.up)
+                break
+        else:
+            pytest.fail("no look at the weights came before the version bump")
+        out, _ = train.communicate(timeout=300)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 0, out[-4000:]
+    assert stack.up.poll() is None  # the stack is still up
+    check_run(client, run_id(), steps, batch, n)
+    # the version went up once per step and the gateway never went back
+    assert int(client.get(keys.policy_version())) >= steps
+    up_log = stack.log_since(log_from)
+    assert up_log.count("redis exited with code -9") == 3, up_log[-3000:]
+    assert up_log.count("exited with code") == 3, up_log[-3000:]  # no other role died
+    outages = [OutageRecord.from_json(r)
+               for r in client.lrange(keys.redis_outages(), outages_from, -1)]
+    assert {"driver", "gateway", "rollout", "groups", "trainer"} <= {o.role for o in outages}
+    status = subprocess.run([str(BIN / "carryover"), "status"], cwd=REPO, env=stack.env,
+                            capture_output=True, text=True, timeout=60)
+    assert "redis outage" in status.stdout, status.stdout
+    assert status.returncode == 0, status.stdout + status.stderr  # every part up, Flower too
 
 
-def test_redis_killed_under_the_demo_load(tmp_path):
+def test_redis_killed_under_the_demo_load(stack, tmp_path):
     """The demo's shape and concurrency (16 groups of 8, 32 active, 256 rollout slots)."""
     steps = 4
-    with stack_up(tmp_path, f"trainer.total_steps={steps}") as (env, cfg, up):
-        client = connect(resolve_redis_url(cfg))
-        train = subprocess.Popen([str(BIN / "carryover"), "train"], cwd=REPO, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            def steps_done() -> int:
-                run_id = run_id_of(client)
-                return client.llen(keys.run_metrics(run_id)) if run_id else 0
-
-            wait_for("step 0", lambda: steps_done() >= 1, train, 300)
-            # with calls in flight: the gateway holds leases
-            wait_for("calls in flight", lambda: client.zcard(keys.leases()) >= 8, train, 60,
-                     0.01)
-            kill_redis(up)
-            out, _ = train.communicate(timeout=400)
-        finally:
-            if train.poll() is None:
-                train.kill()
-        assert train.returncode == 0, out[-4000:]
-        check_run(client, run_id_of(client), steps, int(cfg.data.train_batch_size),
-                  int(cfg.actor_rollout_ref.rollout.n))
-        up_log = (tmp_path / "up.log").read_text()
-        assert up_log.count("exited with code") == 1, up_log[-3000:]  # only Redis died
+    client = connect(resolve_redis_url(stack.cfg))
+    log_from = len(stack.log.read_text())
+    train, run_id = start_run(stack, tmp_path, f"trainer.total_steps={steps}")
+    try:
+        wait_for("step 0", lambda: steps_done(client, run_id) >= 1, train, 300)
+        # with calls in flight: the gateway holds leases
+        wait_for("calls in flight", lambda: client.zcard(keys.leases()) >= 8, train, 60, 0.01)
+        kill_redis(stack.up)
+        out, _ = train.communicate(timeout=400)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 0, out[-4000:]
+    check_run(client, run_id(), steps, int(stack.cfg.data.train_batch_size),
+              int(stack.cfg.actor_rollout_ref.rollout.n))
+    up_log = stack.log_since(log_from)
+    assert up_log.count("exited with code") == 1, up_log[-3000:]  # only Redis died
 
 
-def test_messages_delivered_before_the_crash_are_redelivered(tmp_path):
+def test_messages_delivered_before_the_crash_are_redelivered(stack, tmp_path):
     """Redis and the rollout worker SIGKILLed together while its rollouts run: the messages
     it held, unacknowledged (acks_late), are still in Redis after the restart, and the
     restarted worker's reaper puts them back, so every group completes."""
     steps, batch, n = 4, 4, 2
-    with stack_up(tmp_path, "services.rollout_concurrency=16", f"data.train_batch_size={batch}",
-                  f"actor_rollout_ref.rollout.n={n}",
-                  "agentlightning.async_rollout.async_train_batch_size=8",
-                  f"trainer.total_steps={steps}") as (env, cfg, up):
-        client = connect(resolve_redis_url(cfg))
-        train = subprocess.Popen([str(BIN / "carryover"), "train"], cwd=REPO, env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        try:
-            def steps_done() -> int:
-                run_id = run_id_of(client)
-                return client.llen(keys.run_metrics(run_id)) if run_id else 0
-
-            wait_for("step 0", lambda: steps_done() >= 1, train, 240)
-            wait_for("rollouts running", lambda: client.zcard(keys.leases()) >= 2, train, 60,
-                     0.005)
-            worker = next(p for p in psutil.Process(up.pid).children()
-                          if "-Q" in p.cmdline() and "rollout" in p.cmdline())
-            os.killpg(worker.pid, signal.SIGKILL)
-            kill_redis(up)
-            out, _ = train.communicate(timeout=400)
-        finally:
-            if train.poll() is None:
-                train.kill()
-        assert train.returncode == 0, out[-4000:]
-        check_run(client, run_id_of(client), steps, batch, n)
-        up_log = (tmp_path / "up.log").read_text()
-        assert "redis exited with code -9" in up_log and "rollout exited with code" in up_log
+    client = connect(resolve_redis_url(stack.cfg))
+    log_from = len(stack.log.read_text())
+    train, run_id = start_run(stack, tmp_path, f"data.train_batch_size={batch}",
+                              f"actor_rollout_ref.rollout.n={n}",
+                              "agentlightning.async_rollout.async_train_batch_size=8",
+                              f"trainer.total_steps={steps}")
+    try:
+        wait_for("step 0", lambda: steps_done(client, run_id) >= 1, train, 240)
+        wait_for("rollouts running", lambda: client.zcard(keys.leases()) >= 2, train, 60,
+                 0.005)
+        worker = role_process(stack.up, lambda cmd: "-Q" in cmd and "rollout" in cmd)
+        os.killpg(worker.pid, signal.SIGKILL)
+        kill_redis(stack.up)
+        out, _ = train.communicate(timeout=400)
+    finally:
+        if train.poll() is None:
+            train.kill()
+    assert train.returncode == 0, out[-4000:]
+    check_run(client, run_id(), steps, batch, n)
+    up_log = stack.log_since(log_from)
+    assert "redis exited with code -9" in up_log and "rollout exited with code" in up_log

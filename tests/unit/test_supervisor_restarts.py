@@ -11,6 +11,7 @@ import pytest
 from app.config import load_config
 from app.services import supervisor as sv
 from app.services.commands import Command
+from app.state import keys
 
 
 @pytest.fixture
@@ -53,10 +54,11 @@ def test_a_role_that_keeps_failing_at_start_stops_the_stack(sup):
     assert sup.procs["gateway"].poll() is None
 
 
-def test_counting_a_restart_never_waits_for_redis(tmp_path, monkeypatch):
+def test_counting_a_restart_never_waits_for_redis(tmp_path, monkeypatch, cfg, redis_client):
     """The restart count goes to Redis, which may be the role that is down and waiting for
     this very loop to start it again: a count that rode out the outage (as every other
-    client does) held the loop, and Redis with it, for the whole reconnect window."""
+    client does) held the loop, and Redis with it, for the whole reconnect window. The
+    count is made at a later look, once Redis answers."""
     from bench.stack import free_port
 
     monkeypatch.setattr(sv, "command_for", lambda cfg, role: Command(role, ["sleep", "60"]))
@@ -74,5 +76,10 @@ def test_counting_a_restart_never_waits_for_redis(tmp_path, monkeypatch):
             time.sleep(0.05)
         assert s.restarts == {"rollout": 1}
         assert time.monotonic() - began < 5  # not the 30 s reconnect window
+        assert s.uncounted == {"rollout": 1}
+        s.cfg = cfg  # Redis answers again (the session's)
+        s.watch()
+        assert not s.uncounted
+        assert redis_client.hget(keys.role_restarts(), "rollout") == "1"
     finally:
         s.stop(grace=2)
