@@ -59,11 +59,41 @@ def bench_dir() -> Iterator[Path]:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
+# a directory: the benchmark uses the stack $CARRYOVER_OVERRIDES describes, and this directory
+ATTACH_ENV = "CARRYOVER_BENCH_ATTACH"
+
+
 @contextmanager
 def bench_stack(roles: list[str], *extra: str) -> Iterator[tuple[list[str], Path]]:
-    """Start ``roles``; yields (the overrides every run config must include, a temp dir)."""
+    """Start ``roles``; yields (the overrides every run config must include, a temp dir).
+
+    With ``$CARRYOVER_BENCH_ATTACH`` set to a directory, nothing is started: the roles must
+    already be up where ``$CARRYOVER_OVERRIDES`` says (the test suite's stack, which saves
+    each benchmark's smoke test a start of every role), and ``extra``'s service settings
+    are not applied. The directory is kept: the attached stack may still read files the
+    benchmark wrote there (its weights)."""
+    attach = os.environ.get(ATTACH_ENV)
+    if attach:
+        yield _attached(Path(attach), roles, extra), Path(attach)
+        return
     with bench_dir() as tmp, _started(tmp, roles, *extra) as base:
         yield base, tmp
+
+
+def _attached(tmp: Path, roles: list[str], extra: tuple[str, ...]) -> list[str]:
+    from app.config import service_config
+    from app.services.supervisor import ready_check
+
+    cfg = service_config()
+    down = [role for role in roles if not ready_check(cfg, role)()]
+    if down:
+        raise RuntimeError(f"{ATTACH_ENV} is set, but these roles of the stack "
+                           f"$CARRYOVER_OVERRIDES describes are not up: {', '.join(down)}")
+    if extra:
+        print(f"# attached to a running stack: its own settings stand, not {list(extra)}",
+              file=sys.stderr)
+    tmp.mkdir(parents=True, exist_ok=True)
+    return json.loads(os.environ.get("CARRYOVER_OVERRIDES") or "[]")
 
 
 @contextmanager

@@ -45,7 +45,8 @@ QUICK_S = 30.0        # a role that dies within this long after its start failed
 BACKOFF_S = (1.0, 30.0)  # first and longest wait before a restart
 
 
-def _ready_check(cfg: Any, role: str) -> Callable[[], bool]:
+def ready_check(cfg: Any, role: str) -> Callable[[], bool]:
+    """A quick look at whether ``role`` answers (its health check)."""
     if role == "redis":
         return lambda: health.check_redis(cfg, timeout=1).ok
     if role == "inference":
@@ -133,7 +134,7 @@ class Supervisor:
 
     def _wait_ready(self, roles: Iterable[str], timeout: float,
                     progress: Callable[[str], None] | None = None) -> None:
-        pending = {r: _ready_check(self.cfg, r) for r in roles
+        pending = {r: ready_check(self.cfg, r) for r in roles
                    if r in self.procs or (r == "redis")}
         deadline = time.monotonic() + timeout
         while pending:

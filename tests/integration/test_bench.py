@@ -4,19 +4,25 @@ themselves are not asserted: timing goals belong to the benchmarks, not to tests
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from bench.stack import ATTACH_ENV
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
 
-def run_bench(*args: str) -> dict:
+def run_bench(*args: str, attach: Path | None = None) -> dict:
+    """``attach``: a directory for the benchmark, which then runs on the session's stack
+    (bench.stack's ATTACH_ENV) instead of starting every role of its own."""
+    env = {**os.environ, ATTACH_ENV: str(attach)} if attach else None
     out = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True,
-                         text=True, timeout=600)
+                         text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     start = 0 if text.startswith("{") else text.index("\n{\n") + 1
@@ -53,8 +59,14 @@ def test_weight_sync_bench_json():
     assert r["update_tokens_per_s"]["engine"] > 0 and r["update_tokens_per_s"]["reference"] > 0
 
 
-def test_async_vs_sync_bench_json(tmp_path):
-    r = run_bench("bench.async_vs_sync", "--quick", "--out", str(tmp_path))
+@pytest.fixture
+def session_stack(celery_workers, gateway_service, vllm_service) -> None:
+    """Every role of the session's stack up, for a benchmark to attach to."""
+
+
+def test_async_vs_sync_bench_json(tmp_path, session_stack):
+    r = run_bench("bench.async_vs_sync", "--quick", "--out", str(tmp_path),
+                  attach=tmp_path / "bench")
     assert r["benchmark"] == "async_vs_sync" and "ideal_formula" in r and "warmup_rule" in r
     assert {x["mode"] for x in r["results"]} == {"sync", "async x2", "async x2 cap 1 cancel",
                                                  "async x2 cap 1 wait"}
@@ -154,8 +166,8 @@ def test_rerender_bench_json():
     assert kinds["continuity"]["packed_calls"] >= kinds["rendered"]["packed_calls"]
 
 
-def test_drain_modes_bench_json():
-    r = run_bench("bench.drain_modes", "--quick")
+def test_drain_modes_bench_json(tmp_path, session_stack):
+    r = run_bench("bench.drain_modes", "--quick", attach=tmp_path)
     assert r["benchmark"] == "drain_modes"
     assert [x["drain_mode"] for x in r["results"]] == ["wait", "keep", "abort", "continue"]
     for x in r["results"]:

@@ -1,0 +1,28 @@
+"""A benchmark attached to a running stack (``$CARRYOVER_BENCH_ATTACH``) starts nothing: it
+uses the stack ``$CARRYOVER_OVERRIDES`` describes, and refuses, naming them, roles that are
+not up."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from bench.stack import ATTACH_ENV, bench_stack, free_port
+
+
+def test_attaching_to_a_stack_whose_roles_are_down_names_them(tmp_path, monkeypatch):
+    monkeypatch.setenv(ATTACH_ENV, str(tmp_path / "bench"))
+    monkeypatch.setenv("CARRYOVER_OVERRIDES", json.dumps([f"redis.port={free_port()}"]))
+    with pytest.raises(RuntimeError, match=r"not up: redis$"), bench_stack(["redis"]):
+        pass
+
+
+def test_attaching_yields_the_running_stack_and_the_given_directory(tmp_path, monkeypatch,
+                                                                    redis_service):
+    monkeypatch.setenv(ATTACH_ENV, str(tmp_path / "bench"))
+    with bench_stack(["redis"], "services.rollout_concurrency=4") as (base, tmp):
+        assert base == json.loads(os.environ["CARRYOVER_OVERRIDES"])  # the session's
+        assert tmp == tmp_path / "bench" and tmp.is_dir()
+    assert tmp.is_dir()  # kept: the stack may still read what a benchmark wrote there
