@@ -281,13 +281,17 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown mode(s) {unknown}; modes are {', '.join(MODES)}")
 
-    from bench.stack import bench_stack
+    from bench.stack import ATTACH_ENV, bench_stack
 
     dists = ([] if args.no_fixed else [("fixed", 0.0)]) + [
         ("lognormal", s) for s in parse_floats(args.sigmas)]
     results: list[dict] = []
     ideals: dict[str, float] = {}
     with bench_stack(ROLES, f"services.rollout_concurrency={args.slots}") as (base, tmp):
+        if os.environ.get(ATTACH_ENV):  # the attached stack's own slots bound what runs
+            from app.config import service_config
+
+            args.slots = int(service_config().services.rollout_concurrency)
         data = tmp / "data.jsonl"
         data.write_text("".join(json.dumps({"text": t, "target": t[::-1]}) + "\n"
                                 for t in ("abc", "bad", "cab", "dab", "bcd", "dca", "acd", "bba")))

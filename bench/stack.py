@@ -13,6 +13,7 @@ import shutil
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -85,7 +86,14 @@ def _attached(tmp: Path, roles: list[str], extra: tuple[str, ...]) -> list[str]:
     from app.services.supervisor import ready_check
 
     cfg = service_config()
-    down = [role for role in roles if not ready_check(cfg, role)()]
+    # a few looks each, as the supervisor waits: one slow answer on a loaded machine (the
+    # solo trainer worker busy with a task, a 1 s health call) is not a role that is down
+    checks = {role: ready_check(cfg, role) for role in roles}
+    deadline = time.monotonic() + 30
+    down = [role for role, up in checks.items() if not up()]
+    while down and time.monotonic() < deadline:
+        time.sleep(1)
+        down = [role for role in down if not checks[role]()]
     if down:
         raise RuntimeError(f"{ATTACH_ENV} is set, but these roles of the stack "
                            f"$CARRYOVER_OVERRIDES describes are not up: {', '.join(down)}")

@@ -82,6 +82,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         session.config.get_terminal_writer().line(f"\nservices' logs kept in {_TMP / 'logs'}")
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    # a run that never got to its session (``--help``, a usage error) made the directory
+    # at import: it is empty
+    with contextlib.suppress(OSError):
+        _TMP.rmdir()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--fast", action="store_true",
                      help="skip tests marked slow (end-to-end through every process)")

@@ -98,6 +98,7 @@ class Supervisor:
         self.restart_due: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
         self.uncounted: collections.Counter[str] = collections.Counter()  # not in Redis yet
+        self._count_deferred = False
 
     def log_path(self, role: str) -> Path:
         return self.log_dir / f"{role}.log"
@@ -213,7 +214,8 @@ class Supervisor:
         try per look, never a wait: Redis may be the role that is down, waiting for this
         very loop to start it again (a client that rode out the outage held the loop, and
         the restart of Redis with it, for the whole reconnect window). What Redis could not
-        take now is counted at a later look."""
+        take now is counted at a later look (a reply slower than 1 s to a count Redis did
+        apply counts it again: a count is an operator's hint, not a ledger)."""
         if not self.uncounted:
             return
         from app.state import keys
@@ -230,9 +232,14 @@ class Supervisor:
             finally:
                 client.connection_pool.disconnect()
         except Exception as exc:  # noqa: BLE001 - counting must never stop a restart
-            log.debug("restarts not counted in Redis yet (%s): %s", dict(self.uncounted), exc)
+            # said once per wait, not at every look
+            (log.debug if self._count_deferred else log.info)(
+                "restarts not counted in Redis yet, counted once it answers (%s): %s",
+                dict(self.uncounted), exc)
+            self._count_deferred = True
             return
         self.uncounted.clear()
+        self._count_deferred = False
 
     def watch_forever(self, every_s: float = 1.0,
                       stop: Callable[[], bool] = lambda: False) -> None:

@@ -61,7 +61,10 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
             log.warning("group %s: callback saw %d of %d siblings; the last sibling will "
                         "complete it", group_id, len(results), group.n)
             return "incomplete"
-    cfg = run_config(client, group.run_id)
+    try:
+        cfg = run_config(client, group.run_id)
+    except MissingState:  # an evaluation run's record outlives its groups' by less
+        return _gone(group_id)
     failed = [r for r in results.values() if r.status != "ok"]
     outcome = "dropped" if failed and cfg.controller.on_failure == "requeue" else "complete"
     filtering = cfg.algorithm.get("filter_groups", {})
@@ -101,9 +104,9 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
 
 
 def _gone(group_id: str) -> str:
-    # expired (dropped or cancelled long ago) between the callback's read and its write
-    log.info("group %s: its record expired while the callback ran; nothing to complete",
-             group_id)
+    # expired (dropped or cancelled long ago), or its run's did, while the callback ran
+    log.info("group %s: its records (or its run's) expired while the callback ran; nothing "
+             "to complete", group_id)
     return "gone"
 
 

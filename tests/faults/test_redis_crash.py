@@ -90,6 +90,7 @@ def start_run(stack: Stack, tmp_path: Path, *overrides: str
               ) -> tuple[subprocess.Popen, Callable[[], str | None]]:
     """``carryover train`` with the run's own ``overrides`` against the shared stack;
     returns it and a function giving its run id once the driver has made it."""
+    assert stack.up.poll() is None, "carryover up exited during an earlier test"
     client = connect(resolve_redis_url(stack.cfg))
     before = set(client.scan_iter(keys.run("*") + ":metrics"))
     env = {**stack.env, "CARRYOVER_OVERRIDES": json.dumps([
@@ -99,9 +100,13 @@ def start_run(stack: Stack, tmp_path: Path, *overrides: str
     train = subprocess.Popen([str(BIN / "carryover"), "train"], cwd=REPO, env=env,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
+    found: list[str] = []
+
     def run_id() -> str | None:
-        new = [k for k in client.scan_iter(keys.run("*") + ":metrics") if k not in before]
-        return new[0].split(":")[-2] if new else None
+        if not found:
+            new = [k for k in client.scan_iter(keys.run("*") + ":metrics") if k not in before]
+            found.extend(k.split(":")[-2] for k in new[:1])
+        return found[0] if found else None
 
     return train, run_id
 
@@ -161,7 +166,7 @@ def test_redis_killed_at_three_points_of_a_step(stack, tmp_path):
     steps, batch, n = 7, 4, 2
     client = connect(resolve_redis_url(stack.cfg))
     log_from = len(stack.log.read_text())
-    outages_from = client.llen(keys.redis_outages())
+    began = time.time()
     train, run_id = start_run(stack, tmp_path, f"data.train_batch_size={batch}",
                               f"actor_rollout_ref.rollout.n={n}",
                               "agentlightning.async_rollout.async_train_batch_size=8",
@@ -202,8 +207,8 @@ def test_redis_killed_at_three_points_of_a_step(stack, tmp_path):
     up_log = stack.log_since(log_from)
     assert up_log.count("redis exited with code -9") == 3, up_log[-3000:]
     assert up_log.count("exited with code") == 3, up_log[-3000:]  # no other role died
-    outages = [OutageRecord.from_json(r)
-               for r in client.lrange(keys.redis_outages(), outages_from, -1)]
+    outages = [o for o in map(OutageRecord.from_json, client.lrange(keys.redis_outages(), 0, -1))
+               if o.down_at >= began]  # this test's (the newest first, a capped list)
     assert {"driver", "gateway", "rollout", "groups", "trainer"} <= {o.role for o in outages}
     status = subprocess.run([str(BIN / "carryover"), "status"], cwd=REPO, env=stack.env,
                             capture_output=True, text=True, timeout=60)

@@ -60,8 +60,9 @@ def test_weight_sync_bench_json():
 
 
 @pytest.fixture
-def session_stack(celery_workers, gateway_service, vllm_service) -> None:
-    """Every role of the session's stack up, for a benchmark to attach to."""
+def session_stack(celery_workers, gateway_service, vllm_service, redis_client) -> None:
+    """Every role of the session's stack up, and a clean slate of the project's keys, for a
+    benchmark to attach to."""
 
 
 def test_async_vs_sync_bench_json(tmp_path, session_stack):

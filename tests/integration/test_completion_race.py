@@ -87,3 +87,11 @@ def test_a_callback_never_recreates_a_record_that_expired_while_it_ran(redis_cli
     assert completion.finish_group(redis_client, gid) == "gone"
     assert not redis_client.exists(keys.group(gid))
     assert redis_client.zscore(keys.run_ready("expired2"), gid) is None  # never trainable
+
+
+def test_a_callback_whose_run_record_expired_finds_nothing_to_do(redis_client, tmp_path):
+    # an evaluation run's record is kept for less time than its dropped groups' records
+    _, gid = setup_group(redis_client, tmp_path, "expired3")
+    redis_client.delete(keys.run("expired3"))
+    assert completion.finish_group(redis_client, gid) == "gone"
+    assert redis_client.zscore(keys.run_ready("expired3"), gid) is None

@@ -18,7 +18,9 @@ FAIL_EVERY_TEST = "def pytest_runtest_call(item):\n    raise AssertionError('mad
 
 def _pytest(tmp_path: Path, target: str, fail: bool = False) -> subprocess.CompletedProcess:
     (tmp_path / "fail_every_test.py").write_text(FAIL_EVERY_TEST)
-    env = {**os.environ, "TMPDIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}
+    # not the options of the pytest running this test (a report file it writes, say)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+           "TMPDIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}
     plugin = ["-p", "fail_every_test"] if fail else []
     out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                           *plugin, target], cwd=REPO, env=env, capture_output=True,
@@ -47,3 +49,11 @@ def test_a_failing_run_that_started_nothing_leaves_nothing(tmp_path):
     out = _pytest(tmp_path, NO_SERVICE, fail=True)
     assert _left(tmp_path) == []
     assert "logs kept" not in out.stdout
+
+
+def test_a_run_that_never_starts_its_session_leaves_nothing(tmp_path):
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert _left(tmp_path) == []

@@ -121,11 +121,11 @@ def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult
     try:
         result = _run(client, group_id, index)
     except MissingState as exc:
-        # its group (or run) is gone: a message redelivered after the group was cancelled or
-        # dropped and its records expired. Nothing to run, and nothing to store: a result
-        # stored now would only wait for its own TTL.
-        log.info("sibling %s/%d: nothing to run, its group's records expired (%s)",
-                 group_id, index, exc)
+        # its group's or its run's record is gone: a message redelivered after the group was
+        # cancelled or dropped and its records expired. Nothing to run, and nothing to
+        # store: a result stored now would only wait for its own TTL.
+        log.info("sibling %s/%d: nothing to run, its group's or its run's records are "
+                 "gone (%s)", group_id, index, exc)
         return SiblingResult(index=index, rollout_id="", status="failed", reward=None,
                              attempts=0, seconds=0.0, error=f"records expired: {exc}")
     except Exception as exc:  # noqa: BLE001 - a broken sibling is a failed result
