@@ -62,6 +62,7 @@ def bench_dir() -> Iterator[Path]:
 
 # a directory: the benchmark uses the stack $CARRYOVER_OVERRIDES describes, and this directory
 ATTACH_ENV = "CARRYOVER_BENCH_ATTACH"
+ATTACH_WAIT_S = 30.0  # how long each role has to answer
 
 
 @contextmanager
@@ -89,7 +90,7 @@ def _attached(tmp: Path, roles: list[str], extra: tuple[str, ...]) -> list[str]:
     # a few looks each, as the supervisor waits: one slow answer on a loaded machine (the
     # solo trainer worker busy with a task, a 1 s health call) is not a role that is down
     checks = {role: ready_check(cfg, role) for role in roles}
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + ATTACH_WAIT_S
     down = [role for role, up in checks.items() if not up()]
     while down and time.monotonic() < deadline:
         time.sleep(1)

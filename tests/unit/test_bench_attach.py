@@ -9,12 +9,14 @@ import os
 
 import pytest
 
+from bench import stack
 from bench.stack import ATTACH_ENV, bench_stack, free_port
 
 
 def test_attaching_to_a_stack_whose_roles_are_down_names_them(tmp_path, monkeypatch):
     monkeypatch.setenv(ATTACH_ENV, str(tmp_path / "bench"))
     monkeypatch.setenv("CARRYOVER_OVERRIDES", json.dumps([f"redis.port={free_port()}"]))
+    monkeypatch.setattr(stack, "ATTACH_WAIT_S", 1.5)  # a few looks, not half a minute
     with pytest.raises(RuntimeError, match=r"not up: redis$"), bench_stack(["redis"]):
         pass
 
