@@ -157,6 +157,28 @@ def check_run(client, run_id: str, steps: int, batch: int, n: int) -> None:
     assert not twice, f"trained twice: {twice}"
 
 
+@contextmanager
+def stopped_on_exit(train: subprocess.Popen) -> Iterator[None]:
+    """``carryover train`` is killed if the test leaves before it ended."""
+    try:
+        yield
+    finally:
+        if train.poll() is None:
+            train.kill()
+
+
+def succeeded(train: subprocess.Popen, timeout: float) -> None:
+    out, _ = train.communicate(timeout=timeout)
+    assert train.returncode == 0, out[-4000:]
+
+
+def small_runs(steps: int, batch: int, n: int) -> list[str]:
+    """A run smaller than the demo's, with 8 groups active."""
+    return [f"data.train_batch_size={batch}", f"actor_rollout_ref.rollout.n={n}",
+            "agentlightning.async_rollout.async_train_batch_size=8",
+            f"trainer.total_steps={steps}"]
+
+
 def steps_done(client, run_id: Callable[[], str | None]) -> int:
     rid = run_id()
     return client.llen(keys.run_metrics(rid)) if rid else 0
@@ -167,11 +189,8 @@ def test_redis_killed_at_three_points_of_a_step(stack, tmp_path):
     client = connect(resolve_redis_url(stack.cfg))
     log_from = len(stack.log.read_text())
     began = time.time()
-    train, run_id = start_run(stack, tmp_path, f"data.train_batch_size={batch}",
-                              f"actor_rollout_ref.rollout.n={n}",
-                              "agentlightning.async_rollout.async_train_batch_size=8",
-                              f"trainer.total_steps={steps}")
-    try:
+    train, run_id = start_run(stack, tmp_path, *small_runs(steps, batch, n))
+    with stopped_on_exit(train):
         # 1. while groups are collected: step 1 is waiting for completions
         wait_for("step 0", lambda: steps_done(client, run_id) >= 1, train, 240)
         wait_for("collection", lambda: not client.exists(keys.paused()), train, 60, 0.01)
@@ -195,11 +214,7 @@ def test_redis_killed_at_three_points_of_a_step(stack, tmp_path):
                 break
         else:
             pytest.fail("no look at the weights came before the version bump")
-        out, _ = train.communicate(timeout=300)
-    finally:
-        if train.poll() is None:
-            train.kill()
-    assert train.returncode == 0, out[-4000:]
+        succeeded(train, 300)
     assert stack.up.poll() is None  # the stack is still up
     check_run(client, run_id(), steps, batch, n)
     # the version went up once per step and the gateway never went back
@@ -222,16 +237,12 @@ def test_redis_killed_under_the_demo_load(stack, tmp_path):
     client = connect(resolve_redis_url(stack.cfg))
     log_from = len(stack.log.read_text())
     train, run_id = start_run(stack, tmp_path, f"trainer.total_steps={steps}")
-    try:
+    with stopped_on_exit(train):
         wait_for("step 0", lambda: steps_done(client, run_id) >= 1, train, 300)
         # with calls in flight: the gateway holds leases
         wait_for("calls in flight", lambda: client.zcard(keys.leases()) >= 8, train, 60, 0.01)
         kill_redis(stack.up)
-        out, _ = train.communicate(timeout=400)
-    finally:
-        if train.poll() is None:
-            train.kill()
-    assert train.returncode == 0, out[-4000:]
+        succeeded(train, 400)
     check_run(client, run_id(), steps, int(stack.cfg.data.train_batch_size),
               int(stack.cfg.actor_rollout_ref.rollout.n))
     up_log = stack.log_since(log_from)
@@ -245,22 +256,15 @@ def test_messages_delivered_before_the_crash_are_redelivered(stack, tmp_path):
     steps, batch, n = 4, 4, 2
     client = connect(resolve_redis_url(stack.cfg))
     log_from = len(stack.log.read_text())
-    train, run_id = start_run(stack, tmp_path, f"data.train_batch_size={batch}",
-                              f"actor_rollout_ref.rollout.n={n}",
-                              "agentlightning.async_rollout.async_train_batch_size=8",
-                              f"trainer.total_steps={steps}")
-    try:
+    train, run_id = start_run(stack, tmp_path, *small_runs(steps, batch, n))
+    with stopped_on_exit(train):
         wait_for("step 0", lambda: steps_done(client, run_id) >= 1, train, 240)
         wait_for("rollouts running", lambda: client.zcard(keys.leases()) >= 2, train, 60,
                  0.005)
         worker = role_process(stack.up, lambda cmd: "-Q" in cmd and "rollout" in cmd)
         os.killpg(worker.pid, signal.SIGKILL)
         kill_redis(stack.up)
-        out, _ = train.communicate(timeout=400)
-    finally:
-        if train.poll() is None:
-            train.kill()
-    assert train.returncode == 0, out[-4000:]
+        succeeded(train, 400)
     check_run(client, run_id(), steps, batch, n)
     up_log = stack.log_since(log_from)
     assert "redis exited with code -9" in up_log and "rollout exited with code" in up_log
