@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
@@ -41,7 +42,9 @@ def stack_overrides(tmp: Path) -> list[str]:
                                  "services.worker_heartbeat_s=3")
 
 
-_TMP = Path(tempfile.mkdtemp(prefix="carryover-test-"))
+# Named here, made in pytest_configure: a process that only imports this module (a test
+# module's spawned subprocess or Ray worker) must not leave an empty directory behind.
+_TMP = Path(tempfile.gettempdir()) / f"carryover-test-{secrets.token_hex(6)}"
 os.environ.pop("REDIS_URL", None)
 os.environ.pop("CARRYOVER_CONFIG", None)
 os.environ["CARRYOVER_OVERRIDES"] = json.dumps(stack_overrides(_TMP))
@@ -69,6 +72,7 @@ def pytest_configure(config: pytest.Config) -> None:
     # (``timeout``, a CI runner) would exit without fixture teardown and leave them running;
     # as a KeyboardInterrupt, pytest still tears its fixtures down.
     signal.signal(signal.SIGTERM, _interrupt)
+    _TMP.mkdir(mode=0o700)
 
 
 @pytest.hookimpl(trylast=True)  # after the session fixtures' teardown stopped the services
@@ -83,8 +87,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    # a run that never got to its session (``--help``, a usage error) made the directory
-    # at import: it is empty
+    # a run that never got to its session (``--help``) made the directory empty
     with contextlib.suppress(OSError):
         _TMP.rmdir()
 

@@ -57,3 +57,12 @@ def test_a_run_that_never_starts_its_session_leaves_nothing(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert _left(tmp_path) == []
+
+
+def test_a_process_that_only_imports_the_conftest_leaves_nothing(tmp_path):
+    # as a test module's spawned subprocess or Ray worker does
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", "import tests.conftest"], cwd=REPO, env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert _left(tmp_path) == []
