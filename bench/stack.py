@@ -13,7 +13,6 @@ import shutil
 import socket
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -84,17 +83,11 @@ def bench_stack(roles: list[str], *extra: str) -> Iterator[tuple[list[str], Path
 
 def _attached(tmp: Path, roles: list[str], extra: tuple[str, ...]) -> list[str]:
     from app.config import service_config
-    from app.services.supervisor import ready_check
+    from app.services.supervisor import wait_ready
 
-    cfg = service_config()
     # a few looks each, as the supervisor waits: one slow answer on a loaded machine (the
     # solo trainer worker busy with a task, a 1 s health call) is not a role that is down
-    checks = {role: ready_check(cfg, role) for role in roles}
-    deadline = time.monotonic() + ATTACH_WAIT_S
-    down = [role for role, up in checks.items() if not up()]
-    while down and time.monotonic() < deadline:
-        time.sleep(1)
-        down = [role for role in down if not checks[role]()]
+    down = wait_ready(service_config(), roles, ATTACH_WAIT_S)
     if down:
         raise RuntimeError(f"{ATTACH_ENV} is set, but these roles of the stack "
                            f"$CARRYOVER_OVERRIDES describes are not up: {', '.join(down)}")

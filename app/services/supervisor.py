@@ -45,7 +45,7 @@ QUICK_S = 30.0        # a role that dies within this long after its start failed
 BACKOFF_S = (1.0, 30.0)  # first and longest wait before a restart
 
 
-def ready_check(cfg: Any, role: str) -> Callable[[], bool]:
+def _ready_check(cfg: Any, role: str) -> Callable[[], bool]:
     """A quick look at whether ``role`` answers (its health check)."""
     if role == "redis":
         return lambda: health.check_redis(cfg, timeout=1).ok
@@ -61,6 +61,29 @@ def ready_check(cfg: Any, role: str) -> Callable[[], bool]:
         return any(p.ok for p in health.check_workers(timeout=1) if p.part == f"worker:{queue}")
 
     return worker_up
+
+
+def wait_ready(cfg: Any, roles: Iterable[str], timeout: float,
+               progress: Callable[[str], None] | None = None,
+               before_look: Callable[[str], None] | None = None) -> list[str]:
+    """Look at each role's health every 0.5 s until every one answers or ``timeout`` has
+    passed; returns the roles that never answered. ``progress(role)`` hears each role that
+    answered; ``before_look(role)`` runs before each look (to raise for a role that died)."""
+    pending = {r: _ready_check(cfg, r) for r in roles}
+    deadline = time.monotonic() + timeout
+    while pending:
+        for role in list(pending):
+            if before_look:
+                before_look(role)
+            if pending[role]():
+                del pending[role]
+                if progress:
+                    progress(role)
+        if pending and time.monotonic() > deadline:
+            break
+        if pending:
+            time.sleep(0.5)
+    return list(pending)
 
 
 def _listen_address(cfg: Any, role: str) -> tuple[str, int, str] | None:
@@ -135,25 +158,17 @@ class Supervisor:
 
     def _wait_ready(self, roles: Iterable[str], timeout: float,
                     progress: Callable[[str], None] | None = None) -> None:
-        pending = {r: ready_check(self.cfg, r) for r in roles
-                   if r in self.procs or (r == "redis")}
-        deadline = time.monotonic() + timeout
-        while pending:
-            for role in list(pending):
-                proc = self.procs.get(role)
-                if proc is not None and proc.poll() is not None:
-                    raise StartupError(f"{role} exited with code {proc.returncode} during start; "
-                                       f"last lines of {self.log_path(role)}:\n{self._tail(role)}")
-                if pending[role]():
-                    del pending[role]
-                    if progress:
-                        progress(role)
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(pending)
-                raise StartupError(f"not healthy after {timeout:.0f}s: {names}; see "
-                                   + ", ".join(str(self.log_path(r)) for r in pending))
-            if pending:
-                time.sleep(0.5)
+        def exited(role: str) -> None:
+            proc = self.procs.get(role)
+            if proc is not None and proc.poll() is not None:
+                raise StartupError(f"{role} exited with code {proc.returncode} during start; "
+                                   f"last lines of {self.log_path(role)}:\n{self._tail(role)}")
+
+        down = wait_ready(self.cfg, [r for r in roles if r in self.procs or r == "redis"],
+                          timeout, progress, exited)
+        if down:
+            raise StartupError(f"not healthy after {timeout:.0f}s: {', '.join(down)}; see "
+                               + ", ".join(str(self.log_path(r)) for r in down))
 
     def start(self, roles: Iterable[str] = ROLES,
               progress: Callable[[str], None] | None = None) -> None:

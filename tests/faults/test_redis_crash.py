@@ -26,43 +26,11 @@ from app.config import load_config
 from app.state import keys
 from app.state.connection import connect, resolve_redis_url
 from app.state.records import OutageRecord, SiblingResult
-from tests.conftest import REPO, free_port
+from bench.stack import stack_overrides
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
-
-
-@contextmanager
-def stack_up(tmp_path: Path, *extra: str) -> Iterator[tuple[dict, object, subprocess.Popen]]:
-    inf, gw = free_port(), free_port()
-    overrides = [
-        f"redis.port={free_port()}", f"redis.dir={tmp_path / 'redis'}",
-        f"inference.port={inf}", f"inference.urls=[http://127.0.0.1:{inf}]",
-        f"gateway.port={gw}", f"gateway.url=http://127.0.0.1:{gw}",
-        f"services.flower_port={free_port()}", "services.worker_heartbeat_s=3",
-        f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
-        f"trainer.weights_dir={tmp_path / 'w'}", f"trainer.checkpoint_dir={tmp_path / 'c'}",
-        *extra]
-    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides),
-           "CARRYOVER_CONFIG": str(REPO / "config" / "demo.yaml")}
-    cfg = load_config(str(REPO / "config" / "demo.yaml"), overrides)
-    up_log = open(tmp_path / "up.log", "w")  # noqa: SIM115
-    up = subprocess.Popen([str(BIN / "carryover"), "up"], cwd=REPO, env=env, stdout=up_log,
-                          stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 240
-        while "all parts up" not in (tmp_path / "up.log").read_text():
-            assert up.poll() is None and time.monotonic() < deadline, \
-                (tmp_path / "up.log").read_text()[-3000:]
-            time.sleep(1)
-        yield env, cfg, up
-    finally:
-        os.killpg(up.pid, signal.SIGINT)
-        try:
-            up.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-        up_log.close()
 
 
 @dataclass
@@ -78,12 +46,35 @@ class Stack:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory) -> Iterator[Stack]:
-    """One ``carryover up`` for the module's tests (a start and a stop cost ~25 s): each
-    test trains a run of its own, and reads only what the stack logged and recorded since it
-    began. With the demo's 256 rollout slots, which the demo-load test needs."""
+    """One ``carryover up`` on config/demo.yaml for the module's tests (a start and a stop
+    cost ~25 s): each test trains a run of its own, and reads only what the stack logged and
+    recorded since it began. With the demo's 256 rollout slots, which the demo-load test
+    needs."""
     tmp = tmp_path_factory.mktemp("redis-crash")
-    with stack_up(tmp) as (env, cfg, up):
-        yield Stack(env, cfg, up, tmp / "up.log")
+    overrides = stack_overrides(
+        tmp, "services.worker_heartbeat_s=3", f"logging.dir={tmp / 'runs'}",
+        "logging.wandb_mode=disabled", f"trainer.weights_dir={tmp / 'w'}",
+        f"trainer.checkpoint_dir={tmp / 'c'}")
+    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides),
+           "CARRYOVER_CONFIG": str(REPO / "config" / "demo.yaml")}
+    cfg = load_config(str(REPO / "config" / "demo.yaml"), overrides)
+    log = tmp / "up.log"
+    with open(log, "w") as up_log:
+        up = subprocess.Popen([str(BIN / "carryover"), "up"], cwd=REPO, env=env,
+                              stdout=up_log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 240
+            while "all parts up" not in log.read_text():
+                assert up.poll() is None and time.monotonic() < deadline, \
+                    log.read_text()[-3000:]
+                time.sleep(1)
+            yield Stack(env, cfg, up, log)
+        finally:
+            os.killpg(up.pid, signal.SIGINT)
+            try:
+                up.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
 
 
 def start_run(stack: Stack, tmp_path: Path, *overrides: str
