@@ -127,13 +127,19 @@ def check_flower(cfg: Any, timeout: float = 2.0) -> PartStatus:
 
 
 def role_restarts(cfg: Any, timeout: float = 2.0) -> dict[str, int]:
-    """Times the supervisor started each role again after it exited ({} if Redis is down)."""
+    """Times the supervisors started each role again after it exited ({} if Redis is
+    down)."""
     from app.state import keys
 
     try:
         client = connect(resolve_redis_url(cfg), socket_timeout=timeout,
                          socket_connect_timeout=timeout, retry=None)
-        return {k: int(v) for k, v in client.hgetall(keys.role_restarts()).items()}
+        totals: dict[str, int] = {}
+        # one field per supervisor that restarted the role
+        for field, n in client.hgetall(keys.role_restarts()).items():
+            role = keys.role_of_restarts_field(field)
+            totals[role] = totals.get(role, 0) + int(n)
+        return totals
     except Exception:  # noqa: BLE001 - status reports what it can
         return {}
 

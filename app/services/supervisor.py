@@ -15,10 +15,11 @@ after its start (``MAX_QUICK_FAILURES`` times in a row) stops the stack.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterable
@@ -120,7 +121,9 @@ class Supervisor:
         self.quick_failures: dict[str, int] = {}
         self.restart_due: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
-        self.uncounted: collections.Counter[str] = collections.Counter()  # not in Redis yet
+        self.counted: dict[str, int] = {}  # the totals Redis holds of self.restarts
+        # this supervisor's own fields in the restart counts (several share one Redis)
+        self.count_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._count_deferred = False
 
     def log_path(self, role: str) -> Path:
@@ -190,8 +193,15 @@ class Supervisor:
         """One look at every role: schedule a restart for each that exited, start those whose
         backoff ran out. Returns the roles restarted now. Raises ``RoleFailing`` for a role
         that failed right after ``MAX_QUICK_FAILURES`` starts in a row."""
+        restarted: list[str] = []
+        try:
+            self._look(restarted)
+        finally:  # the restarts made before a role failed for good are counted too
+            self._count_restarts()
+        return restarted
+
+    def _look(self, restarted: list[str]) -> None:
         now = time.monotonic()
-        restarted = []
         for role, proc in list(self.procs.items()):
             if proc.poll() is None:
                 if now - self.started_at.get(role, now) > QUICK_S:
@@ -214,23 +224,23 @@ class Supervisor:
                 _signal_group(proc, signal.SIGKILL)  # children the leader left behind
                 self._spawn(command_for(self.cfg, role))
                 self.restarts[role] = self.restarts.get(role, 0) + 1
-                self._count_restart(role)
                 restarted.append(role)
-        if not restarted:
-            self._flush_restart_counts()  # the ones Redis could not take at their restart
-        return restarted
 
-    def _count_restart(self, role: str) -> None:
-        self.uncounted[role] += 1
-        self._flush_restart_counts()
+    @property
+    def uncounted(self) -> dict[str, int]:
+        """Restarts per role that Redis does not hold yet."""
+        return {role: n - self.counted.get(role, 0) for role, n in self.restarts.items()
+                if n != self.counted.get(role, 0)}
 
-    def _flush_restart_counts(self) -> None:
-        """Add the restarts not counted yet where ``carryover status`` reads them. One quick
-        try per look, never a wait: Redis may be the role that is down, waiting for this
-        very loop to start it again (a client that rode out the outage held the loop, and
-        the restart of Redis with it, for the whole reconnect window). What Redis could not
-        take now is counted at a later look (a reply slower than 1 s to a count Redis did
-        apply counts it again: a count is an operator's hint, not a ledger)."""
+    def _count_restarts(self) -> None:
+        """Write the restarts not counted yet where ``carryover status`` reads them. One
+        quick try per look, never a wait: Redis may be the role that is down, waiting for
+        this very loop to start it again (a client that rode out the outage held the loop,
+        and the restart of Redis with it, for the whole reconnect window). What Redis could
+        not take now is written at a later look. Each role's total is written, not added
+        to: a write made again after its reply was lost (slower than 1 s) counts once. Every
+        role's total goes with each write, so the write that counts a restart of Redis puts
+        back what its AOF lost (a Redis elsewhere, restarted by others, may lose counts)."""
         if not self.uncounted:
             return
         from app.state import keys
@@ -240,10 +250,9 @@ class Supervisor:
             client = connect(resolve_redis_url(self.cfg), retry=None, socket_timeout=1,
                              socket_connect_timeout=1)
             try:
-                pipe = client.pipeline(transaction=True)
-                for role, count in self.uncounted.items():
-                    pipe.hincrby(keys.role_restarts(), role, count)
-                pipe.execute()
+                client.hset(keys.role_restarts(), mapping={
+                    keys.role_restarts_field(role, self.count_id): n
+                    for role, n in self.restarts.items()})
             finally:
                 client.connection_pool.disconnect()
         except Exception as exc:  # noqa: BLE001 - counting must never stop a restart
@@ -253,7 +262,7 @@ class Supervisor:
                 dict(self.uncounted), exc)
             self._count_deferred = True
             return
-        self.uncounted.clear()
+        self.counted = dict(self.restarts)
         self._count_deferred = False
 
     def watch_forever(self, every_s: float = 1.0,

@@ -247,9 +247,20 @@ def k8s_create_pace() -> str:
 
 
 def role_restarts() -> str:
-    """HASH role -> times the supervisor (``carryover up``, ``make demo``) started it again
-    after it exited; read by ``carryover status``."""
+    """HASH ``role_restarts_field(role, supervisor)`` -> the times that supervisor
+    (``carryover up``, ``make demo``) started the role again after it exited, as a total:
+    a write repeated after a lost reply counts once. ``carryover status`` sums each role's
+    fields."""
     return PREFIX + "services:restarts"
+
+
+def role_restarts_field(role: str, supervisor: str) -> str:
+    """A field of ``role_restarts``: ``<role>@<supervisor>`` (host, pid and a random tag)."""
+    return f"{role}@{supervisor}"
+
+
+def role_of_restarts_field(field: str) -> str:
+    return field.split("@", 1)[0]
 
 
 def redis_outages() -> str:
