@@ -17,55 +17,27 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench.stack import BIN, REPO, carryover_up, is_redis, stack_overrides
 
 
 def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
-    import psutil
-
-    from app.config import load_config
     from app.state import keys
     from app.state.connection import connect, resolve_redis_url
     from app.state.records import OutageRecord
 
-    inf, gw = free_port(), free_port()
-    overrides = [
-        f"redis.port={free_port()}", f"redis.dir={tmp / 'redis'}", f"redis.appendfsync={mode}",
-        f"inference.port={inf}", f"inference.urls=[http://127.0.0.1:{inf}]",
-        f"gateway.port={gw}", f"gateway.url=http://127.0.0.1:{gw}",
-        f"services.flower_port={free_port()}", f"logging.dir={tmp / 'runs'}",
+    overrides = stack_overrides(
+        tmp, f"redis.appendfsync={mode}", f"logging.dir={tmp / 'runs'}",
         "logging.wandb_mode=disabled", f"trainer.weights_dir={tmp / 'w'}",
-        f"trainer.checkpoint_dir={tmp / 'c'}", f"trainer.total_steps={args.steps}"]
-    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides),
-           "CARRYOVER_CONFIG": str(REPO / "config" / "demo.yaml")}
-    cfg = load_config(str(REPO / "config" / "demo.yaml"), overrides)
-    log_path = tmp / "up.log"
-    up_log = open(log_path, "w")  # noqa: SIM115
-    up = subprocess.Popen([str(BIN / "carryover"), "up"], cwd=REPO, env=env, stdout=up_log,
-                          stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        while "all parts up" not in log_path.read_text():
-            if up.poll() is not None:
-                raise RuntimeError(log_path.read_text()[-3000:])
-            time.sleep(1)
+        f"trainer.checkpoint_dir={tmp / 'c'}", f"trainer.total_steps={args.steps}")
+    # no deadline for the start: a slow machine is what a benchmark may measure
+    with carryover_up(overrides, tmp / "up.log", timeout=float("inf")) as stack:
+        cfg, env = stack.cfg, stack.env
         client = connect(resolve_redis_url(cfg))
         aof = tmp / "redis" / "appendonly.aof"
         train = subprocess.Popen([str(BIN / "carryover"), "train"], cwd=REPO, env=env,
@@ -80,9 +52,7 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
             sizes.setdefault(done, aof.stat().st_size if aof.exists() else 0)
             if args.kill_at is not None and not killed and done == args.kill_at \
                     and not client.exists(keys.paused()):
-                server = next(p for p in psutil.Process(up.pid).children()
-                              if "redis-server" in " ".join(p.cmdline()))
-                os.killpg(server.pid, signal.SIGKILL)
+                stack.kill_role(is_redis)
                 killed = True
             time.sleep(0.02)
         out = train.communicate()[0]
@@ -105,13 +75,6 @@ def run_mode(mode: str, args: argparse.Namespace, tmp: Path) -> dict:
                 "redone": [line for line in out.splitlines() if "redone" in line],
             })
         return result
-    finally:
-        os.killpg(up.pid, signal.SIGINT)
-        try:
-            up.wait(90)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-        up_log.close()
 
 
 def main() -> None:

@@ -13,11 +13,15 @@ import shutil
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+DEMO_CONFIG = REPO / "config" / "demo.yaml"
 
 
 _handed_out: set[int] = set()
@@ -111,6 +115,84 @@ def _started(tmp: Path, roles: list[str], *extra: str) -> Iterator[list[str]]:
                     env={"PYTHONPATH": str(REPO)}) as sup:
         sup.start(roles)
         yield base
+
+
+@dataclass
+class UpStack:
+    """``carryover up`` running: the environment its commands share, its config, its process
+    and its log."""
+    env: dict[str, str]
+    cfg: Any
+    up: Any  # subprocess.Popen
+    log: Path
+
+    def log_since(self, offset: int) -> str:
+        return self.log.read_text()[offset:]
+
+    def role(self, match: Callable[[list[str]], bool]) -> Any:
+        """The running child (a psutil.Process) whose command line ``match`` accepts: a
+        role just killed stays a zombie until the supervisor's next look, and is skipped."""
+        import psutil
+
+        for child in psutil.Process(self.up.pid).children():
+            try:
+                if child.status() != psutil.STATUS_ZOMBIE and match(child.cmdline()):
+                    return child
+            except (psutil.ZombieProcess, psutil.NoSuchProcess):
+                continue
+        raise LookupError("no such role running under carryover up")
+
+    def kill_role(self, match: Callable[[list[str]], bool]) -> None:
+        """SIGKILL the role's process group (the role and what it started)."""
+        import signal
+
+        os.killpg(self.role(match).pid, signal.SIGKILL)
+
+
+def is_redis(cmd: list[str]) -> bool:
+    return "redis-server" in " ".join(cmd)
+
+
+def is_rollout_worker(cmd: list[str]) -> bool:
+    return "-Q" in cmd and "rollout" in cmd
+
+
+@contextmanager
+def carryover_up(overrides: list[str], log: Path, config: Path = DEMO_CONFIG,
+                 timeout: float = 240) -> Iterator[UpStack]:
+    """``carryover up`` on ``config`` with ``overrides`` (its ports among them:
+    :func:`stack_overrides`), its output in ``log``; yields once it says every part is up,
+    and stops it (SIGINT, SIGKILL after 90 s) on the way out."""
+    import signal
+    import subprocess
+    import time
+
+    from app.config import load_config
+
+    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides),
+           "CARRYOVER_CONFIG": str(config)}
+    env.pop("REDIS_URL", None)
+    cfg = load_config(str(config), overrides)
+    with open(log, "w") as out:
+        up = subprocess.Popen([str(BIN / "carryover"), "up"], cwd=REPO, env=env, stdout=out,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            deadline = time.monotonic() + timeout
+            while "all parts up" not in log.read_text():
+                if up.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("carryover up "
+                                       + ("exited" if up.poll() is not None else
+                                          f"was not up in {timeout:.0f} s")
+                                       + f":\n{log.read_text()[-3000:]}")
+                time.sleep(1)
+            yield UpStack(env, cfg, up, log)
+        finally:
+            os.killpg(up.pid, signal.SIGINT)
+            try:
+                up.wait(90)
+            except subprocess.TimeoutExpired:
+                os.killpg(up.pid, signal.SIGKILL)
+                up.wait(10)
 
 
 def redis_calls(client) -> int:

@@ -1,83 +1,55 @@
-"""Redis SIGKILLed under ``carryover up`` in the middle of ``carryover train``: the supervisor
-starts it again from its AOF, every role rides the gap, and the run finishes every step with
-full groups, none trained twice and no step lost. Killed at three points of a step (while
-groups are collected, during the update, and between the weight save/load and the version
-bump), and once more under the demo's load (``appendfsync everysec``, its concurrency)."""
+"""``carryover up`` keeps the stack running when a part of it dies, on one shared stack.
+
+- Redis SIGKILLed in the middle of ``carryover train``: the supervisor starts it again from
+  its AOF, every role rides the gap, and the run finishes every step with full groups, none
+  trained twice and no step lost. Killed at three points of a step (while groups are
+  collected, during the update, and between the weight save/load and the version bump), and
+  once more under the demo's load (``appendfsync everysec``, its concurrency).
+- The rollout worker SIGKILLed in the middle of a run: it is started again, the groups
+  worker's reaper requeues what it held, the run finishes every step with full groups, and
+  ``carryover status`` counts the restart.
+"""
 
 from __future__ import annotations
 
 import collections
 import json
-import os
-import signal
+import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import psutil
 import pytest
 
-from app.config import load_config
 from app.state import keys
 from app.state.connection import connect, resolve_redis_url
 from app.state.records import OutageRecord, SiblingResult
-from bench.stack import stack_overrides
+from bench.stack import UpStack, carryover_up, is_redis, is_rollout_worker, stack_overrides
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 
 
-@dataclass
-class Stack:
-    env: dict[str, str]
-    cfg: Any
-    up: subprocess.Popen
-    log: Path
-
-    def log_since(self, offset: int) -> str:
-        return self.log.read_text()[offset:]
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[Stack]:
+def stack(tmp_path_factory) -> Iterator[UpStack]:
     """One ``carryover up`` on config/demo.yaml for the module's tests (a start and a stop
     cost ~25 s): each test trains a run of its own, and reads only what the stack logged and
     recorded since it began. With the demo's 256 rollout slots, which the demo-load test
     needs."""
-    tmp = tmp_path_factory.mktemp("redis-crash")
+    tmp = tmp_path_factory.mktemp("up-recovery")
     overrides = stack_overrides(
         tmp, "services.worker_heartbeat_s=3", f"logging.dir={tmp / 'runs'}",
         "logging.wandb_mode=disabled", f"trainer.weights_dir={tmp / 'w'}",
         f"trainer.checkpoint_dir={tmp / 'c'}")
-    env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides),
-           "CARRYOVER_CONFIG": str(REPO / "config" / "demo.yaml")}
-    cfg = load_config(str(REPO / "config" / "demo.yaml"), overrides)
-    log = tmp / "up.log"
-    with open(log, "w") as up_log:
-        up = subprocess.Popen([str(BIN / "carryover"), "up"], cwd=REPO, env=env,
-                              stdout=up_log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            deadline = time.monotonic() + 240
-            while "all parts up" not in log.read_text():
-                assert up.poll() is None and time.monotonic() < deadline, \
-                    log.read_text()[-3000:]
-                time.sleep(1)
-            yield Stack(env, cfg, up, log)
-        finally:
-            os.killpg(up.pid, signal.SIGINT)
-            try:
-                up.wait(90)
-            except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
+    with carryover_up(overrides, tmp / "up.log") as up:
+        yield up
 
 
-def start_run(stack: Stack, tmp_path: Path, *overrides: str
+def start_run(stack: UpStack, tmp_path: Path, *overrides: str
               ) -> tuple[subprocess.Popen, Callable[[], str | None]]:
     """``carryover train`` with the run's own ``overrides`` against the shared stack;
     returns it and a function giving its run id once the driver has made it."""
@@ -102,21 +74,8 @@ def start_run(stack: Stack, tmp_path: Path, *overrides: str
     return train, run_id
 
 
-def role_process(up: subprocess.Popen, match: Callable[[list[str]], bool]) -> psutil.Process:
-    """The running child of ``carryover up`` whose command line ``match`` accepts (a role
-    just killed stays a zombie until the supervisor's next look)."""
-    for child in psutil.Process(up.pid).children():
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and match(child.cmdline()):
-                return child
-        except (psutil.ZombieProcess, psutil.NoSuchProcess):
-            continue
-    raise AssertionError("no such role running under carryover up")
-
-
-def kill_redis(up: subprocess.Popen) -> None:
-    server = role_process(up, lambda cmd: "redis-server" in " ".join(cmd))
-    os.killpg(server.pid, signal.SIGKILL)
+def kill_redis(stack: UpStack) -> None:
+    stack.kill_role(is_redis)
 
 
 def wait_for(what: str, cond: Callable[[], bool], train: subprocess.Popen, timeout: float,
@@ -185,11 +144,11 @@ def test_redis_killed_at_three_points_of_a_step(stack, tmp_path):
         # 1. while groups are collected: step 1 is waiting for completions
         wait_for("step 0", lambda: steps_done(client, run_id) >= 1, train, 240)
         wait_for("collection", lambda: not client.exists(keys.paused()), train, 60, 0.01)
-        kill_redis(stack.up)
+        kill_redis(stack)
         # 2. during the update: the trainer holds the gateway paused
         wait_for("step 2", lambda: steps_done(client, run_id) >= 3, train, 240)
         wait_for("an update", lambda: client.exists(keys.paused()), train, 120, 0.005)
-        kill_redis(stack.up)
+        kill_redis(stack)
         # 3. between the weight save/load and the version bump: the new version's
         # weights are on disk, the version not bumped yet. The window is tens of
         # milliseconds; a look that comes after the bump tries the next step.
@@ -201,7 +160,7 @@ def test_redis_killed_at_three_points_of_a_step(stack, tmp_path):
             new = weights_dir / f"v{version + 1:06d}"
             wait_for("the next weights", new.exists, train, 120, 0.002)
             if int(client.get(keys.policy_version()) or 0) == version:
-                kill_redis(stack.up)
+                kill_redis(stack)
                 break
         else:
             pytest.fail("no look at the weights came before the version bump")
@@ -232,7 +191,7 @@ def test_redis_killed_under_the_demo_load(stack, tmp_path):
         wait_for("step 0", lambda: steps_done(client, run_id) >= 1, train, 300)
         # with calls in flight: the gateway holds leases
         wait_for("calls in flight", lambda: client.zcard(keys.leases()) >= 8, train, 60, 0.01)
-        kill_redis(stack.up)
+        kill_redis(stack)
         succeeded(train, 400)
     check_run(client, run_id(), steps, int(stack.cfg.data.train_batch_size),
               int(stack.cfg.actor_rollout_ref.rollout.n))
@@ -252,10 +211,33 @@ def test_messages_delivered_before_the_crash_are_redelivered(stack, tmp_path):
         wait_for("step 0", lambda: steps_done(client, run_id) >= 1, train, 240)
         wait_for("rollouts running", lambda: client.zcard(keys.leases()) >= 2, train, 60,
                  0.005)
-        worker = role_process(stack.up, lambda cmd: "-Q" in cmd and "rollout" in cmd)
-        os.killpg(worker.pid, signal.SIGKILL)
-        kill_redis(stack.up)
+        stack.kill_role(is_rollout_worker)
+        kill_redis(stack)
         succeeded(train, 400)
     check_run(client, run_id(), steps, batch, n)
     up_log = stack.log_since(log_from)
     assert "redis exited with code -9" in up_log and "rollout exited with code" in up_log
+
+
+def restarts(stack: UpStack, role: str) -> int:
+    """How many times ``carryover status`` says ``role`` was started again."""
+    status = subprocess.run([str(BIN / "carryover"), "status"], cwd=REPO, env=stack.env,
+                            capture_output=True, text=True, timeout=60)
+    found = re.search(rf"\b{role} x(\d+)", status.stdout)
+    return int(found.group(1)) if found else 0
+
+
+def test_rollout_worker_killed_under_carryover_up(stack, tmp_path):
+    steps, batch, n = 6, 4, 2
+    client = connect(resolve_redis_url(stack.cfg))
+    log_from = len(stack.log.read_text())
+    before = restarts(stack, "rollout")
+    train, run_id = start_run(stack, tmp_path, *small_runs(steps, batch, n))
+    with stopped_on_exit(train):
+        wait_for("step 1", lambda: steps_done(client, run_id) >= 2, train, 240)
+        stack.kill_role(is_rollout_worker)
+        succeeded(train, 400)
+    assert stack.up.poll() is None  # the stack is still up
+    check_run(client, run_id(), steps, batch, n)
+    assert restarts(stack, "rollout") == before + 1
+    assert "starting it again" in stack.log_since(log_from)
