@@ -225,9 +225,11 @@ def wait_http(url: str, timeout: float = 30) -> None:
 
 
 @contextlib.contextmanager
-def gateway_process(tmp_root: Path, name: str, urls: list[str], *overrides: str):
+def gateway_process(tmp_root: Path, name: str, urls: list[str], *overrides: str,
+                    config: Path | None = None):
     """A gateway of its own (gunicorn, its own port) in front of the inference servers
-    ``urls``, sharing the session's Redis. Yields (gateway URL, gunicorn master Popen)."""
+    ``urls``, sharing the session's Redis, on ``config`` (the embedded defaults when None).
+    Yields (gateway URL, gunicorn master Popen)."""
     import subprocess
 
     bin_dir = Path(sys.executable).parent
@@ -237,6 +239,8 @@ def gateway_process(tmp_root: Path, name: str, urls: list[str], *overrides: str)
         f"gateway.port={gw_port}", f"gateway.url=http://127.0.0.1:{gw_port}",
         f"inference.urls=[{','.join(urls)}]", *overrides]
     env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(env_overrides)}
+    if config is not None:
+        env["CARRYOVER_CONFIG"] = str(config)
     with open(tmp_root / "logs" / f"{name}.log", "ab") as logs:
         gateway = subprocess.Popen(
             [str(bin_dir / "gunicorn"), "-c", "gateway/gunicorn.conf.py",

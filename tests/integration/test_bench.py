@@ -17,16 +17,26 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def run_bench(*args: str, attach: Path | None = None) -> dict:
+def run_bench(*args: str, attach: Path | None = None, overrides: list[str] | None = None
+              ) -> dict:
     """``attach``: a directory for the benchmark, which then runs on the session's stack
-    (bench.stack's ATTACH_ENV) instead of starting every role of its own."""
+    (bench.stack's ATTACH_ENV) instead of starting every role of its own; ``overrides``:
+    the stack's, when not the session's own."""
     env = {**os.environ, ATTACH_ENV: str(attach)} if attach else None
+    if env is not None and overrides is not None:
+        env["CARRYOVER_OVERRIDES"] = json.dumps(overrides)
     out = subprocess.run([sys.executable, "-m", *args], cwd=REPO, capture_output=True,
                          text=True, timeout=600, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     text = out.stdout
     start = 0 if text.startswith("{") else text.index("\n{\n") + 1
     return json.loads(text[start: text.index("\n}\n", start) + 2])
+
+
+@pytest.fixture
+def session_stack(celery_workers, gateway_service, vllm_service, redis_client) -> None:
+    """Every role of the session's stack up, and a clean slate of the project's keys, for a
+    benchmark to attach to."""
 
 
 def test_gateway_bench_json():
@@ -49,20 +59,15 @@ def test_gateway_bench_json():
     assert r["captured_calls"] >= 900  # every call through the gateway was captured
 
 
-def test_weight_sync_bench_json():
-    r = run_bench("bench.weight_sync", "--cycles", "2", "--samples", "16")
+def test_weight_sync_bench_json(tmp_path, session_stack):
+    r = run_bench("bench.weight_sync", "--cycles", "2", "--samples", "16",
+                  attach=tmp_path / "bench")
     assert r["benchmark"] == "weight_sync" and r["cycles"] == 2
     assert set(r["median_seconds"]) == {"pause_drain", "update", "save", "reload", "probe",
                                         "resume", "cycle"}
     assert all(v >= 0 for v in r["median_seconds"].values())
     assert set(r["reference_median_seconds"]) == set(r["median_seconds"])
     assert r["update_tokens_per_s"]["engine"] > 0 and r["update_tokens_per_s"]["reference"] > 0
-
-
-@pytest.fixture
-def session_stack(celery_workers, gateway_service, vllm_service, redis_client) -> None:
-    """Every role of the session's stack up, and a clean slate of the project's keys, for a
-    benchmark to attach to."""
 
 
 def test_async_vs_sync_bench_json(tmp_path, session_stack):
@@ -157,9 +162,24 @@ def test_checkpoint_cost_bench_json():
     assert modes["sync"]["write_s_median"] > 0 and modes["background"]["write_s_median"] > 0
 
 
-def test_rerender_bench_json():
-    r = run_bench("bench.rerender", "--rollouts", "1", "--kinds", "openai-chat")
-    assert r["benchmark"] == "rerender"
+def test_rerender_bench_json(tmp_path, tmp_root, smollm2_server, redis_client):
+    """On the session's SmolLM2 server (served as config/arith.yaml serves it), behind a
+    gateway on that config, as the benchmark's own stack would be."""
+    from urllib.parse import urlsplit
+
+    from tests.conftest import SMOLLM2_SERVING, gateway_process
+
+    arith = REPO / "config" / "arith.yaml"
+    served = [f"inference.port={urlsplit(smollm2_server).port}", *SMOLLM2_SERVING,
+              "inference.weight_sync=transfer"]  # as the session's server was started
+    with gateway_process(tmp_root, "gateway-rerender", [smollm2_server], *served,
+                         config=arith) as (gateway, _):
+        overrides = [*json.loads(os.environ["CARRYOVER_OVERRIDES"]), *served,
+                     f"inference.urls=[{smollm2_server}]", f"gateway.url={gateway}",
+                     f"gateway.port={urlsplit(gateway).port}"]
+        r = run_bench("bench.rerender", "--rollouts", "1", "--kinds", "openai-chat",
+                      attach=tmp_path / "bench", overrides=overrides)
+    assert r["benchmark"] == "rerender" and r["model"] == "smollm2-135m-instruct"
     kinds = r["kinds"]["openai-chat"]
     assert set(kinds) == {"continuity", "rendered"}
     for row in kinds.values():
