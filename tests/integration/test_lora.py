@@ -47,6 +47,8 @@ def test_three_lora_steps_of_the_real_model(lora_stack, tmp_path, new_rollout):
         "algorithm.filter_groups.enable=true",
         "algorithm.filter_groups.max_num_gen_batches=20",
         "controller.agent=tests.agents:arith_graded", "agent.tool_median_s=0.05",
+        # no held-out evaluations (the arithmetic example's two took a quarter of the test)
+        "data.val_files=null", "trainer.val_before_train=false", "trainer.test_freq=-1",
         f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
         "logging.console=false", f"trainer.weights_dir={tmp_path / 'weights'}",
         f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}"])
