@@ -62,3 +62,19 @@ def test_a_lora_adapter_round_trips_through_the_checkpoint(tmp_path):
     a.update(batch(), 1)
     b.update(batch(), 1)
     assert a.probe_log_probs(ids) == b.probe_log_probs(ids)
+
+
+def test_a_save_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
+    """verl makes each checkpoint directory under a lock file in the temp directory, named
+    by the path, and never removes it: one file per checkpoint and rank, for good."""
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    cfg = load_config(None, ["trainer.device=cpu"])
+    trainer = EngineTrainer(cfg, MODEL)
+    for step in (1, 2):
+        save_checkpoint(trainer, tmp_path / "ckpt", "run", step, step, {"step": str(step)})
+    assert latest_checkpoint(tmp_path / "ckpt", "run").name == "step_000002"
+    assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("ckpt_")) == []

@@ -17,9 +17,11 @@ the controller never sees a half-applied update.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import tempfile
 import traceback
 from functools import partial
 from pathlib import Path
@@ -215,6 +217,7 @@ class RankEngine:
 
     def save(self, path: str) -> None:
         self.actor.save_checkpoint(path)
+        _drop_mkdir_locks(path, os.path.join(path, "huggingface"))
 
     def load(self, path: str) -> None:
         self.actor.load_checkpoint(path, del_local_after_load=False)
@@ -268,6 +271,20 @@ class RankEngine:
 def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's shard on this rank (what it holds), or the tensor."""
     return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _drop_mkdir_locks(*paths: str) -> None:
+    """Remove the lock files verl's checkpoint manager leaves in the temp directory: it makes
+    each directory of a save under ``ckpt_<hash of the path>.lock`` (``verl.utils.fs.
+    local_mkdir_safe``) and never removes it, so every checkpoint left two files per rank
+    for good. The hash is this process's own (Python salts it per process), so no other
+    process uses these names; a verl that names them otherwise leaves its files, as
+    before."""
+    for path in paths:
+        full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
+        lock = os.path.join(tempfile.gettempdir(), f"ckpt_{hash(full) & 0xFFFFFFFF:08x}.lock")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(lock)
 
 
 class LocalRanks:
