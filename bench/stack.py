@@ -162,16 +162,20 @@ def carryover_up(overrides: list[str], log: Path, config: Path = DEMO_CONFIG,
                  timeout: float = 240) -> Iterator[UpStack]:
     """``carryover up`` on ``config`` with ``overrides`` (its ports among them:
     :func:`stack_overrides`), its output in ``log``; yields once it says every part is up,
-    and stops it (SIGINT, SIGKILL after 90 s) on the way out."""
+    and stops it (SIGINT; after 90 s SIGKILL to it and each role) on the way out. The stack's
+    own Redis is the one this process talks to as well: ``$REDIS_URL`` is dropped."""
+    import contextlib
     import signal
     import subprocess
     import time
 
+    import psutil
+
     from app.config import load_config
 
+    os.environ.pop("REDIS_URL", None)
     env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides),
            "CARRYOVER_CONFIG": str(config)}
-    env.pop("REDIS_URL", None)
     cfg = load_config(str(config), overrides)
     with open(log, "w") as out:
         up = subprocess.Popen([str(BIN / "carryover"), "up"], cwd=REPO, env=env, stdout=out,
@@ -187,11 +191,18 @@ def carryover_up(overrides: list[str], log: Path, config: Path = DEMO_CONFIG,
                 time.sleep(1)
             yield UpStack(env, cfg, up, log)
         finally:
-            os.killpg(up.pid, signal.SIGINT)
+            with contextlib.suppress(ProcessLookupError):  # it may have exited
+                os.killpg(up.pid, signal.SIGINT)
             try:
                 up.wait(90)
             except subprocess.TimeoutExpired:
-                os.killpg(up.pid, signal.SIGKILL)
+                # each role runs in a session of its own, out of reach of the first kill
+                roles: list[psutil.Process] = []
+                with contextlib.suppress(psutil.Error):
+                    roles = psutil.Process(up.pid).children()
+                for pid in [up.pid, *(r.pid for r in roles)]:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(pid, signal.SIGKILL)
                 up.wait(10)
 
 

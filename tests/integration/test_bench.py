@@ -59,9 +59,14 @@ def test_gateway_bench_json():
     assert r["captured_calls"] >= 900  # every call through the gateway was captured
 
 
-def test_weight_sync_bench_json(tmp_path, session_stack):
-    r = run_bench("bench.weight_sync", "--cycles", "2", "--samples", "16",
-                  attach=tmp_path / "bench")
+def test_weight_sync_bench_json(tmp_path, session_stack, vllm_service):
+    from workers.trainer import weights
+
+    try:
+        r = run_bench("bench.weight_sync", "--cycles", "2", "--samples", "16",
+                      attach=tmp_path / "bench")
+    finally:  # the session's server back on the model's weights
+        weights.reload_weights(vllm_service, REPO / "var" / "models" / "tiny-qwen2")
     assert r["benchmark"] == "weight_sync" and r["cycles"] == 2
     assert set(r["median_seconds"]) == {"pause_drain", "update", "save", "reload", "probe",
                                         "resume", "cycle"}

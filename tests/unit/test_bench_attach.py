@@ -28,3 +28,22 @@ def test_attaching_yields_the_running_stack_and_the_given_directory(tmp_path, mo
         assert base == json.loads(os.environ["CARRYOVER_OVERRIDES"])  # the session's
         assert tmp == tmp_path / "bench" and tmp.is_dir()
     assert tmp.is_dir()  # kept: the stack may still read what a benchmark wrote there
+
+
+def test_a_carryover_up_that_exits_at_start_is_reported_with_its_log(tmp_path, monkeypatch):
+    """``carryover up`` refusing to start (its Redis port taken) ends the wait at once with
+    the log's tail, not with an error from stopping a process that is gone."""
+    import socket
+
+    from bench.stack import carryover_up, stack_overrides
+
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        overrides = stack_overrides(tmp_path, f"redis.port={port}",
+                                    f"logging.dir={tmp_path / 'runs'}")
+        with pytest.raises(RuntimeError, match=r"carryover up exited:\n(.|\n)*already in use"), \
+                carryover_up(overrides, tmp_path / "up.log", timeout=120):
+            pytest.fail("carryover up came up on a taken port")
