@@ -125,13 +125,17 @@ def _interrupt_on_signals() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from app.services.supervisor import RoleFailing, Supervisor
+    from app.services.supervisor import RoleFailing, StartupError, Supervisor
 
     _interrupt_on_signals()
     cfg = _load(args)
     _export_config_env(args)
     with Supervisor(cfg) as sup:
-        sup.start(progress=lambda role: print(f"  {role} ready", flush=True))
+        try:
+            sup.start(progress=lambda role: print(f"  {role} ready", flush=True))
+        except StartupError as exc:  # a taken port, a role that never became ready
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
         print("all parts up; a role that exits is started again; Ctrl-C stops them all",
               flush=True)
         try:
