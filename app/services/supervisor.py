@@ -121,6 +121,7 @@ class Supervisor:
         self.quick_failures: dict[str, int] = {}
         self.restart_due: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
+        self.start_errors: dict[str, str] = {}  # why a role's last restart did not start
         self.counted: dict[str, int] = {}  # the totals Redis holds of self.restarts
         # this supervisor's own fields in the restart counts (several share one Redis)
         self.count_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -142,13 +143,18 @@ class Supervisor:
                 f"carryover stack still running or stopping?); "
                 f"or choose another port with {address[2]}=...")
         logfile = open(self.log_path(cmd.role), "ab")  # noqa: SIM115 - owned by the child
-        proc = subprocess.Popen(
-            # CARRYOVER_ROLE names the process in what it records (a Redis outage it rode)
-            cmd.argv, cwd=REPO_ROOT, env={**self.env, **cmd.env, "CARRYOVER_ROLE": cmd.role},
-            stdout=logfile,
-            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-        )
-        logfile.close()
+        try:
+            proc = subprocess.Popen(
+                # CARRYOVER_ROLE names the process in what it records (a Redis outage it rode)
+                cmd.argv, cwd=REPO_ROOT, env={**self.env, **cmd.env, "CARRYOVER_ROLE": cmd.role},
+                stdout=logfile,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        except OSError as exc:  # its program missing (an environment not set up) or not runnable
+            raise StartupError(f"{cmd.role}: cannot run {cmd.argv[0]}: {exc.strerror or exc}"
+                               ) from exc
+        finally:
+            logfile.close()
         self.procs[cmd.role] = proc
         self.started_at[cmd.role] = time.monotonic()
         log.info("%s: started pid %d (log %s)", cmd.role, proc.pid, self.log_path(cmd.role))
@@ -211,6 +217,9 @@ class Supervisor:
                 quick = now - self.started_at.get(role, now) <= QUICK_S
                 self.quick_failures[role] = self.quick_failures.get(role, 0) + 1 if quick else 1
                 if self.quick_failures[role] > MAX_QUICK_FAILURES:
+                    if role in self.start_errors:
+                        raise RoleFailing(f"{role} could not be started again "
+                                          f"({self.start_errors[role]})")
                     raise RoleFailing(
                         f"{role} exited {MAX_QUICK_FAILURES + 1} times in a row within "
                         f"{QUICK_S:.0f} s of its start (last code {proc.returncode}); last "
@@ -221,8 +230,17 @@ class Supervisor:
                             "roles carry on)", role, proc.returncode, delay)
             elif now >= self.restart_due[role]:
                 del self.restart_due[role]
-                _signal_group(proc, signal.SIGKILL)  # children the leader left behind
-                self._spawn(command_for(self.cfg, role))
+                if role not in self.start_errors:  # (once: the pid may be another's since)
+                    _signal_group(proc, signal.SIGKILL)  # children the leader left behind
+                try:
+                    self._spawn(command_for(self.cfg, role))
+                except StartupError as exc:
+                    # as an exit at once: the same backoff, and RoleFailing as many times on
+                    self.started_at[role] = now
+                    self.start_errors[role] = str(exc)
+                    log.warning("%s could not be started again: %s", role, exc)
+                    continue
+                self.start_errors.pop(role, None)
                 self.restarts[role] = self.restarts.get(role, 0) + 1
                 restarted.append(role)
 

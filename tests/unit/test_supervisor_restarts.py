@@ -161,3 +161,23 @@ def test_counts_a_redis_crash_lost_are_written_again_after_its_restart(
         assert sv.health.role_restarts(cfg) == {"rollout": 1, "redis": 1}
     finally:
         s.stop(grace=2)
+
+
+def test_a_role_whose_program_is_gone_is_a_startup_error_naming_it(sup):
+    sup.programs["rollout"] = ["/nonexistent/celery"]
+    with pytest.raises(sv.StartupError, match="rollout: cannot run /nonexistent/celery"):
+        sup._spawn(sv.command_for(sup.cfg, "rollout"))
+
+
+def test_a_restart_that_cannot_start_is_tried_again_then_stops_the_stack(sup):
+    """A restart whose start fails (its program gone, its port taken) is a failure at once:
+    the same backoff, and the stack stops after as many as an exit right after start."""
+    sup.programs["rollout"] = ["/nonexistent/celery"]
+    sup.procs["rollout"].send_signal(signal.SIGKILL)
+    with pytest.raises(sv.RoleFailing, match="rollout could not be started again "
+                                             r"\(rollout: cannot run /nonexistent/celery"):
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            sup.watch()
+            time.sleep(0.05)
+    assert sup.procs["gateway"].poll() is None  # the peers carried on until then
