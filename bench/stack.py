@@ -173,11 +173,11 @@ def carryover_up(overrides: list[str], log: Path, config: Path = DEMO_CONFIG,
 
     from app.config import load_config
 
-    os.environ.pop("REDIS_URL", None)
+    redis_url = os.environ.pop("REDIS_URL", None)
     env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides),
            "CARRYOVER_CONFIG": str(config)}
     cfg = load_config(str(config), overrides)
-    with open(log, "w") as out:
+    with open(log, "w") as out, _restored_redis_url(redis_url):
         up = subprocess.Popen([str(BIN / "carryover"), "up"], cwd=REPO, env=env, stdout=out,
                               stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -204,6 +204,15 @@ def carryover_up(overrides: list[str], log: Path, config: Path = DEMO_CONFIG,
                     with contextlib.suppress(ProcessLookupError):
                         os.killpg(pid, signal.SIGKILL)
                 up.wait(10)
+
+
+@contextmanager
+def _restored_redis_url(url: str | None) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        if url is not None:
+            os.environ["REDIS_URL"] = url
 
 
 def redis_calls(client) -> int:

@@ -59,13 +59,15 @@ def test_gateway_bench_json():
     assert r["captured_calls"] >= 900  # every call through the gateway was captured
 
 
-def test_weight_sync_bench_json(tmp_path, session_stack, vllm_service):
+def test_weight_sync_bench_json(tmp_path, session_stack, vllm_service, redis_client):
+    from app.state.pause import Pause
     from workers.trainer import weights
 
     try:
         r = run_bench("bench.weight_sync", "--cycles", "2", "--samples", "16",
                       attach=tmp_path / "bench")
-    finally:  # the session's server back on the model's weights
+    finally:  # the session's gateway resumed, its server back on the model's weights
+        Pause(redis_client).resume()
         weights.reload_weights(vllm_service, REPO / "var" / "models" / "tiny-qwen2")
     assert r["benchmark"] == "weight_sync" and r["cycles"] == 2
     assert set(r["median_seconds"]) == {"pause_drain", "update", "save", "reload", "probe",

@@ -216,8 +216,10 @@ class RankEngine:
         (Path(path) / "adapter_config.json").write_text(json.dumps(plain, default=str))
 
     def save(self, path: str) -> None:
-        self.actor.save_checkpoint(path)
-        _drop_mkdir_locks(path, os.path.join(path, "huggingface"))
+        try:
+            self.actor.save_checkpoint(path)
+        finally:  # a failed save (a full disk) leaves them too
+            _drop_mkdir_locks(path, os.path.join(path, "huggingface"))
 
     def load(self, path: str) -> None:
         self.actor.load_checkpoint(path, del_local_after_load=False)
@@ -277,9 +279,10 @@ def _drop_mkdir_locks(*paths: str) -> None:
     """Remove the lock files verl's checkpoint manager leaves in the temp directory: it makes
     each directory of a save under ``ckpt_<hash of the path>.lock`` (``verl.utils.fs.
     local_mkdir_safe``) and never removes it, so every checkpoint left two files per rank
-    for good. The hash is this process's own (Python salts it per process), so no other
-    process uses these names; a verl that names them otherwise leaves its files, as
-    before."""
+    for good. Removed once this rank's save is over: every rank makes the directories
+    before the save's first barrier, and the locked step is an idempotent makedirs, so a
+    rank that shares the names (a fixed PYTHONHASHSEED) loses nothing. A verl that names
+    them otherwise leaves its files, as before."""
     for path in paths:
         full = path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
         lock = os.path.join(tempfile.gettempdir(), f"ckpt_{hash(full) & 0xFFFFFFFF:08x}.lock")
