@@ -191,7 +191,11 @@ class Supervisor:
                 self._spawn(command_for(self.cfg, role))
             timeout = float(self.cfg.inference.startup_timeout_s)
             self._wait_ready(rest, timeout, progress)
-        except BaseException:
+        except BaseException as exc:
+            # said first: a role still loading may take its whole grace to stop
+            log.warning("start %s: stopping the roles started so far (%s)",
+                        "interrupted" if isinstance(exc, KeyboardInterrupt) else "failed",
+                        ", ".join(self.procs) or "none")
             self.stop()
             raise
 

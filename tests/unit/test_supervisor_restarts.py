@@ -181,3 +181,32 @@ def test_a_restart_that_cannot_start_is_tried_again_then_stops_the_stack(sup):
             sup.watch()
             time.sleep(0.05)
     assert sup.procs["gateway"].poll() is None  # the peers carried on until then
+
+
+def test_ctrl_c_during_start_says_so_and_stops_what_was_started(tmp_path, monkeypatch,
+                                                                caplog):
+    """A start interrupted while the roles come up (vLLM may take its 20 s of grace to
+    stop) says at once that it is stopping them, and leaves none running."""
+    monkeypatch.setattr(sv, "command_for", lambda cfg, role: Command(role, ["sleep", "60"]))
+    monkeypatch.setattr(sv, "_listen_address", lambda cfg, role: None)
+
+    def interrupted(cfg, roles, *a, **kw):
+        if roles != ["redis"]:
+            raise KeyboardInterrupt
+        return []
+
+    monkeypatch.setattr(sv, "wait_ready", interrupted)
+    s = sv.Supervisor(load_config(None, []), log_dir=tmp_path)
+    started: list = []
+    real_spawn = s._spawn
+
+    def spawn(cmd):
+        real_spawn(cmd)
+        started.append(s.procs[cmd.role])
+
+    s._spawn = spawn
+    with caplog.at_level("WARNING"), pytest.raises(KeyboardInterrupt):
+        s.start(["redis", "gateway", "rollout"])
+    assert "start interrupted: stopping the roles started so far (redis, gateway, " \
+           "rollout)" in caplog.text
+    assert len(started) == 3 and all(p.poll() is not None for p in started)
