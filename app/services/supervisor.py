@@ -122,6 +122,7 @@ class Supervisor:
         self.restart_due: dict[str, float] = {}
         self.restarts: dict[str, int] = {}
         self.start_errors: dict[str, str] = {}  # why a role's last restart did not start
+        self._groups_killed: set[subprocess.Popen] = set()  # exited roles' groups, killed
         self.counted: dict[str, int] = {}  # the totals Redis holds of self.restarts
         # this supervisor's own fields in the restart counts (several share one Redis)
         self.count_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
@@ -130,11 +131,17 @@ class Supervisor:
     def log_path(self, role: str) -> Path:
         return self.log_dir / f"{role}.log"
 
-    def _spawn(self, cmd: Command) -> None:
+    def _spawn(self, cmd: Command, port_wait_s: float = 0.0) -> None:
+        """Start ``cmd``'s role; ``port_wait_s``: how long its port may take to be free (a
+        restart: the role just killed may still hold it)."""
         if cmd.idle_reason:
             log.info("%s: not started (%s)", cmd.role, cmd.idle_reason)
             return
         address = _listen_address(self.cfg, cmd.role)
+        deadline = time.monotonic() + port_wait_s
+        while address is not None and _in_use(address[0], address[1]) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)  # the killed role's sockets close as its processes go
         if address is not None and _in_use(address[0], address[1]):
             # Checked first: the readiness probe would otherwise find the other server and
             # call this one ready while it fails to bind.
@@ -142,7 +149,11 @@ class Supervisor:
                 f"{cmd.role}: port {address[1]} on {address[0]} is already in use (another "
                 f"carryover stack still running or stopping?); "
                 f"or choose another port with {address[2]}=...")
-        logfile = open(self.log_path(cmd.role), "ab")  # noqa: SIM115 - owned by the child
+        try:
+            logfile = open(self.log_path(cmd.role), "ab")  # noqa: SIM115 - owned by the child
+        except OSError as exc:
+            raise StartupError(f"{cmd.role}: cannot open its log {self.log_path(cmd.role)}: "
+                               f"{exc.strerror or exc}") from exc
         try:
             proc = subprocess.Popen(
                 # CARRYOVER_ROLE names the process in what it records (a Redis outage it rode)
@@ -230,15 +241,15 @@ class Supervisor:
                         f"lines of {self.log_path(role)}:\n{self._tail(role)}")
                 delay = min(BACKOFF_S[0] * 2 ** (self.quick_failures[role] - 1), BACKOFF_S[1])
                 self.restart_due[role] = now + delay
-                log.warning("%s exited with code %s; starting it again in %.0f s (the other "
-                            "roles carry on)", role, proc.returncode, delay)
+                log.warning("%s %s; starting it again in %.0f s (the other roles carry on)",
+                            role, "could not be started" if role in self.start_errors
+                            else f"exited with code {proc.returncode}", delay)
             elif now >= self.restart_due[role]:
                 del self.restart_due[role]
-                if role not in self.start_errors:  # (once: the pid may be another's since)
-                    _signal_group(proc, signal.SIGKILL)  # children the leader left behind
+                self._kill_leftovers(proc)
                 try:
-                    self._spawn(command_for(self.cfg, role))
-                except StartupError as exc:
+                    self._spawn(command_for(self.cfg, role), port_wait_s=2.0)
+                except (StartupError, OSError) as exc:
                     # as an exit at once: the same backoff, and RoleFailing as many times on
                     self.started_at[role] = now
                     self.start_errors[role] = str(exc)
@@ -318,10 +329,16 @@ class Supervisor:
                     log.warning("%s did not stop in %.0fs; killing", role, grace)
                     _signal_group(proc, signal.SIGKILL)
                     proc.wait(timeout=5)
-            # Children that outlived their leader (a pool process) go too.
-            _signal_group(proc, signal.SIGKILL)
+            self._kill_leftovers(proc)  # children that outlived their leader (a pool process)
         self.procs.clear()
         self.restart_due.clear()
+
+    def _kill_leftovers(self, proc: subprocess.Popen) -> None:
+        """SIGKILL the group of a role's process that exited, once: after that its pid (the
+        group's id) may be another process's."""
+        if proc not in self._groups_killed:
+            _signal_group(proc, signal.SIGKILL)
+            self._groups_killed.add(proc)
 
     def __enter__(self) -> Supervisor:
         return self

@@ -210,3 +210,31 @@ def test_ctrl_c_during_start_says_so_and_stops_what_was_started(tmp_path, monkey
     assert "start interrupted: stopping the roles started so far (redis, gateway, " \
            "rollout)" in caplog.text
     assert len(started) == 3 and all(p.poll() is not None for p in started)
+
+
+def test_a_restart_that_failed_once_succeeds_at_the_next_try(sup, monkeypatch):
+    real_signal = sv._signal_group
+    signalled: list[tuple[int, int]] = []
+
+    def recorded(proc, sig):
+        signalled.append((proc.pid, sig))
+        real_signal(proc, sig)
+
+    monkeypatch.setattr(sv, "_signal_group", recorded)
+    sup.programs["rollout"] = ["/nonexistent/celery"]
+    old = sup.procs["rollout"]
+    old.send_signal(signal.SIGKILL)
+    old.wait()
+    deadline = time.monotonic() + 10
+    while "rollout" not in sup.start_errors and time.monotonic() < deadline:
+        sup.watch()
+        time.sleep(0.05)
+    assert "rollout" in sup.start_errors and sup.restarts == {}  # a try is not a restart
+    sup.programs["rollout"] = ["sleep", "60"]  # the program is back
+    while sup.procs["rollout"] is old and time.monotonic() < deadline + 10:
+        sup.watch()
+        time.sleep(0.05)
+    assert sup.procs["rollout"] is not old and sup.procs["rollout"].poll() is None
+    assert sup.restarts == {"rollout": 1} and not sup.start_errors
+    # the dead role's group was killed once, not again at the second try
+    assert signalled.count((old.pid, signal.SIGKILL)) == 1
