@@ -317,6 +317,9 @@ SMOLLM2_NAME = "smollm2-135m-instruct"
 SMOLLM2_SERVING = ("inference.dtype=bfloat16", "inference.max_model_len=1024",
                    "inference.kv_cache_memory_bytes=268435456",
                    "inference.chat_template=config/templates/smollm2-tools.jinja")
+# the session's server (``smollm2_server``): also with vLLM's weight-transfer routes on
+# (weight_sync transfer), which a reload from disk does not use
+SMOLLM2_SESSION_SERVING = (*SMOLLM2_SERVING, "inference.weight_sync=transfer")
 
 
 @pytest.fixture(scope="session")
@@ -324,8 +327,6 @@ def smollm2_server(tmp_root, redis_service) -> Iterator[str]:
     """One vLLM CPU server of SmolLM2-135M-Instruct for the session (the real-model and the
     agent-SDK tests share it)."""
     assert (SMOLLM2 / "carryover-build.json").exists(), "scripts/setup.sh builds the model"
-    # with vLLM's weight-transfer routes on (weight_sync transfer), which a reload from
-    # disk does not use
-    with model_server(SMOLLM2, SMOLLM2_NAME, tmp_root / "logs", *SMOLLM2_SERVING,
-                      "inference.weight_sync=transfer") as url:
+    with model_server(SMOLLM2, SMOLLM2_NAME, tmp_root / "logs",
+                      *SMOLLM2_SESSION_SERVING) as url:
         yield url

@@ -174,11 +174,10 @@ def test_rerender_bench_json(tmp_path, tmp_root, smollm2_server, redis_client):
     gateway on that config, as the benchmark's own stack would be."""
     from urllib.parse import urlsplit
 
-    from tests.conftest import SMOLLM2_SERVING, gateway_process
+    from tests.conftest import SMOLLM2_SESSION_SERVING, gateway_process
 
     arith = REPO / "config" / "arith.yaml"
-    served = [f"inference.port={urlsplit(smollm2_server).port}", *SMOLLM2_SERVING,
-              "inference.weight_sync=transfer"]  # as the session's server was started
+    served = [f"inference.port={urlsplit(smollm2_server).port}", *SMOLLM2_SESSION_SERVING]
     with gateway_process(tmp_root, "gateway-rerender", [smollm2_server], *served,
                          config=arith) as (gateway, _):
         overrides = [*json.loads(os.environ["CARRYOVER_OVERRIDES"]), *served,
