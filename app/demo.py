@@ -20,6 +20,7 @@ from typing import Any
 from app.config import load_config
 from app.config.loader import REPO_ROOT, env_overrides
 from app.driver.metrics import CARRY, console_line, val_line
+from app.driver.preflight import preflight
 
 DEMO_CONFIG = REPO_ROOT / "config" / "demo.yaml"
 log = logging.getLogger(__name__)
@@ -172,6 +173,8 @@ def run_demo(args: argparse.Namespace) -> int:
     modes = ["async", "sync"] if args.compare else (["sync"] if args.sync else ["async"])
     cfgs = {m: load_config(config_path, _overrides(args, m == "sync")) for m in modes}
     first = cfgs[modes[0]]
+    for cfg in cfgs.values():  # a bad data file or agent is reported before the stack starts
+        preflight(cfg)
     os.environ["CARRYOVER_CONFIG"] = os.path.abspath(config_path)
     os.environ["CARRYOVER_OVERRIDES"] = json.dumps(_overrides(args, False))
     print(f"starting the stack (logs in {REPO_ROOT / 'var' / 'logs'}) ...", flush=True)

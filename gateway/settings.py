@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.config.loader import repo_path
+from app.config.loader import model_dir, repo_path
 from app.config.secrets import admin_token, inference_api_key
 from app.config.serving import gateway_view
 from app.config.settings import InferenceSettings, adapter_name, lora_rank
@@ -68,7 +68,7 @@ class GatewaySettings:
             sampling=str(g.sampling),
             context_check=bool(g.get("context_check", True)),
             token_continuity=bool(g.get("token_continuity", True)),
-            tokenizer_path=str(repo_path(str(cfg.actor_rollout_ref.model.path))),
+            tokenizer_path=str(model_dir(cfg)),
             max_model_len=int(cfg.inference.max_model_len),
             chat_template=str(repo_path(str(cfg.inference.chat_template)))
             if cfg.inference.get("chat_template") else None,

@@ -123,8 +123,15 @@ install_inference() {
     || { echo "inference environment is broken" >&2; exit 1; }
 }
 
+# The two environments are built side by side (each pip is one process, so on a fresh
+# clone the second one's unpacking overlaps the first one's), and the models are built from
+# the project environment while the inference environment is still installing.
+ensure_venv .venv-vllm install_inference "$INFERENCE_LOCK" pyproject.toml &
+inference_pid=$!
+trap 'pkill -P "$inference_pid" 2>/dev/null; kill "$inference_pid" 2>/dev/null || true' EXIT
 ensure_venv .venv install_project "$PROJECT_LOCK" pyproject.toml
-ensure_venv .venv-vllm install_inference "$INFERENCE_LOCK" pyproject.toml
 .venv/bin/python scripts/build_model.py --out var/models/tiny-qwen2 --seed 0
 .venv/bin/python scripts/build_smollm2.py --out var/models/smollm2-135m-instruct
+wait "$inference_pid" || { echo "[setup] building .venv-vllm failed (see above)" >&2; exit 1; }
+trap - EXIT
 say "ready ($DEVICE)"

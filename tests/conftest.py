@@ -306,6 +306,7 @@ def model_server(model: Path, name: str, log_dir: Path, *overrides: str,
     port = free_port()
     cfg = load_config(None, [*json.loads(os.environ["CARRYOVER_OVERRIDES"]),
                              f"actor_rollout_ref.model.path={model}", f"inference.port={port}",
+                             f"inference.urls=[http://127.0.0.1:{port}]",
                              f"inference.served_model_name={name}", *overrides])
     with inference_server(cfg, log_dir / f"vllm-{name}.log", timeout) as (url, _):
         yield url

@@ -7,6 +7,7 @@ read-only.
 
 from __future__ import annotations
 
+import datetime
 import difflib
 import re
 from collections.abc import Iterable, Sequence
@@ -15,6 +16,7 @@ from typing import Any
 
 import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from app.config.errors import ConfigError
 from app.config.validate import FREE_FORM_SECTIONS, validate
@@ -28,8 +30,36 @@ def repo_path(p: str) -> Path:
     return path if path.is_absolute() else REPO_ROOT / path
 
 
+def model_dir(cfg: Any) -> Path:
+    """``actor_rollout_ref.model.path`` as a directory that holds a model (its config.json),
+    checked where a role is about to read it: nothing is downloaded, so a Hugging Face id or
+    a mistyped path would otherwise fail inside vLLM or transformers with their own words."""
+    given = str(cfg.actor_rollout_ref.model.path)
+    path = repo_path(given)
+    if not (path / "config.json").is_file():
+        what = "no directory" if not path.is_dir() else "no config.json in"
+        raise ConfigError([f"actor_rollout_ref.model.path: {what} {str(path)!r} (a local "
+                           "model directory, absolute or relative to the repository; models "
+                           f"are not downloaded; given {given!r})"])
+    return path
+
+
 class _Loader(yaml.SafeLoader):
-    """YAML 1.1 reads ``1e-3`` as a string; verl users write learning rates that way."""
+    """YAML 1.1 reads ``1e-3`` as a string; verl users write learning rates that way. A key
+    given twice in one mapping is an error (PyYAML keeps the last one silently, and a
+    section written twice loses the first one's keys)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
+                continue
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key_node.value!r} given twice (first on line "
+                    f"{seen[key_node.value]})", key_node.start_mark)
+            seen[key_node.value] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
 
 
 _Loader.add_implicit_resolver(
@@ -53,7 +83,31 @@ def flat_keys(node: Any, prefix: str = "", into_free_form: bool = False) -> dict
     return out
 
 
+def _dotted_key_problems(node: Any, source: str, prefix: str = "") -> list[str]:
+    """A key with a dot in a file (``actor.lr: 1e-2``) is one literal name to YAML: it would
+    pass the unknown-key check (its dotted path is a known key) and then set nothing."""
+    problems: list[str] = []
+    if not isinstance(node, dict):
+        return problems
+    for key, value in node.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if path in FREE_FORM_SECTIONS:
+            continue
+        if "." in str(key):
+            parts = str(key).split(".")
+            nested = "".join(f"{p}: {{" for p in parts[:-1]) + f"{parts[-1]}: ..." \
+                + "}" * (len(parts) - 1)
+            problems.append(f"{path}: a dotted key is not split in a file; nest it "
+                            f"({nested}) ({source})")
+        else:
+            problems += _dotted_key_problems(value, source, path)
+    return problems
+
+
 def _unknown_key_problems(given: dict[str, Any], known: Iterable[str], source: str) -> list[str]:
+    dotted = _dotted_key_problems(given, source)
+    if dotted:
+        return dotted
     known = set(known)
     sections = {k.rsplit(".", 1)[0] for k in known if "." in k} | set(FREE_FORM_SECTIONS)
     problems = []
@@ -92,6 +146,32 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     return data
 
 
+# What a command line means by a number or a boolean, as verl's Hydra overrides read them:
+# YAML 1.1 would also read 0100 as 64 (octal), 1:30 as 90 (base 60), off as false and
+# 2024-01-01 as a date. Those stay text, for the key's own rule to judge.
+_DECIMAL_INT = re.compile(r"^[-+]?(0|[1-9][0-9_]*)$")
+_BOOL = ("true", "false")
+
+
+def _override_value(raw: str) -> Any:
+    text = raw.strip()
+    if not text:
+        return None
+    try:
+        value = yaml.load(raw, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, bool):
+        return value if text.lower() in _BOOL else raw
+    if isinstance(value, int):
+        return value if _DECIMAL_INT.match(text) else raw
+    if isinstance(value, float) and ":" in text:
+        return raw
+    if isinstance(value, (datetime.date, datetime.datetime)):
+        return raw
+    return value
+
+
 def _parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
     """``a.b.c=value`` strings to a nested dict; values parsed as YAML scalars like verl/Hydra."""
     nested: dict[str, Any] = {}
@@ -102,10 +182,7 @@ def _parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str
         if not sep or not key or any(not part for part in key.split(".")):
             problems.append(f"{item}: override must look like a.b.c=value")
             continue
-        try:
-            value = yaml.load(raw, Loader=_Loader) if raw.strip() else None  # noqa: S506
-        except yaml.YAMLError:
-            value = raw
+        value = _override_value(raw)
         node = nested
         parts = key.split(".")
         for part in parts[:-1]:
@@ -142,16 +219,34 @@ def load_config(
     if problems:
         raise ConfigError(problems)
 
+    if base is not None:  # a stored config was resolved when stored: nothing to resolve
+        user = _literal(user)
     merged = OmegaConf.merge(OmegaConf.create(defaults), OmegaConf.create(user),
                              OmegaConf.create(cli))
-    plain: dict[str, Any] = OmegaConf.to_container(merged, resolve=True)  # type: ignore[assignment]
+    try:
+        plain: dict[str, Any] = OmegaConf.to_container(merged, resolve=True)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        why = str(exc).splitlines()[0]
+        raise ConfigError([f"{key}: {why} (a value's ${{...}} refers to another key or "
+                           "${oc.env:VAR}; write \\${ for a literal ${)"]) from None
     _fill_derived(plain)
     problems = validate(plain)
     if problems:
         raise ConfigError(problems)
-    cfg = OmegaConf.create(plain)
+    # resolved once, here: a ${ left in a value (written \${) is text from now on
+    cfg = OmegaConf.create(_literal(plain))
     OmegaConf.set_readonly(cfg, True)
     return cfg
+
+
+def _literal(node: Any) -> Any:
+    """``node`` with every ``${`` escaped, so that OmegaConf keeps it as text."""
+    if isinstance(node, dict):
+        return {k: _literal(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_literal(v) for v in node]
+    return node.replace("${", "\\${") if isinstance(node, str) else node
 
 
 def given_keys(path: str | Path | None, overrides: Sequence[str] = ()) -> set[str]:

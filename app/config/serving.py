@@ -34,7 +34,8 @@ def gateway_view(cfg: Any) -> dict[str, Any]:
     view: dict[str, Any] = {}
     for key in _PLAIN:
         value = OmegaConf.select(cfg, key)
-        view[key] = OmegaConf.to_container(value) if OmegaConf.is_config(value) else value
+        view[key] = OmegaConf.to_container(value, resolve=True) \
+            if OmegaConf.is_config(value) else value
     for key in _PATHS:
         value = OmegaConf.select(cfg, key)
         view[key] = str(repo_path(str(value))) if value else None

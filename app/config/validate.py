@@ -95,7 +95,11 @@ def boolean(v: Any) -> str | None:
 
 
 def string(v: Any) -> str | None:
-    return None if isinstance(v, str) and v else "must be a non-empty string"
+    if isinstance(v, str) and v:
+        return None
+    if isinstance(v, (int, float)):  # bool too: true, 123 and 1e3 are read as YAML scalars
+        return f"must be a non-empty string (quote it to keep it text: '{_fmt(v)}')"
+    return "must be a non-empty string"
 
 
 def port(v: Any) -> str | None:
@@ -452,6 +456,14 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             f"greater than data.train_batch_size ({tbs}) when async_rollout.enabled is true "
             f"(a good start is 2 x train_batch_size = {2 * tbs})"
         )
+    mini = _get(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size")
+    if ok("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size") and mini \
+            and tbs % mini:
+        # verl refuses these too: the last optimizer step would take a smaller share of the
+        # batch than the others, or (mini > batch) the whole batch in one step
+        problems.append(f"actor_rollout_ref.actor.ppo_mini_batch_size: value {mini} must divide "
+                        f"data.train_batch_size ({tbs}): groups per optimizer step, 0 for the "
+                        "whole batch in one")
     from app.config.loader import repo_path  # the loader imports this module
 
     template = _get(cfg, "inference.chat_template")
@@ -520,8 +532,9 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             == "keep" and _get(cfg, "inference.sleep_mode") is True:
         problems.append("gateway.drain_mode: value 'keep' cannot work with inference.sleep_mode "
                         "true: calls frozen across the update hold the engine's KV cache, which "
-                        "a sleeping engine drops; use sleep_mode auto (the engine stays awake "
-                        "and the update needs memory beside it) or drain_mode wait or abort")
+                        "a sleeping engine drops; use sleep_mode auto (the engine stays awake and "
+                        "the update needs memory beside it) or drain_mode continue, wait or abort")
+
     if ok("trainer.test_freq", "data.val_files") and _get(cfg, "trainer.test_freq") > 0 \
             and not _get(cfg, "data.val_files"):
         problems.append(f"trainer.test_freq: value {_get(cfg, 'trainer.test_freq')} needs "

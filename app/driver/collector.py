@@ -60,8 +60,8 @@ class Selection:
 
 
 class Collector:
-    def __init__(self, client: redis.Redis, run_id: str, cfg: Any, n: int | None = None
-                 ) -> None:
+    def __init__(self, client: redis.Redis, run_id: str, cfg: Any, n: int | None = None,
+                 samples: list[dict] | None = None) -> None:
         self.r = client
         self.run_id = run_id
         self.cfg = cfg
@@ -81,7 +81,8 @@ class Collector:
         filtering = cfg.algorithm.get("filter_groups") or {}
         self.filter_enabled = bool(filtering.get("enable", False))
         self.max_gen_batches = int(filtering.get("max_num_gen_batches") or 0)
-        self.samples = load_samples(cfg.data.train_files)
+        # ``samples``: data.train_files as the driver already read it
+        self.samples = samples if samples is not None else load_samples(cfg.data.train_files)
         self._order_epoch = -1
         self._order: list[int] = []
 

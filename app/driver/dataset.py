@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
+from app.config.errors import ConfigError
 from app.config.loader import REPO_ROOT
 
 
-class DatasetError(ValueError):
-    pass
+class DatasetError(ConfigError):
+    """A data file that cannot be used, named by its config key: a configuration error (the
+    command line reports it as one), found before a run is recorded."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__([problem])
 
 
 def load_samples(path: str, key: str = "data.train_files") -> list[dict]:
@@ -22,9 +28,14 @@ def load_samples(path: str, key: str = "data.train_files") -> list[dict]:
     if p.suffix == ".parquet":
         return _load_parquet(p, key)
     try:
-        lines = p.read_text().splitlines()
+        raw = p.read_bytes()
     except OSError as exc:
         raise DatasetError(f"{key}: cannot read {p} ({exc.strerror})") from None
+    try:
+        lines = raw.decode("utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        at = raw.count(b"\n", 0, exc.start) + 1
+        raise DatasetError(f"{key}: {p}:{at}: not UTF-8 text (byte {exc.start})") from None
     samples = []
     for no, line in enumerate(lines, 1):
         if not line.strip():
@@ -44,6 +55,8 @@ def load_samples(path: str, key: str = "data.train_files") -> list[dict]:
 def _load_parquet(p: Path, key: str) -> list[dict]:
     import pyarrow.parquet as pq
 
+    if not p.is_file():
+        raise DatasetError(f"{key}: cannot read {p} (no such file)")
     try:
         rows = pq.read_table(p).to_pylist()
     except (OSError, ValueError) as exc:
@@ -51,6 +64,16 @@ def _load_parquet(p: Path, key: str) -> list[dict]:
     if not rows:
         raise DatasetError(f"{key}: {p} holds no samples")
     return rows
+
+
+def check_files(cfg: Any) -> list[dict]:
+    """Read the run's data files as its driver will (``data.train_files``, and
+    ``data.val_files`` when set), so that a bad one stops a run before anything is recorded
+    or started; the training samples are returned."""
+    samples = load_samples(cfg.data.train_files)
+    if cfg.data.val_files:
+        load_samples(cfg.data.val_files, key="data.val_files")
+    return samples
 
 
 def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> list[int]:

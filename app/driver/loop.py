@@ -25,6 +25,7 @@ from app.driver.collector import Collector, Starved
 from app.driver.evaluation import Evaluator
 from app.driver.lease import DriverLease, RunBusy
 from app.driver.metrics import CARRY, MetricsSink, console_line, val_line
+from app.driver.preflight import preflight
 from app.driver.recovery import OutageWatch, repair
 from app.driver.restore import ServerRestore
 from app.driver.trainer_call import call_trainer
@@ -109,14 +110,15 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
         raise TrainingFailed("the Celery app was built for another Redis than the run's config "
                              "(set $CARRYOVER_CONFIG / $REDIS_URL before importing app.celery_app)")
     client = connect(url, reconnect_s=float(cfg.redis.reconnect_s))
-    # Each Redis outage the driver rides out is followed by a check of what it lost (see
-    # app/driver/recovery.py): the last second of acknowledged writes may be gone.
-    watch = OutageWatch(url)
     if resume:
         stored = run_config(client, resume)  # the run keeps the config it started with
         _require_same_config(cfg, stored, resume, given)
         cfg = stored
     _require_gateway_agrees(cfg)
+    samples = preflight(cfg)  # a bad data file or agent stops the run before it is recorded
+    # Each Redis outage the driver rides out is followed by a check of what it lost (see
+    # app/driver/recovery.py): the last second of acknowledged writes may be gone.
+    watch = OutageWatch(url)
     if resume:
         run_id = resume
     else:
@@ -130,18 +132,19 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
         watch.close()
         raise TrainingFailed(str(exc)) from None
     try:
-        return _drive(client, cfg, run_id, resume, lease, watch, on_step, should_stop, on_eval)
+        return _drive(client, cfg, run_id, resume, lease, watch, samples, on_step,
+                      should_stop, on_eval)
     finally:
         lease.release()
 
 
 def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
-           lease: DriverLease, watch: OutageWatch,
+           lease: DriverLease, watch: OutageWatch, samples: list[dict],
            on_step: Callable[[int, dict], None] | None,
            should_stop: Callable[[int, dict], bool] | None,
            on_eval: Callable[[int, dict], None] | None) -> dict:
     """The run, once this driver holds its lease."""
-    collector = Collector(client, run_id, cfg)
+    collector = Collector(client, run_id, cfg, samples=samples)
     evaluator = Evaluator(client, run_id, cfg)  # reads data.val_files: fails before training
     restore_servers = ServerRestore(client, cfg, run_id)  # servers the keeper cannot restore
     run_dir = run_dir_for(cfg, run_id)

@@ -14,10 +14,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from app.config.loader import REPO_ROOT, repo_path
+from app.config.errors import ConfigError
+from app.config.loader import REPO_ROOT, model_dir, repo_path
 from app.config.secrets import inference_api_key
 from app.config.settings import MAX_LORA_RANKS, lora_rank, sleep_mode, transfer_engine
+from app.config.validate import is_loopback
 from app.services.device import resolve as resolve_device
 from app.services.rpc_sockets import rpc_dir, sweep
 from app.services.transfer_wire import SHM_BACKEND
@@ -73,10 +76,38 @@ def redis_command(cfg: Any) -> Command:
     return Command("redis", argv)
 
 
+def _port_of(url: str) -> int | None:
+    parts = urlsplit(url)
+    try:
+        return parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:
+        return None
+
+
+def _check_reachable(cfg: Any, role: str) -> None:
+    """The server a role starts on this host is one its URL reaches: a loopback URL's port
+    is the one it binds (a URL of another host may go through a proxy on another port).
+    Otherwise `carryover up` would wait for it at the URL until its start timed out."""
+    if role == "inference":
+        port, urls = int(cfg.inference.port), list(cfg.inference.urls)
+        local = [u for u in urls if is_loopback(urlsplit(u).hostname or "")]
+        if local and port not in {_port_of(u) for u in local}:
+            raise ConfigError([f"inference.port: value {port} is the port of no entry of "
+                               f"inference.urls on this host ({', '.join(local)}): the server "
+                               "started on it would never be reached"])
+    elif role == "gateway":
+        port, url = int(cfg.gateway.port), str(cfg.gateway.url)
+        if is_loopback(urlsplit(url).hostname or "") and _port_of(url) != port:
+            raise ConfigError([f"gateway.port: value {port} is not the port of gateway.url "
+                               f"({url}): agents and the trainer would look for the gateway "
+                               "there"])
+
+
 def inference_command(cfg: Any) -> Command:
+    _check_reachable(cfg, "inference")
     inf = cfg.inference
     device = resolve_device(str(inf.device))
-    model = (REPO_ROOT / cfg.actor_rollout_ref.model.path).resolve()
+    model = model_dir(cfg).resolve()
     argv = [
         _bin(".venv-vllm", "python"), "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model),
@@ -164,6 +195,7 @@ def inference_command(cfg: Any) -> Command:
 
 
 def gateway_command(cfg: Any) -> Command:
+    _check_reachable(cfg, "gateway")
     argv = [
         project_bin("gunicorn"),
         "-c", str(REPO_ROOT / "gateway" / "gunicorn.conf.py"),

@@ -193,13 +193,16 @@ class Supervisor:
     def start(self, roles: Iterable[str] = ROLES,
               progress: Callable[[str], None] | None = None) -> None:
         roles = [r for r in ROLES if r in set(roles)]
+        # every command first: a setting a role cannot start with (a model path that holds
+        # no model) is reported before any role has started
+        commands = {role: command_for(self.cfg, role) for role in roles}
         try:
             if "redis" in roles:
-                self._spawn(command_for(self.cfg, "redis"))
+                self._spawn(commands["redis"])
                 self._wait_ready(["redis"], 30, progress)
             rest = [r for r in roles if r != "redis"]
             for role in rest:
-                self._spawn(command_for(self.cfg, role))
+                self._spawn(commands[role])
             timeout = float(self.cfg.inference.startup_timeout_s)
             self._wait_ready(rest, timeout, progress)
         except BaseException as exc:

@@ -74,3 +74,26 @@ def test_status_shows_where_the_config_differs(hot_gateway):
     assert ("config differs (carryover train would refuse it): "
             "actor_rollout_ref.rollout.temperature: the running gateway serves with 0.7, "
             "this run's config says 1.0") in out
+
+
+@pytest.mark.parametrize("override,message", [
+    ("data.train_files={bad}", "data.train_files: {bad}:2: not UTF-8 text (byte 24)"),
+    ("data.val_files={missing}", "data.val_files: cannot read {missing} (No such file"),
+    ("controller.agent=examples.reverse.agent:nosuch",
+     "controller.agent: value 'examples.reverse.agent:nosuch': module"),
+])
+def test_a_bad_data_file_or_agent_stops_a_run_before_it_is_recorded(
+        hot_gateway, redis_client, tmp_path, override, message):
+    from app.driver.loop import train
+    from app.state import keys
+
+    gateway, upstream = hot_gateway
+    bad, missing = tmp_path / "bad.jsonl", tmp_path / "missing.jsonl"
+    bad.write_bytes(b'{"text": "a"}\n{"text": "\xff"}\n')
+    run = _cfg(gateway, upstream, "actor_rollout_ref.rollout.temperature=0.7",
+               override.format(bad=bad, missing=missing))
+    run_id = f"refused-{tmp_path.name}"
+    with pytest.raises(ConfigError) as info:
+        train(run, run_id=run_id)
+    assert info.value.problems[0].startswith(message.format(bad=bad, missing=missing))
+    assert not redis_client.exists(keys.run(run_id))

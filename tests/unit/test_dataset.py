@@ -33,3 +33,12 @@ def test_missing_file_and_epoch_order():
     a, b = epoch_order(10, 0, 0, True), epoch_order(10, 0, 1, True)
     assert sorted(a) == list(range(10)) and a != b and a == epoch_order(10, 0, 0, True)
     assert epoch_order(5, 0, 3, False) == [0, 1, 2, 3, 4]
+
+
+def test_undecodable_text_and_a_missing_parquet_file_name_the_key_and_line(tmp_path):
+    (tmp_path / "d.jsonl").write_bytes(b'{"text": "abc"}\n{"text": "\xff"}\n')
+    with pytest.raises(DatasetError) as info:
+        load_samples(str(tmp_path / "d.jsonl"), key="data.val_files")
+    assert str(info.value) == f"data.val_files: {tmp_path / 'd.jsonl'}:2: not UTF-8 text (byte 26)"
+    with pytest.raises(DatasetError, match=r"cannot read /no/such/file.parquet \(no such file\)"):
+        load_samples("/no/such/file.parquet")

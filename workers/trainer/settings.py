@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from app.config.loader import repo_path
+from app.config.loader import model_dir, repo_path
 from app.config.settings import DrainMode, InferenceSettings, drain_mode
 from app.config.verl_names import ADV_ESTIMATORS
 from workers.trainer.batch import Overlong
@@ -42,7 +42,7 @@ class TrainerSettings:
         tr, gw = cfg.trainer, cfg.gateway
         pause = tr.pause_during_update
         return cls(
-            model_path=repo_path(str(cfg.actor_rollout_ref.model.path)),
+            model_path=model_dir(cfg),
             weights_dir=repo_path(str(tr.weights_dir)),
             weights_in_memory=tr.weights_in_memory == "auto",
             checkpoint_dir=repo_path(str(tr.checkpoint_dir)),

@@ -1,0 +1,171 @@
+"""Input that YAML, OmegaConf or argparse would take in a way the user did not mean is
+refused with a line naming the key: a dotted key or a key given twice in a file, a ${...}
+that does not resolve, YAML 1.1's readings of 0100 and off on the command line, settings
+that contradict each other, and a model or agent that is not there."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from app.config import ConfigError, load_config
+from app.config.loader import model_dir
+from app.driver.preflight import check_agent
+from app.services.commands import command_for
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def problems(path=None, overrides=()) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides))
+    return info.value.problems
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "c.yaml"
+    p.write_text(textwrap.dedent(text))
+    return p
+
+
+@pytest.mark.parametrize("text,key,nested", [
+    ("agentlightning.async_rollout.enabled: false\n",
+     "agentlightning.async_rollout.enabled", "agentlightning: {async_rollout: {enabled: ...}}"),
+    ("actor_rollout_ref:\n  actor.lr: 1.0e-2\n", "actor_rollout_ref.actor.lr",
+     "actor: {lr: ...}"),
+])
+def test_a_dotted_key_in_a_file_is_refused_not_ignored(tmp_path, text, key, nested):
+    (line,) = problems(write(tmp_path, text))
+    assert line.startswith(f"{key}: a dotted key is not split in a file") and nested in line
+
+
+def test_a_dotted_key_inside_the_free_form_agent_section_is_the_agents_own(tmp_path):
+    cfg = load_config(write(tmp_path, "agent:\n  tool.delay: 2\n"))
+    assert cfg.agent["tool.delay"] == 2
+
+
+def test_a_key_given_twice_in_a_file_is_refused(tmp_path):
+    text = "data:\n  train_batch_size: 4\ntrainer:\n  total_steps: 5\ndata:\n  shuffle: false\n"
+    (line,) = problems(write(tmp_path, text))
+    assert "line 5" in line and "key 'data' given twice (first on line 1)" in line
+    # a YAML merge key that the mapping then overrides is not a duplicate
+    merged = "trainer:\n  <<: {total_steps: 5}\n  total_steps: 7\n"
+    assert load_config(write(tmp_path, merged)).trainer.total_steps == 7
+
+
+def test_an_unresolvable_interpolation_names_its_key():
+    (line,) = problems(None, ["agent.prompt=Say ${name}"])
+    assert line.startswith("agent.prompt: Interpolation key 'name' not found")
+    assert "write \\${ for a literal ${" in line
+    (line,) = problems(None, ["data.train_files=${oc.env:CARRYOVER_NO_SUCH_VAR}"])
+    assert line.startswith("data.train_files:") and "CARRYOVER_NO_SUCH_VAR" in line
+
+
+def test_an_escaped_interpolation_stays_text_through_a_stored_run():
+    cfg = load_config(None, [r"agent.prompt=Say \${name}"])
+    assert cfg.agent.prompt == "Say ${name}"
+    # a run's config is stored resolved, and every worker loads it back from there
+    stored = OmegaConf.to_container(cfg, resolve=True)
+    assert load_config(base=stored).agent.prompt == "Say ${name}"
+    # an interpolation that resolves still does, as verl's configs use them
+    cfg = load_config(None, ["agent.name=${inference.served_model_name}"])
+    assert cfg.agent.name == cfg.inference.served_model_name
+
+
+@pytest.mark.parametrize("raw,value", [
+    ("0100", "0100"), ("1:30", "1:30"), ("off", "off"), ("yes", "yes"),
+    ("2024-01-01", "2024-01-01"), ("0x10", "0x10"),
+    ("true", True), ("False", False), ("100", 100), ("-5", -5), ("1_000", 1000),
+    ("1e-3", 1e-3), ("0.5", 0.5), ("null", None), ("[1, 2]", [1, 2]),
+])
+def test_command_line_values_read_as_verls_overrides_read_them(raw, value):
+    got = OmegaConf.to_container(load_config(None, [f"agent.v={raw}"]).agent)["v"]
+    assert got == value and type(got) is type(value)
+
+
+def test_yaml_1_1_numbers_on_the_command_line_are_not_silently_converted():
+    (line,) = problems(None, ["trainer.total_steps=0100"])
+    assert line == "trainer.total_steps: value '0100' must be a positive integer"
+    assert load_config(None, ["redis.password=0123"]).redis.password == "0123"
+    (line,) = problems(None, ["redis.password=123"])
+    assert "must be a non-empty string (quote it" in line
+
+
+@pytest.mark.parametrize("mini", [3, 8])
+def test_a_mini_batch_size_that_does_not_divide_the_batch_is_refused(mini):
+    (line,) = problems(None, ["data.train_batch_size=4",
+                              f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}"])
+    assert line.startswith(f"actor_rollout_ref.actor.ppo_mini_batch_size: value {mini} must "
+                           "divide data.train_batch_size (4)")
+    load_config(None, ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
+
+
+@pytest.mark.parametrize("overrides,role,message", [
+    (["inference.port=8101"], "inference",
+     "inference.port: value 8101 is the port of no entry of inference.urls on this host"),
+    (["gateway.port=8201"], "gateway", "gateway.port: value 8201 is not the port of gateway.url"),
+])
+def test_a_server_started_where_its_url_does_not_reach_is_refused(overrides, role, message):
+    cfg = load_config(None, overrides)
+    with pytest.raises(ConfigError, match=message):
+        command_for(cfg, role)
+
+
+def test_a_server_reached_through_another_hosts_url_may_bind_any_port():
+    cfg = load_config(None, ["inference.urls=[http://10.0.0.5:80]", "inference.port=8101",
+                             "gateway.url=http://gateway.internal", "gateway.port=8201"])
+    assert "8101" in command_for(cfg, "inference").argv
+    command_for(cfg, "gateway")
+
+
+@pytest.mark.parametrize("path,what", [
+    ("Qwen/Qwen2.5-0.5B-Instruct", "no directory"), ("config", "no config.json in")])
+def test_a_model_path_that_holds_no_model_is_a_config_error(path, what):
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={path}"])
+    with pytest.raises(ConfigError, match=f"actor_rollout_ref.model.path: {what} ") as info:
+        model_dir(cfg)
+    assert "models are not downloaded" in str(info.value)
+    with pytest.raises(ConfigError, match="actor_rollout_ref.model.path"):
+        command_for(cfg, "inference")
+
+
+@pytest.mark.parametrize("agent,message", [
+    ("nosuch.mod:run", "no module 'nosuch'"),
+    ("examples.reverse.nosuch:run", "no module 'examples.reverse.nosuch'"),
+    ("examples.reverse.agent:nosuch", "module 'examples.reverse.agent' has no 'nosuch'"),
+    ("examples.reverse.agent:math", "is a module, not a function"),
+])
+def test_an_agent_that_cannot_be_called_is_a_config_error(agent, message):
+    with pytest.raises(ConfigError, match=message) as info:
+        check_agent(load_config(None, [f"controller.agent={agent}"]))
+    assert str(info.value).startswith(f"controller.agent: value {agent!r}")
+
+
+def test_an_agent_found_where_the_workers_look_passes(tmp_path, monkeypatch):
+    check_agent(load_config(None, ["controller.agent=examples.reverse.agent:run"]))
+    # the workers run in the repository, which Celery puts on their path
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(REPO))])
+    check_agent(load_config(None, ["controller.agent=tests.agents:arith_graded"]))
+    # a module the driver cannot import for a package only the workers have is let through
+    (tmp_path / "needs_pkg.py").write_text("import carryover_no_such_pkg\n")
+    check_agent(load_config(None, ["controller.agent=needs_pkg:run"]))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_overrides_may_follow_the_options():
+    shown = run_cli("config", "show", "data.train_batch_size=4", "--config",
+                    "config/demo.yaml", "trainer.total_steps=5")
+    assert shown.returncode == 0, shown.stderr
+    assert "train_batch_size: 4" in shown.stdout and "total_steps: 5" in shown.stdout
+    stray = run_cli("config", "show", "--config", "config/demo.yaml", "a.b=1", "--bogus")
+    assert stray.returncode == 2 and "unrecognized arguments: --bogus" in stray.stderr
