@@ -19,6 +19,9 @@ def prepare_upstream_body(body: dict[str, Any], endpoint: str, model: str,
     out = dict(body)
     out["model"] = model
     out["return_token_ids"] = True
+    # vLLM leaves every token id and log-prob out of an answer whose reasoning is hidden;
+    # the agent's wish is applied to what it is shown instead (strip_for_agent)
+    out.pop("include_reasoning", None)
     if endpoint == "chat.completions":
         out["logprobs"] = True
         out.setdefault("top_logprobs", 0)
@@ -46,23 +49,52 @@ def agent_wants(body: dict[str, Any], endpoint: str) -> tuple[bool, bool]:
     return (lp is not None and lp is not False), wants_ids
 
 
+def hides_reasoning(body: dict[str, Any]) -> bool:
+    """The agent asked for the answer without its reasoning (``include_reasoning: false``)."""
+    return body.get("include_reasoning") is False
+
+
+REASONING_FIELDS = ("reasoning", "reasoning_content")
+
+
 # vLLM's request fields that constrain decoding to a grammar (older guided_* names included)
 GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
                   "guided_grammar", "guided_decoding_backend")
 
 
-def constrained_by(body: dict[str, Any]) -> str | None:
-    """The parameter that makes vLLM sample under a grammar mask, or None."""
+def constrained_by(body: dict[str, Any], tool_call_parser: str | None = None,
+                   strict_level: str = "auto") -> str | None:
+    """The parameter that makes vLLM sample under a grammar mask, or None.
+
+    With tools, vLLM's tool-call parser (``tool_call_parser``, the servers') masks the
+    call's markup under ``tool_choice`` required or a named function, and under auto too
+    when a tool is ``strict``, when ``parallel_tool_calls`` is false (one call at most), or
+    when the servers' ``--tool-strict-level`` (``strict_level``) is above auto. Under auto
+    the text outside a call is free: such a call is constrained only if it made a tool call
+    (``AUTO_TOOL_GRAMMAR``, applied per choice by :func:`calls_from_response`)."""
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
         return "response_format"
     for name in GRAMMAR_FIELDS:
         if body.get(name):
             return name
-    choice = body.get("tool_choice")
-    if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
+    choice, tools = body.get("tool_choice"), body.get("tools")
+    if not tools or choice == "none":
+        return None
+    if choice == "required" or isinstance(choice, dict):
         return "tool_choice"
+    if tool_call_parser:
+        if strict_level != "auto" or any(
+                isinstance(t, dict) and isinstance(t.get("function"), dict)
+                and t["function"].get("strict") is True for t in tools):
+            return "tools"
+        if body.get("parallel_tool_calls") is False:
+            return "parallel_tool_calls"
     return None
+
+
+# what constrained_by names for a grammar that holds inside a tool call only (tool_choice auto)
+AUTO_TOOL_GRAMMAR = ("tools", "parallel_tool_calls")
 
 
 def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[Any]:
@@ -91,6 +123,10 @@ def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, tempe
         logprobs, bad = CapturedCall.clean_logprobs(raw)
         if len(logprobs) != len(ids):  # a capture that does not line up is unusable
             bad += abs(len(ids) - len(logprobs)) or 1
+        masked = constrained
+        if constrained in AUTO_TOOL_GRAMMAR and not (choice.get("message") or {}).get(
+                "tool_calls"):
+            masked = None  # an answer in text only, outside any call: nothing was masked
         calls.append(CapturedCall(
             prompt_ids=prompt_ids, response_ids=ids, logprobs=logprobs,
             finish_reason=choice.get("finish_reason"), policy_version=version,
@@ -99,14 +135,15 @@ def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, tempe
             policy_version_end=None if version_end in (None, version) else version_end,
             version_switches=((switches or {}).get(choice.get("index", 0)) or None
                               if version_end not in (None, version) else None),
-            constrained=constrained, continued=continued))
+            constrained=masked, continued=continued))
     return calls
 
 
 def strip_for_agent(resp: dict[str, Any], endpoint: str, wants_logprobs: bool,
-                    wants_ids: bool) -> dict[str, Any]:
-    """The OpenAI-shaped answer, without the fields the agent did not ask for."""
-    if wants_logprobs and wants_ids:
+                    wants_ids: bool, hide_reasoning: bool = False) -> dict[str, Any]:
+    """The OpenAI-shaped answer (or stream chunk), without the fields the agent did not ask
+    for."""
+    if wants_logprobs and wants_ids and not hide_reasoning:
         return resp
     out = copy.copy(resp)
     if not wants_ids:
@@ -119,6 +156,9 @@ def strip_for_agent(resp: dict[str, Any], endpoint: str, wants_logprobs: bool,
             c.pop("prompt_token_ids", None)
         if not wants_logprobs:
             c["logprobs"] = None
+        for part in ("message", "delta"):
+            if hide_reasoning and isinstance(c.get(part), dict):
+                c[part] = {k: v for k, v in c[part].items() if k not in REASONING_FIELDS}
         choices.append(c)
     out["choices"] = choices
     return out
@@ -151,12 +191,18 @@ class StreamAccumulator:
             if idx not in self.choices and self.pending_switch is not None:
                 self.switches[idx] = [[0, self.pending_switch]]
             acc = self.choices.setdefault(idx, {"token_ids": [], "lp": [], "finish_reason": None,
-                                                "content": "", "tool_calls": {}})
+                                                "content": "", "tool_calls": {},
+                                                "prompt_ids": []})
+            # completions: each choice's first chunk holds its own prompt's ids (a call may
+            # send several prompts)
+            if choice.get("prompt_token_ids") and not acc["prompt_ids"]:
+                acc["prompt_ids"] = list(choice["prompt_token_ids"])
             if choice.get("prompt_token_ids") and not self.prompt_ids:
                 self.prompt_ids = list(choice["prompt_token_ids"])
             acc["token_ids"].extend(choice.get("token_ids") or [])
             delta = choice.get("delta") or {}
-            acc["content"] += delta.get("content") or ""
+            # the text so far: chat's deltas, or completions' text pieces
+            acc["content"] += delta.get("content") or choice.get("text") or ""
             for call in delta.get("tool_calls") or []:  # the answer the agent echoes back
                 fn = call.get("function") or {}
                 kept = acc["tool_calls"].setdefault(call.get("index", 0), {
@@ -166,6 +212,10 @@ class StreamAccumulator:
             acc["lp"].extend(_choice_logprobs(choice, self.endpoint))
             if choice.get("finish_reason"):
                 acc["finish_reason"] = choice["finish_reason"]
+
+    def text_length(self) -> int:
+        """Characters of text so far of the (one) choice."""
+        return sum(len(acc["content"]) for acc in self.choices.values())
 
     def end_by_length(self) -> None:
         """A call cut at its last allowed token ends there, by length."""
@@ -182,7 +232,10 @@ class StreamAccumulator:
             else:
                 lp = {"token_logprobs": acc["lp"]}
             calls = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
-            choices.append({"index": idx, "token_ids": acc["token_ids"], "logprobs": lp,
-                            "finish_reason": acc["finish_reason"],
-                            "message": {"content": acc["content"], "tool_calls": calls or None}})
+            choice = {"index": idx, "token_ids": acc["token_ids"], "logprobs": lp,
+                      "finish_reason": acc["finish_reason"],
+                      "message": {"content": acc["content"], "tool_calls": calls or None}}
+            if acc["prompt_ids"]:
+                choice["prompt_token_ids"] = acc["prompt_ids"]
+            choices.append(choice)
         return {"prompt_token_ids": self.prompt_ids, "choices": choices}

@@ -48,6 +48,7 @@ def refusal(body: dict[str, Any], tool_call_parser: str | None) -> str | None:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         return "a batch of prompts"
+    # (under tool_choice auto the grammar holds inside a call only: cut_in_call's case)
     constrained = constrained_by(body)
     if constrained:
         return f"constrained decoding ({constrained})"
@@ -71,7 +72,12 @@ def cut_in_call(resp: dict[str, Any], tool_call_parser: str | None) -> bool:
     marker = CALL_MARKUP.get(str(tool_call_parser))
     for choice in resp.get("choices") or []:
         msg = choice.get("message") or {}
-        if msg.get("tool_calls") or (marker and marker in (msg.get("content") or "")):
+        text = msg.get("content") or ""
+        if msg.get("tool_calls") or (marker and marker in text):
+            return True
+        # or the cut came inside the marker itself (a tokenizer without a token for it
+        # spells it in pieces): the continuation's parser would see half a marker
+        if marker and any(text.endswith(marker[:k]) for k in range(1, len(marker))):
             return True
     return False
 
@@ -129,11 +135,14 @@ def merge(first: dict[str, Any], more: dict[str, Any], endpoint: str) -> dict[st
             a["logprobs"] = {"content": [*(lp_a.get("content") or []),
                                          *(lp_b.get("content") or [])]}
     else:
-        a["text"] = (a.get("text") or "") + (b.get("text") or "")
+        before = a.get("text") or ""
+        a["text"] = before + (b.get("text") or "")
         if lp_a or lp_b:
             a["logprobs"] = {k: [*(lp_a.get(k) or []), *(lp_b.get(k) or [])]
-                             for k in ("tokens", "token_logprobs", "top_logprobs",
-                                       "text_offset")}
+                             for k in ("tokens", "token_logprobs", "top_logprobs")}
+            # the continuation's offsets count from its own text's start
+            a["logprobs"]["text_offset"] = [*(lp_a.get("text_offset") or []), *(
+                o + len(before) for o in lp_b.get("text_offset") or [])]
     usage_a, usage_b = out.get("usage") or {}, more.get("usage") or {}
     if usage_a or usage_b:
         done = len(a["token_ids"])
@@ -156,12 +165,18 @@ def without_abort(chunk: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def as_part_of_call(chunk: dict[str, Any], done: int) -> dict[str, Any]:
-    """A continuation's streamed chunk as part of the agent's call, ``done`` tokens in: its
-    prompt is the call's (so no second prompt's ids), its usage counts the whole answer."""
+def as_part_of_call(chunk: dict[str, Any], done: int, text_done: int = 0) -> dict[str, Any]:
+    """A continuation's streamed chunk as part of the agent's call, ``done`` tokens and
+    ``text_done`` characters in: its prompt is the call's (so no second prompt's ids), its
+    usage counts the whole answer, its text offsets (completions) the whole text."""
     out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
     out["choices"] = [{k: v for k, v in c.items() if k != "prompt_token_ids"}
                       for c in chunk.get("choices") or []]
+    for choice in out["choices"]:
+        lp = choice.get("logprobs")
+        if text_done and isinstance(lp, dict) and lp.get("text_offset"):
+            choice["logprobs"] = {**lp, "text_offset": [o + text_done
+                                                        for o in lp["text_offset"]]}
     usage = chunk.get("usage")
     if usage:
         out["usage"] = {**usage,

@@ -32,6 +32,8 @@ from gateway.upstream import UpstreamResponse, UpstreamUnreachable
 
 log = logging.getLogger(__name__)
 
+# the chat content parts vLLM reads as text (refusal, thinking: an assistant turn echoed)
+TEXT_PARTS = ("text", "input_text", "output_text", "refusal", "thinking")
 ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -46,13 +48,26 @@ def validate_body(body: Any, endpoint: str) -> dict:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise bad_request(f"messages[{i}] must be an object with a string 'role'",
                                   param="messages")
-            if not isinstance(m.get("content"), (str, list, type(None))):
+            content = m.get("content")
+            if not isinstance(content, (str, list, type(None))):
                 raise bad_request(f"messages[{i}].content must be a string or an array",
                                   param="messages")
+            for j, part in enumerate(content if isinstance(content, list) else ()):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind not in TEXT_PARTS and not (  # vLLM reads an untyped part's text
+                        kind is None and isinstance(part, dict) and "text" in part):
+                    # an image's placeholder tokens would be captured without its pixels:
+                    # the trainer could not score the call
+                    raise bad_request(f"messages[{i}].content[{j}]: content of type {kind!r} "
+                                      "is not served (text only)",
+                                      param=f"messages[{i}].content[{j}].type")
     else:
         prompt = body.get("prompt")
         if not isinstance(prompt, (str, list)) or (isinstance(prompt, list) and not prompt):
             raise bad_request("'prompt' must be a string or a non-empty array", param="prompt")
+        if body.get("echo"):  # vLLM would put the prompt's ids into the response's
+            raise bad_request("'echo' is not served: the prompt is the agent's own",
+                              param="echo")
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise bad_request("'stream' must be true or false", param="stream")
     if body.get("stream_options") is not None and not isinstance(body["stream_options"], dict):
@@ -95,6 +110,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
             raise retryable("no inference server is reachable", s.retry_after_s,
                             code="upstream_unavailable")
         wants_lp, wants_ids = capture.agent_wants(body, endpoint)
+        shows = (wants_lp, wants_ids, capture.hides_reasoning(body))
         up_body = capture.prepare_upstream_body(body, endpoint, s.served_model(version),
                                                 s.default_max_tokens, temperature)
         continued = None
@@ -117,12 +133,13 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         meta: dict[str, Any] = dict(endpoint=endpoint, version=version,
                                     temperature=float(up_body["temperature"]),
                                     upstream=upstream, started_at=started,
-                                    constrained=capture.constrained_by(body),
+                                    constrained=capture.constrained_by(
+                                        body, s.tool_call_parser, s.tool_strict_level),
                                     continued=continued is not None)
         if stream:
             lease.handed_over = True
-            return Response(_stream(state, resp, rollout_id, lease, cancel, meta, wants_lp,
-                                    wants_ids, protocol.stream(request), up_body),
+            return Response(_stream(state, resp, rollout_id, lease, cancel, meta, shows,
+                                    protocol.stream(request), up_body),
                             mimetype="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         assert data is not None  # read above: not streamed
@@ -136,7 +153,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
                                             version_end=policy_version(state.redis))
         if not lease.record([c.to_json() for c in calls], _turn(state, up_body, answer)):
             raise _cancelled_error()
-    shown = capture.strip_for_agent(answer, endpoint, wants_lp, wants_ids)
+    shown = capture.strip_for_agent(answer, endpoint, *shows)
     return Response(orjson.dumps(protocol.answer(shown, request)), mimetype="application/json")
 
 
@@ -285,11 +302,13 @@ def _lines(resp: UpstreamResponse) -> Iterator[str]:
 
 
 def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease: Lease,
-            cancel: Any, meta: dict[str, Any], wants_lp: bool, wants_ids: bool,
+            cancel: Any, meta: dict[str, Any], shows: tuple[bool, bool, bool],
             out: StreamTranslator, body: dict[str, Any]) -> Iterator[bytes]:
+    """``shows``: what the agent sees of each chunk (``capture.strip_for_agent``)."""
     acc = capture.StreamAccumulator(meta["endpoint"])
     current = meta["version"]
     done: int | None = None         # tokens before a continuation (drain_mode continue)
+    text_done = 0                   # and the characters of their text
     expected: list[int] | None = None  # the prompt ids its server must say it read
     upstream = meta["upstream"]
     try:
@@ -343,7 +362,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                             yield out.error(_misread(state, rollout_id))
                             return
                         expected = None
-                    chunk = continuation.as_part_of_call(chunk, done)
+                    chunk = continuation.as_part_of_call(chunk, done, text_done)
                 acc.add(chunk)
                 shown = chunk
                 if continuation.aborted(chunk) and continuation.carries_on(state.redis):
@@ -353,8 +372,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                         return
                     cut = True
                     shown = continuation.without_abort(chunk)
-                yield from out.chunk(capture.strip_for_agent(shown, meta["endpoint"],
-                                                             wants_lp, wants_ids))
+                yield from out.chunk(capture.strip_for_agent(shown, meta["endpoint"], *shows))
             if not cut:
                 if not ended:  # the connection closed before the answer's end
                     yield out.error(_cut_off(state, rollout_id, upstream, lease, cancel,
@@ -388,10 +406,20 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 acc.switch(now)
                 current = now
             done, expected = len(so_far), [*prompt_ids, *so_far]
+            text_done = acc.text_length()
+    except redis.RedisError as exc:
+        # the stream had begun: the agent gets an error event in its protocol, as for any
+        # other failure past the headers, never a connection that just drops
+        log.warning("Redis failed in the stream for %s (%s); nothing captured", rollout_id, exc)
+        yield out.error(retryable(f"the gateway lost its state store mid-answer ({exc}); retry",
+                                  state.settings.retry_after_s, code="state_unavailable"))
     finally:
         resp.release()
         if not lease.ended:
-            lease.release()
+            try:
+                lease.release()
+            except redis.RedisError:  # its TTL ends it: the stream's end is not held up
+                log.warning("lease of %s not released (Redis unreachable)", rollout_id)
             log.info("stream for %s ended early; nothing captured", rollout_id)
 
 

@@ -37,6 +37,7 @@ class GatewaySettings:
     sleep_check: bool = False     # the servers sleep around updates: skip one left asleep
     inference_api_key: str = ""   # sent to the servers; agents never see it
     tool_call_parser: str | None = None  # inference.tool_call_parser: where calls start
+    tool_strict_level: str = "auto"  # inference.tool_strict_level: which calls it constrains
     lora: bool = False            # each policy version is served as its own LoRA adapter
     # the config keys this gateway serves by, for the driver to compare with a run's
     # (app/config/serving.py); empty for settings not built from a config
@@ -76,6 +77,7 @@ class GatewaySettings:
             inference_api_key=inference_api_key(cfg),
             tool_call_parser=str(cfg.inference.tool_call_parser)
             if cfg.inference.get("tool_call_parser") else None,
+            tool_strict_level=str(cfg.inference.get("tool_strict_level") or "auto"),
             lora=lora_rank(cfg) > 0,
             serves=gateway_view(cfg),
         )

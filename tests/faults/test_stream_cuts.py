@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
 import socket
 import time
 
@@ -66,6 +67,8 @@ class Server(http.server.BaseHTTPRequestHandler):
             self.wfile.flush()
 
         send(_chunk("h", [5]))
+        if MODE["kind"] == "slow":    # the rest comes after a while (Redis dies meanwhile)
+            time.sleep(MODE.get("gap_s", 1.0))
         if MODE["kind"] == "close":   # the server dies mid-answer
             time.sleep(0.1)
             self.connection.shutdown(socket.SHUT_RDWR)
@@ -185,3 +188,62 @@ def test_a_body_nested_past_what_can_be_sent_on_is_a_400(gateway, new_rollout, r
     assert resp.status_code == 400, resp.get_json()
     assert "cannot be sent on" in resp.get_json()["error"]["message"]
     assert redis_client.zcard(keys.leases()) == 0
+
+
+def test_redis_lost_in_the_middle_of_a_stream_ends_it_in_an_error_event(
+        tmp_path, monkeypatch, cfg):
+    """The gateway reads Redis as a stream goes (the policy version, the pause): when Redis
+    is gone past the reconnect budget, the agent gets an error in its protocol's stream,
+    not a connection that drops without one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import redis
+
+    from app.state.connection import connect
+    from tests.conftest import free_port
+    from workers.rollout.episode import _start_attempt
+
+    # every client this process builds from here on gives up after 5 s of outage
+    overrides = json.loads(os.environ["CARRYOVER_OVERRIDES"]) + ["redis.reconnect_s=5"]
+    monkeypatch.setenv("CARRYOVER_OVERRIDES", json.dumps(overrides))
+    port = free_port()
+    server = subprocess.Popen([str(Path(sys.executable).parent / "redis-server"), "--port",
+                               str(port), "--bind", "127.0.0.1", "--save", "",
+                               "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    url = f"redis://127.0.0.1:{port}/0"
+    try:
+        plain = redis.Redis(port=port)
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                plain.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start"
+                time.sleep(0.05)
+        rid, token = _start_attempt(connect(url), "test-run", "g-redis-lost", 0, 1)
+        MODE.update(kind="slow", gap_s=1.0)
+        with serving(Server) as upstream:
+            settings = GatewaySettings(
+                redis_url=url, upstreams=(upstream,), model="m", admin_token="a",
+                lease_ttl_s=30, hold=False, hold_timeout_s=1, retry_after_s=1,
+                max_body_bytes=1 << 20, max_concurrent_per_rollout=8, upstream_timeout_s=5.0,
+                upstream_health_s=0, default_max_tokens=8, default_temperature=1.0,
+                context_check=False, token_continuity=False)
+            client = create_app(settings).test_client()
+            resp = client.post(f"/rollout/{rid}{CHAT[0]}", json={**CHAT[1], "stream": True},
+                               headers={"Authorization": f"Bearer {token}"}, buffered=False)
+            assert resp.status_code == 200
+            server.kill()  # while the server holds its second chunk back
+            server.wait(10)
+            text = resp.get_data(as_text=True)
+    finally:
+        MODE.pop("gap_s", None)
+        if server.poll() is None:
+            server.kill()
+            server.wait(10)
+    assert "[DONE]" not in text
+    last = json.loads(text.strip().split("\n\n")[-1].removeprefix("data: "))
+    assert last["error"]["code"] == "state_unavailable", text

@@ -15,6 +15,7 @@ import json
 import os
 
 import pytest
+import requests
 
 from app.state import keys
 from app.state.records import CapturedCall
@@ -231,6 +232,29 @@ def test_an_anthropic_prefill_is_continued_in_its_turn(gw, new_rollout, redis_cl
     assert answer.stop_reason in ("end_turn", "max_tokens")
     (call,) = captured(redis_client, rid, 1)
     assert prompt_text(call).rstrip().endswith(prefill)  # no <|im_end|>, no new turn
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_answer_asked_without_its_reasoning_is_still_captured_whole(gw, new_rollout,
+                                                                       redis_client, stream):
+    """vLLM leaves every token id and log-prob out of an answer whose reasoning is hidden
+    (``include_reasoning: false``, with a tool-call parser): the gateway asks for it whole,
+    captures it, and shows the agent the answer without reasoning."""
+    rid, token, base = new_rollout(gw)
+    answer = requests.post(f"{base}/chat/completions", headers={
+        "Authorization": f"Bearer {token}"}, json={
+        "model": NAME, "max_tokens": 6, "include_reasoning": False, "stream": stream,
+        "messages": [{"role": "user", "content": QUESTION}]}, timeout=120)
+    assert answer.status_code == 200, answer.text
+    if stream:
+        chunks = [json.loads(line[5:]) for line in answer.text.splitlines()
+                  if line.startswith("data:") and line[5:].strip() != "[DONE]"]
+        shown = [c["choices"][0]["delta"] for c in chunks if c.get("choices")]
+    else:
+        shown = [answer.json()["choices"][0]["message"]]
+    (call,) = captured(redis_client, rid, 1)
+    assert len(call.response_ids) == 6 or call.finish_reason == "stop"
+    assert not any("reasoning" in m or "reasoning_content" in m for m in shown)
 
 
 def test_anthropic_errors_have_anthropics_shape(gw, new_rollout):

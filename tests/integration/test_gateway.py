@@ -78,6 +78,22 @@ def test_completions_and_streaming(gw, new_rollout):
     assert len(client.models.list().data) == 1
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_completions_call_of_several_prompts_captures_each_with_its_own(gw, new_rollout,
+                                                                          stream):
+    """vLLM answers each prompt of a batch in its own choices, and (streamed) sends each
+    prompt's ids on that choice's first chunk: every sample is recorded with its own."""
+    rid, token, base = new_rollout()
+    client = openai.OpenAI(base_url=base, api_key=token, max_retries=0)
+    answer = client.completions.create(model="m", prompt=["abc", "ba"], max_tokens=3,
+                                       stream=stream)
+    if stream:
+        list(answer)
+    calls = captured(gw, rid)
+    assert len(calls) == 2
+    assert sorted(len(c.prompt_ids) for c in calls) == [2, 3], [c.prompt_ids for c in calls]
+
+
 def test_paused_requests_ride_through_with_retries(gw, new_rollout):
     adm = Pause(gw)
     assert adm.pause() == 0

@@ -30,6 +30,45 @@ def test_constrained_by(body, name):
     assert constrained_by(body) == name
 
 
+STRICT = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
+                                            "strict": True}}]
+
+
+@pytest.mark.parametrize("body,level,name", [
+    ({"tools": TOOLS, "tool_choice": "auto"}, "auto", None),
+    ({"tools": TOOLS}, "auto", None),
+    ({"tools": STRICT, "tool_choice": "auto"}, "auto", "tools"),   # the Agents SDK's default
+    ({"tools": STRICT}, "auto", "tools"),
+    ({"tools": STRICT, "tool_choice": "none"}, "auto", None),
+    ({"tools": TOOLS, "parallel_tool_calls": False}, "auto", "parallel_tool_calls"),
+    ({"tools": TOOLS, "parallel_tool_calls": True}, "auto", None),
+    ({"tools": TOOLS}, "function", "tools"),
+    ({"tools": TOOLS}, "parameter", "tools"),
+])
+def test_tool_choice_auto_is_constrained_where_vllms_parser_applies_its_grammar(body, level,
+                                                                               name):
+    """vLLM's tool-call parser masks a call's markup under tool_choice auto too, when a
+    tool is strict, parallel_tool_calls is false, or the servers' strict level is raised."""
+    assert constrained_by(body, "hermes", level) == name
+    assert constrained_by(body) is None  # no tool-call parser: no grammar under auto
+
+
+def test_under_auto_only_an_answer_that_called_a_tool_is_marked():
+    from gateway.capture import calls_from_response
+
+    def choice(i, calls):
+        return {"index": i, "token_ids": [5], "finish_reason": "stop",
+                "logprobs": {"content": [{"logprob": -1.0}]},
+                "message": {"content": "x", "tool_calls": calls}}
+    resp = {"prompt_token_ids": [1], "choices": [choice(0, None), choice(1, [{"id": "c"}])]}
+    marked = [c.constrained for c in calls_from_response(
+        resp, "chat.completions", 0, 1.0, "u", 0.0, constrained="tools")]
+    assert marked == [None, "tools"]
+    forced = [c.constrained for c in calls_from_response(
+        resp, "chat.completions", 0, 1.0, "u", 0.0, constrained="tool_choice")]
+    assert forced == ["tool_choice", "tool_choice"]
+
+
 def test_constrained_is_metrics_cover_only_the_masked_tokens():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     constrained = torch.tensor([[0.0, 0.0, 0.0], [1.0, 1.0, 1.0]])

@@ -35,6 +35,10 @@ def test_a_cut_inside_a_tool_calls_markup_is_seen():
     assert not cont.cut_in_call(answer("Let me add"), "hermes")
     assert cont.cut_in_call(answer('Sure. <tool_call>{"name": "ad'), "hermes")
     assert cont.cut_in_call(answer("", [{"id": "c"}]), "hermes")
+    # a tokenizer without a token for the marker spells it in pieces: a cut inside it
+    for half in ("<", "<tool", "<tool_call"):
+        assert cont.cut_in_call(answer(f"Sure. {half}"), "hermes"), half
+    assert not cont.cut_in_call(answer("Sure. <b>bold</b>"), "hermes")
 
 
 def test_the_continuation_asks_for_what_is_left_from_the_ids_so_far():
@@ -79,12 +83,15 @@ def test_a_cut_answer_and_its_continuation_make_one_answer():
         {"choices": [{"text": "a", "token_ids": [5], "finish_reason": "abort",
                       "logprobs": {"tokens": ["a"], "token_logprobs": [-1.0],
                                    "top_logprobs": [{"a": -1.0}], "text_offset": [0]}}]},
-        {"choices": [{"text": "b", "token_ids": [6], "finish_reason": "length",
-                      "logprobs": {"tokens": ["b"], "token_logprobs": [-2.0],
-                                   "top_logprobs": [{"b": -2.0}], "text_offset": [1]}}]},
+        {"choices": [{"text": "bc", "token_ids": [6, 7], "finish_reason": "length",
+                      "logprobs": {"tokens": ["b", "c"], "token_logprobs": [-2.0, -3.0],
+                                   "top_logprobs": [{"b": -2.0}, {"c": -3.0}],
+                                   "text_offset": [0, 1]}}]},
         "completions")["choices"][0]
-    assert text["text"] == "ab" and text["logprobs"]["token_logprobs"] == [-1.0, -2.0]
-    assert text["logprobs"]["tokens"] == ["a", "b"] and text["finish_reason"] == "length"
+    assert text["text"] == "abc" and text["logprobs"]["token_logprobs"] == [-1.0, -2.0, -3.0]
+    assert text["logprobs"]["tokens"] == ["a", "b", "c"] and text["finish_reason"] == "length"
+    # vLLM counts a continuation's offsets from its own text: shifted past the first part's
+    assert text["logprobs"]["text_offset"] == [0, 1, 2]
 
 
 def test_the_agent_never_sees_the_abort_in_a_stream():
@@ -103,6 +110,12 @@ def test_a_continuations_chunks_count_as_the_whole_call():
     out = cont.as_part_of_call(chunk, 2)
     assert "prompt_token_ids" not in out and "prompt_token_ids" not in out["choices"][0]
     assert out["usage"] == {"prompt_tokens": 2, "completion_tokens": 5, "total_tokens": 7}
+    # a streamed continuation's offsets go on from the text the call had before the cut
+    chunk["choices"][0]["logprobs"] = {"tokens": ["x"], "token_logprobs": [-1.0],
+                                       "top_logprobs": [{}], "text_offset": [0]}
+    out = cont.as_part_of_call(chunk, 2, text_done=5)
+    assert out["choices"][0]["logprobs"]["text_offset"] == [5]
+    assert chunk["choices"][0]["logprobs"]["text_offset"] == [0]  # the input left as it was
 
 
 class _Redis:

@@ -87,3 +87,39 @@ def test_errors_under_the_messages_route_have_anthropics_shape():
     assert r.get_json()["type"] == "error" and r.get_json()["error"]["type"] == "not_found_error"
     r = app.test_client().post("/rollout/r1/v1/chat/completions/x", json={})
     assert r.get_json()["error"]["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("part, param", [
+    ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+     "messages[1].content[1].type"),
+    ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
+     "messages[1].content[1].type"),
+    ({"type": "file", "file": {"file_id": "f"}}, "messages[1].content[1].type"),
+    ("plain string", "messages[1].content[1].type"),
+])
+def test_a_non_text_content_part_on_chat_is_a_400_naming_it(part, param):
+    """An image's placeholder tokens would be captured without its pixels: the trainer
+    could not score the call. Refused as the Messages and Responses routes refuse them."""
+    body = {"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": [
+        {"type": "text", "text": "what is this?"}, part]}]}
+    with pytest.raises(GatewayError) as err:
+        validate_body(body, "chat.completions")
+    assert err.value.status == 400 and err.value.param == param
+    assert "is not served (text only)" in err.value.message
+
+
+def test_text_parts_of_every_kind_vllm_reads_pass():
+    parts = [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"},
+             {"type": "output_text", "text": "c"}, {"type": "refusal", "refusal": "no"},
+             {"text": "untyped"}]
+    assert validate_body({"messages": [{"role": "assistant", "content": parts}]},
+                         "chat.completions")
+
+
+def test_echo_on_completions_is_a_400():
+    """vLLM would put the prompt's ids at the head of the response's: the capture would
+    train on the prompt as if sampled."""
+    with pytest.raises(GatewayError) as err:
+        validate_body({"prompt": "abc", "echo": True}, "completions")
+    assert err.value.status == 400 and err.value.param == "echo"
+    assert validate_body({"prompt": "abc", "echo": False}, "completions")
