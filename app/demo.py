@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.config import load_config
+from app.config import ConfigError, load_config
 from app.config.loader import REPO_ROOT, env_overrides
 from app.driver.metrics import CARRY, console_line, val_line
 from app.driver.preflight import preflight
@@ -28,6 +28,15 @@ log = logging.getLogger(__name__)
 
 def _overrides(args: argparse.Namespace, sync: bool) -> list[str]:
     out = [*env_overrides(), *args.overrides]
+    flags = {"trainer.total_steps": "--steps" if args.steps is not None else None,
+             "agentlightning.async_rollout.enabled":
+                 "--sync" if getattr(args, "sync", False) else
+                 "--compare" if getattr(args, "compare", False) else None}
+    both = [f"{flag} and {key}=... both given: keep one" for key, flag in flags.items()
+            if flag and any(o.lstrip("+").partition("=")[0].strip() == key
+                            for o in args.overrides)]
+    if both:
+        raise ConfigError(both)
     if args.steps is not None:  # 0 is refused by validation, not dropped
         out.append(f"trainer.total_steps={args.steps}")
     if sync:

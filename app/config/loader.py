@@ -127,22 +127,23 @@ def _unknown_key_problems(given: dict[str, Any], known: Iterable[str], source: s
     return problems
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
+def _read_yaml(path: Path, label: str = "--config") -> dict[str, Any]:
+    """``label``: how the user gave the file (the option, or ``$CARRYOVER_CONFIG``)."""
     try:
         text = path.read_text()
     except OSError as exc:
-        raise ConfigError([f"--config {path}: cannot read file ({exc.strerror})"]) from None
+        raise ConfigError([f"{label} {path}: cannot read file ({exc.strerror})"]) from None
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError([f"--config {path}:{where}: not valid YAML ({problem})"]) from None
+        raise ConfigError([f"{label} {path}:{where}: not valid YAML ({problem})"]) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError([f"--config {path}: top level must be a mapping of sections"])
+        raise ConfigError([f"{label} {path}: top level must be a mapping of sections"])
     return data
 
 
@@ -201,6 +202,7 @@ def load_config(
     overrides: Sequence[str] = (),
     *,
     base: dict[str, Any] | None = None,
+    path_label: str = "--config",
 ) -> DictConfig:
     """Build, validate and freeze a configuration.
 
@@ -211,11 +213,16 @@ def load_config(
     known = flat_keys(defaults).keys()
     problems: list[str] = []
 
-    user = base if base is not None else (_read_yaml(Path(path)) if path else {})
+    user = base if base is not None else (_read_yaml(Path(path), path_label) if path else {})
     problems += _unknown_key_problems(user, known, str(path) if path else "config")
     cli, override_problems = _parse_overrides(overrides)
     problems += override_problems
     problems += _unknown_key_problems(cli, known, "command line")
+    for source, given in ((str(path) if path else "config", user), ("command line", cli)):
+        problems += [f"{key}: value ??? is OmegaConf's 'missing' marker, which would keep "
+                     f"the default: give a value ({source})"
+                     for key, value in flat_keys(given, into_free_form=True).items()
+                     if value == "???"]
     if problems:
         raise ConfigError(problems)
 
@@ -276,10 +283,10 @@ def env_overrides() -> list[str]:
         overrides = json.loads(raw) if raw.strip() else []
     except json.JSONDecodeError:
         overrides = None
-    if not isinstance(overrides, list):
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
         raise ConfigError([f"$CARRYOVER_OVERRIDES: value {raw!r} must be a JSON list of "
                            "a.b.c=value strings"])
-    return [str(o) for o in overrides]
+    return overrides
 
 
 def service_config() -> DictConfig:
@@ -287,7 +294,8 @@ def service_config() -> DictConfig:
     ``$CARRYOVER_OVERRIDES`` (a JSON list of a.b.c=value), over the defaults."""
     import os
 
-    return load_config(os.environ.get("CARRYOVER_CONFIG") or None, env_overrides())
+    return load_config(os.environ.get("CARRYOVER_CONFIG") or None, env_overrides(),
+                       path_label="$CARRYOVER_CONFIG")
 
 
 def to_yaml(cfg: DictConfig) -> str:

@@ -15,9 +15,13 @@ import subprocess
 
 @functools.cache
 def host_device() -> str:
-    forced = os.environ.get("CARRYOVER_DEVICE", "auto").strip().lower()
+    forced = os.environ.get("CARRYOVER_DEVICE", "auto").strip().lower() or "auto"
     if forced in ("cpu", "cuda"):
         return forced
+    if forced != "auto":  # as scripts/setup.sh refuses it: a typo must not pick silently
+        from app.config.errors import ConfigError
+
+        raise ConfigError([f"$CARRYOVER_DEVICE: value {forced!r} must be cpu, cuda or auto"])
     smi = shutil.which("nvidia-smi")
     if smi is None:
         return "cpu"

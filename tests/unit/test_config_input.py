@@ -169,3 +169,51 @@ def test_overrides_may_follow_the_options():
     assert "train_batch_size: 4" in shown.stdout and "total_steps: 5" in shown.stdout
     stray = run_cli("config", "show", "--config", "config/demo.yaml", "a.b=1", "--bogus")
     assert stray.returncode == 2 and "unrecognized arguments: --bogus" in stray.stderr
+
+
+def test_omegaconfs_missing_marker_is_not_a_value(tmp_path):
+    (line,) = problems(None, ["trainer.total_steps=???"])
+    assert line.startswith("trainer.total_steps: value ??? is OmegaConf's 'missing' marker")
+    (line,) = problems(write(tmp_path, "trainer:\n  total_steps: ???\n"))
+    assert line.startswith("trainer.total_steps: value ???")
+
+
+def test_the_environments_config_is_named_as_it_was_given(monkeypatch, tmp_path):
+    from app.config.loader import env_overrides, service_config
+
+    monkeypatch.setenv("CARRYOVER_CONFIG", str(tmp_path / "nope.yaml"))
+    with pytest.raises(ConfigError, match=r"^\$CARRYOVER_CONFIG .*nope.yaml: cannot read file"):
+        service_config()
+    monkeypatch.setenv("CARRYOVER_OVERRIDES", '[["data.train_batch_size=4"]]')
+    with pytest.raises(ConfigError, match=r"^\$CARRYOVER_OVERRIDES: value .* must be a JSON "
+                                          "list of a.b.c=value strings"):
+        env_overrides()
+
+
+def test_an_unknown_device_is_refused_not_taken_for_auto(monkeypatch):
+    from app.services import device
+
+    monkeypatch.setenv("CARRYOVER_DEVICE", "gpu")
+    device.host_device.cache_clear()
+    try:
+        with pytest.raises(ConfigError, match=r"\$CARRYOVER_DEVICE: value 'gpu' must be cpu, "
+                                              "cuda or auto"):
+            device.host_device()
+    finally:
+        device.host_device.cache_clear()
+
+
+@pytest.mark.parametrize("flags,override,flag", [
+    ({"steps": 5}, "trainer.total_steps=50", "--steps"),
+    ({"sync": True}, "agentlightning.async_rollout.enabled=true", "--sync"),
+])
+def test_a_demo_flag_and_the_override_it_sets_are_not_both_taken(flags, override, flag):
+    import argparse
+
+    from app.demo import _overrides
+
+    args = argparse.Namespace(overrides=[override], steps=None, sync=False, compare=False)
+    for name, value in flags.items():
+        setattr(args, name, value)
+    with pytest.raises(ConfigError, match=f"{flag} and {override.partition('=')[0]}"):
+        _overrides(args, sync=bool(flags.get("sync")))
