@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Self
 
@@ -59,7 +60,9 @@ MAX_ABS_REWARD = 1e9
 def checked_reward(value: Any) -> float:
     """``value`` as a reward (a finite number within +-MAX_ABS_REWARD); ValueError saying
     what it is otherwise."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real: numpy's scalars too (np.float32, np.int64), which agents return
+    if isinstance(value, bool) or type(value).__name__ == "bool_" \
+            or not isinstance(value, numbers.Real):
         raise ValueError(f"a non-numeric reward: {value!r:.200}")
     try:
         reward = float(value)

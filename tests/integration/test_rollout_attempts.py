@@ -169,3 +169,80 @@ def test_a_sibling_redelivered_after_its_group_expired_runs_nothing_quietly(redi
     assert result.status == "failed" and "expired" in (result.error or "")
     assert not redis_client.exists(keys.group_results(group))
     assert not [r for r in caplog.records if r.levelname in ("ERROR", "CRITICAL")]
+
+
+def test_nested_agent_settings_reach_a_process_agent_as_json(redis_client, group):
+    """A nested setting (a list, a mapping) is sent as JSON like any other: each attempt
+    failed on it ("controller raised TypeError"), so every group was dropped."""
+    cmd = ("python3 -c \"import json, os; s = json.loads(os.environ['CARRYOVER_AGENT_SETTINGS']); "
+           "print(len(s['tools']) + s['limits']['turns'])\"")
+    make_group(redis_client, group, f"controller.agent={cmd}", "agent.tools=[add, mul]",
+               "agent.limits={turns: 3}")
+    result = run_sibling(redis_client, group, 0)
+    assert result.status == "ok" and result.reward == 5.0, result.error
+
+
+class _Appends:
+    """A python agent as written: it appends its turn to the sample's messages, then fails
+    once; the retried attempt must start from the stored sample."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def adopt(self):
+        return None
+
+    def run(self, sample, llm, *args, **kwargs):
+        self.seen.append(len(sample["messages"]))
+        sample["messages"].append({"role": "assistant", "content": "half a turn"})
+        if len(self.seen) == 1:
+            raise RuntimeError("a tool failed")
+        return 1.0
+
+
+def test_a_retried_attempt_starts_from_the_stored_sample(redis_client, group, monkeypatch):
+    make_group(redis_client, group)
+    redis_client.hset(keys.group(group), mapping=GroupRecord(
+        group_id=group, run_id=RUN, sample_index=0, n=1,
+        sample={"messages": [{"role": "user", "content": "hi"}]}).to_hash())
+    agent = _Appends()
+    monkeypatch.setattr(episode, "make_controller", lambda *a, **k: agent)
+    result = run_sibling(redis_client, group, 0)
+    assert result.status == "ok" and result.attempts == 2
+    assert agent.seen == [1, 1]  # the second attempt did not see the first one's turn
+
+
+class _ClosedMeanwhile:
+    """A worker taken for dead: while its agent runs, a later delivery of the task closes its
+    rollout (and may have stored its own result); the agent then ends as if all went well."""
+
+    def __init__(self, client, stored=None) -> None:
+        self.client, self.stored = client, stored
+
+    def adopt(self):
+        return None
+
+    def run(self, sample, llm, *args, **kwargs):
+        assert _close_attempt(self.client, llm.rollout_id, "failed")
+        if self.stored is not None:
+            carry.store_sibling_result(self.client, RUN, self.stored[0], 0, self.stored[1])
+        return 1.0  # the fallback reward of an agent whose calls were refused
+
+
+@pytest.mark.parametrize("later_result", [False, True], ids=["pending", "stored"])
+def test_an_attempt_closed_by_a_later_delivery_does_not_stand_as_ok(redis_client, group,
+                                                                     monkeypatch, later_result):
+    from app.state.records import SiblingResult
+
+    make_group(redis_client, group)
+    later = SiblingResult(0, f"{group}.0.later", "ok", 0.25, 1, 1.0)
+    monkeypatch.setattr(episode, "make_controller", lambda *a, **k: _ClosedMeanwhile(
+        redis_client, (group, later.to_json()) if later_result else None))
+    result = run_sibling(redis_client, group, 0)
+    if later_result:  # the later delivery's result stands, not overwritten
+        assert (result.rollout_id, result.reward) == (later.rollout_id, 0.25)
+    else:  # a failure until the later delivery stores its own
+        assert result.status == "failed" and "closed by a later delivery" in result.error
+    stored = episode.existing_result(redis_client, group, 0)
+    assert stored is not None and stored.status == result.status
+    assert stored.rollout_id == result.rollout_id

@@ -37,6 +37,51 @@ def test_parse_reward_accepts_numbers(value, expected):
     assert parse_reward(value) == expected
 
 
+def test_numpy_rewards_are_numbers_and_numpy_booleans_are_not():
+    import numpy as np
+
+    assert parse_reward(np.float32(0.5)) == 0.5 and parse_reward(np.int64(2)) == 2.0
+    assert type(parse_reward(np.float64(1.0))) is float
+    with pytest.raises(AgentError, match="non-numeric"):
+        parse_reward(np.bool_(True))
+
+
+def test_a_rollouts_token_never_shows_in_its_endpoints_repr():
+    assert "tok" not in repr(LLM) and "api_key" not in repr(LLM)
+    assert LLM.api_key == "tok"
+
+
+def test_a_process_agent_gets_none_of_the_workers_secrets(monkeypatch):
+    for name in ("REDIS_URL", "REDIS_PASSWORD", "CARRYOVER_ADMIN_TOKEN",
+                 "CARRYOVER_INFERENCE_API_KEY"):
+        monkeypatch.setenv(name, "secret")
+    monkeypatch.setenv("CARRYOVER_TEST_PLAIN", "kept")
+    cmd = ("python3 -c \"import os; leaked = [k for k in ('REDIS_URL', 'REDIS_PASSWORD', "
+           "'CARRYOVER_ADMIN_TOKEN', 'CARRYOVER_INFERENCE_API_KEY') if k in os.environ]; "
+           "print(0 if leaked or os.environ.get('CARRYOVER_TEST_PLAIN') != 'kept' else 1)\"")
+    assert run_process(cmd) == 1
+
+
+def test_a_python_agents_error_message_is_bounded():
+    import sys
+    import types
+
+    mod = types.ModuleType("carryover_test_loud_agent")
+
+    def loud(sample, llm, **settings):
+        raise RuntimeError("x" * 100_000)
+
+    mod.loud = loud
+    sys.modules[mod.__name__] = mod
+    try:
+        with pytest.raises(AgentError) as info:
+            PythonController(f"{mod.__name__}:loud", {}).run(
+                {}, LLM, 10.0, clock(), lambda: False)
+    finally:
+        del sys.modules[mod.__name__]
+    assert len(str(info.value)) < 2100 and "RuntimeError" in str(info.value)
+
+
 @pytest.mark.parametrize("value", [math.nan, math.inf, "0.5", None, True, [1], {"r": 1},
                                    pytest.param(10**400, id="int-past-float"), 1e30, -2e9,
                                    {"reward": 10**10}])
@@ -65,6 +110,9 @@ def test_process_agent_gets_endpoint_and_sample_and_returns_last_json_line():
     ("true", "without printing a reward"),
     ("echo NaN", "non-finite"),
     ("echo '\"high\"'", "non-numeric"),
+    # past the parser's own limits: an int of more digits than Python converts, deep nesting
+    ("python3 -c \"print('9' * 5000)\"", "not JSON"),
+    ("python3 -c \"print('[' * 100000)\"", "not JSON"),
 ])
 def test_bad_process_agents_fail_their_attempt(cmd, fragment):
     with pytest.raises(AgentError) as info:

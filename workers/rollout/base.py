@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from app.state.records import checked_reward
@@ -35,7 +35,7 @@ class AgentError(Exception):
 @dataclass(frozen=True)
 class LLMEndpoint:
     base_url: str    # <gateway>/rollout/<rollout_id>/v1
-    api_key: str     # the rollout's token
+    api_key: str = field(repr=False)  # the rollout's token: never in a log or an error
     model: str
     rollout_id: str
     max_wait_s: float = 900.0  # keep retrying a paused gateway this long (retry_max_wait_s)

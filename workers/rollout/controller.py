@@ -73,7 +73,7 @@ class PythonController(Controller):
                 raise AgentError(reason)
         if "error" in box:
             exc = box["error"]
-            raise AgentError(f"agent raised {exc.__class__.__name__}: {exc}")
+            raise AgentError(f"agent raised {exc.__class__.__name__}: {str(exc)[:ERROR_CHARS]}")
         return parse_reward(box.get("value"))
 
 
@@ -122,6 +122,20 @@ def _feed(stream: Any, data: bytes) -> None:
     threading.Thread(target=write, daemon=True).start()
 
 
+# Environment variables a worker may hold that an agent must not: they reach Redis (where
+# an agent could write its own reward), the servers past the gateway, or its admin routes.
+WORKER_SECRETS = ("REDIS_URL", "REDIS_PASSWORD", "CARRYOVER_ADMIN_TOKEN",
+                  "CARRYOVER_INFERENCE_API_KEY", "VLLM_API_KEY", "CARRYOVER_OVERRIDES",
+                  "CARRYOVER_CONFIG")
+# the most of an agent's error message kept (in logs, the group's results, the quarantine)
+ERROR_CHARS = 2000
+
+
+def agent_environment() -> dict[str, str]:
+    """The worker's environment without its secrets: what a process agent starts with."""
+    return {k: v for k, v in os.environ.items() if k not in WORKER_SECRETS}
+
+
 class ProcessController(Controller):
     def __init__(self, command: str, settings: dict[str, Any]) -> None:
         self.command = command
@@ -130,7 +144,7 @@ class ProcessController(Controller):
     def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None,
             adopted=False):
         sample_json = json.dumps(sample)
-        env = {**os.environ, **llm.env(),
+        env = {**agent_environment(), **llm.env(),
                "CARRYOVER_AGENT_SETTINGS": json.dumps(self.settings)}
         if fits_environment(sample_json):
             env["CARRYOVER_SAMPLE"] = sample_json
@@ -146,6 +160,8 @@ class ProcessController(Controller):
             _feed(proc.stdin, (sample_json + "\n").encode())
             while proc.poll() is None:
                 time.sleep(0.2)
+                if proc.poll() is not None:  # it ended in time: no timeout to report
+                    break
                 reason = stop_reason(clock, timeout_s, cancelled)
                 if reason:
                     break
@@ -168,10 +184,12 @@ class ProcessController(Controller):
             if not line:
                 continue
             try:
-                return parse_reward(json.loads(line))
-            except json.JSONDecodeError:
-                raise AgentError(f"agent's last stdout line is not JSON: {line[:200]!r}",
-                                 stderr_tail) from None
+                value = json.loads(line)
+            except (ValueError, RecursionError):  # not JSON, an int past Python's digit
+                # limit, nesting past the recursion limit
+                raise AgentError(f"agent's last stdout line is not JSON: "
+                                 f"{line[:200]!r}", stderr_tail) from None
+            return parse_reward(value)
         raise AgentError("agent exited without printing a reward", stderr_tail)
 
 

@@ -11,6 +11,7 @@ Invariants:
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -19,6 +20,7 @@ import time
 from typing import Any
 
 import redis
+from omegaconf import OmegaConf
 
 from app.state import cached_reads, carry, keys
 from app.state.records import RolloutRecord, RunRecord, SiblingResult
@@ -89,6 +91,18 @@ def _close_earlier_attempts(client: redis.Redis, group_id: str, index: int,
     return closed
 
 
+def _closed_elsewhere(client: redis.Redis, group_id: str, index: int, rollout_id: str,
+                      attempt: int) -> SiblingResult:
+    """An attempt whose rollout a later delivery of this task closed (this worker was taken
+    for dead): its agent met refused calls, so its reward does not describe its calls. The
+    later delivery's result stands; until it comes, this one is a failure."""
+    log.warning("rollout %s was closed by a later delivery of its task (this worker was taken "
+                "for dead); that delivery's result stands", rollout_id)
+    return existing_result(client, group_id, index) or SiblingResult(
+        index=index, rollout_id=rollout_id, status="failed", reward=None, attempts=attempt,
+        seconds=0.0, error="closed by a later delivery of its task")
+
+
 def _posted(client: redis.Redis, rollout_id: str) -> float | None:
     raw = client.hget(keys.rollout(rollout_id), "reward")
     return json.loads(raw) if raw is not None else None
@@ -155,7 +169,10 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
     group = read_group(client, group_id)
     cfg = run_config(client, group.run_id)
     ctl_cfg = cfg.controller
-    settings: dict[str, Any] = dict(cfg.agent) if cfg.agent else {}
+    # plain values: a nested setting goes to a process or Kubernetes agent as JSON, and a
+    # python agent gets its own copy (the run's config is shared by the worker's threads)
+    settings: dict[str, Any] = OmegaConf.to_container(cfg.agent, resolve=True) \
+        if cfg.agent else {}  # type: ignore[assignment]
     gateway = cfg.gateway.url.rstrip("/")
     # an evaluation's rollouts are sampled at its own temperature (never trained)
     raw = client.hget(keys.run(group.run_id), RunRecord.field("temperature"))
@@ -202,8 +219,11 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
         clock = PauseAwareClock(clock.is_paused)
         started = time.monotonic()
         try:
+            # each attempt gets the sample as stored: a failed attempt's agent may have
+            # changed it (appended its turns), and an abandoned one may still be changing it
             reward = controller.run(
-                dict(group.sample), llm, float(ctl_cfg.rollout_timeout_s), clock, cancelled,
+                copy.deepcopy(group.sample), llm, float(ctl_cfg.rollout_timeout_s), clock,
+                cancelled,
                 posted_reward=lambda rid=rollout_id: _posted(client, rid),
                 adopted=bool(adopted))
         except Exception as raised:  # noqa: BLE001 - every failure is the attempt's
@@ -221,7 +241,8 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
             if ctl_cfg.get("on_context_overflow") == "end" and _overflowed(client, rollout_id):
                 # the conversation outgrew the model: the rollout ends here, its calls so far
                 # are trained, with the reward the agent posted or controller.overflow_reward
-                _close_attempt(client, rollout_id, "finished")
+                if not _close_attempt(client, rollout_id, "finished"):
+                    return _closed_elsewhere(client, group_id, index, rollout_id, attempt)
                 posted = _posted(client, rollout_id)
                 reward = posted if posted is not None else float(ctl_cfg.overflow_reward)
                 log.info("rollout %s ended at its context overflow (%s); reward %s", rollout_id,
@@ -238,9 +259,7 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
                         else "")
             continue
         if not _close_attempt(client, rollout_id, "finished"):
-            log.warning("rollout %s was closed by a later delivery of its task (this worker "
-                        "was taken for dead); its result stands beside that one's",
-                        rollout_id)
+            return _closed_elsewhere(client, group_id, index, rollout_id, attempt)
         return SiblingResult(index=index, rollout_id=rollout_id, status="ok", reward=reward,
                              attempts=attempt, seconds=time.monotonic() - started,
                              paused_seconds=clock.paused)

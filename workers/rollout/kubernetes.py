@@ -333,9 +333,10 @@ class KubernetesController(Controller):
         for line in reversed(logs.splitlines()):
             if line.strip():
                 try:
-                    return parse_reward(json.loads(line))
-                except json.JSONDecodeError:
+                    value = json.loads(line)
+                except (ValueError, RecursionError):  # not JSON, or past the parser's limits
                     break
+                return parse_reward(value)
         raise AgentError(f"Job {name} succeeded but the agent posted no reward to "
                          f"CARRYOVER_REWARD_URL and printed none", logs[-2000:])
 
