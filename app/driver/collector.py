@@ -83,6 +83,7 @@ class Collector:
         self.max_gen_batches = int(filtering.get("max_num_gen_batches") or 0)
         # ``samples``: data.train_files as the driver already read it
         self.samples = samples if samples is not None else load_samples(cfg.data.train_files)
+        self._next_reconcile: float | None = None  # wait_ready's next look for lost callbacks
         self._order_epoch = -1
         self._order: list[int] = []
 
@@ -264,11 +265,18 @@ class Collector:
         log line with the figures; past ``filter_groups.max_num_gen_batches`` batches'
         worth of filtered groups it raises ``Starved``."""
         started = time.monotonic()
-        next_reconcile = started + reconcile_every_s
+        if self._next_reconcile is None:
+            self._next_reconcile = started + reconcile_every_s
         next_report = started + report_every_s
         filtered_before = self.counters()["filtered"]
         held_at: float | None = None  # when enough groups were ready but overdue ones not
         while True:
+            # Counted across waits: in async mode other groups fill each batch, so a group
+            # whose callback never ran would not make any one wait long, and would hold its
+            # slot for good (or be cancelled at its age cap, complete as it is).
+            if time.monotonic() > self._next_reconcile:
+                self.reconcile()
+                self._next_reconcile = time.monotonic() + reconcile_every_s
             ready = self.r.zcard(keys.run_ready(self.run_id))
             if ready >= self.train_batch:
                 if step is None or not self._overdue_unfinished(step):
@@ -279,9 +287,6 @@ class Collector:
             self.r.blpop([keys.run_wakeup(self.run_id)], timeout=poll_s)
             on_wait()
             now = time.monotonic()
-            if now > next_reconcile:
-                self.reconcile()
-                next_reconcile = time.monotonic() + reconcile_every_s
             if self.filter_enabled and (now > next_report or self.max_gen_batches):
                 filtered = self.counters()["filtered"] - filtered_before
                 self._check_starved(filtered, ready, now - started, now > next_report)

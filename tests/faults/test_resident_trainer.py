@@ -107,6 +107,20 @@ def test_a_run_taken_up_from_its_checkpoint_reports_the_updates_lost(
     assert service._resident.rollback["trainer/rolled_back_updates"] == 3
 
 
+def test_updates_recorded_past_the_drivers_count_are_reported_lost_too(
+        upstream, redis_client, tmp_path, real_trainer):
+    """A driver that died between step 3's record and its count's increment: the run holds 4
+    updates, and a new trainer worker with no checkpoint reports all 4 lost (it compared
+    with the driver's count, 3, and lost update 3 silently when the checkpoint was step 3's)."""
+    run_id = "lost-run-uncounted"
+    cfg = _cfg(upstream, tmp_path)
+    _prepared_run(redis_client, run_id, cfg)
+    redis_client.hset(keys.run(run_id), "step", 3)
+    redis_client.set(keys.run_step_result(run_id, 3), json.dumps({"policy/version": 4}))
+    m = service.init_run(redis_client, run_id)
+    assert m["trainer/rolled_back_updates"] == 4 and m["trainer/restored_from_step"] is None
+
+
 def test_a_restarted_driver_keeps_the_updates_since_the_last_checkpoint(
         upstream, redis_client, tmp_path, real_trainer):
     run_id = "kept-run"

@@ -96,3 +96,25 @@ def test_the_penalty_of_the_longest_call_shapes_the_reward(redis_client):
     samples, stats = collect_samples(redis_client, ["g"], True, 2, shape)
     assert [s.reward for s in samples] == pytest.approx([0.25, 0.25, 1.0])
     assert stats.penalties == pytest.approx([-0.75, 0.0]) and stats.rewards == [1.0, 1.0]
+
+
+def test_a_step_of_rollouts_that_all_failed_before_their_first_call_goes_through(
+        redis_client):
+    """``controller.on_failure: zero_reward`` and every rollout of the step failed before its
+    first model call (a sandbox that would not start): nothing to train, and the step goes
+    through empty. As an error it failed again at every ``--resume``, for ever."""
+    from app.config import load_config
+    from workers.trainer.service import StepError, claim
+    from workers.trainer.settings import TrainerSettings
+
+    settings = TrainerSettings.from_config(load_config(None, ["controller.on_failure=zero_reward"]))
+    run = "empty-step-run"
+    _group(redis_client, "empty-a", [("failed", None, []), ("failed", None, [])])
+    redis_client.rpush(keys.run_step_groups(run, 0), "empty-a")
+    group_ids, samples, stats = claim(redis_client, run, 0, settings)
+    assert group_ids == ["empty-a"] and samples == []
+    assert stats.rollouts == 2 and stats.rowless == [("empty-a", 0.0), ("empty-a", 0.0)]
+    # a step whose groups hold no rollout at all is still an error
+    redis_client.rpush(keys.run_step_groups(run, 1), "empty-none")
+    with pytest.raises(StepError, match="no rollouts in 1 groups"):
+        claim(redis_client, run, 1, settings)

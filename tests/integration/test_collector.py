@@ -359,3 +359,34 @@ def test_driver_killed_and_resumed_keeps_its_carry_over(stack, tmp_path):
         selected["prev_carry_over_rollouts"], 2, selected["new_carry_over_rollouts"],
         selected["carry_over_age_max"])
     assert rows[3][CARRY + "n_prev_carry_over_rollouts"] == selected["new_carry_over_rollouts"]
+
+
+def test_a_group_whose_callback_never_ran_is_completed_though_no_wait_is_long(
+        redis_client, tmp_path):
+    """In async mode the other groups fill each batch, so no single wait lasts the
+    reconcile interval: a complete group whose chord callback never ran (all its results
+    stored) must still be found, or it holds its slot for good."""
+    from omegaconf import OmegaConf
+
+    from app.driver.collector import Collector
+    from app.state import carry as carry_state
+    from app.state.records import GroupRecord
+
+    cfg = make_cfg(tmp_path, [{}], "data.train_batch_size=1",
+                   "agentlightning.async_rollout.async_train_batch_size=3")
+    run = "orphan-cb"
+    Collector.create_run(redis_client, run, OmegaConf.to_container(cfg), "async")
+    collector = Collector(redis_client, run, cfg)
+    for gid, ready in (("orphan-cb-g0", False), ("orphan-cb-g1", True)):
+        redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, run, 0, n=2).to_hash())
+        redis_client.zadd(keys.run_active(run), {gid: 0})
+        for i in range(2):
+            carry_state.store_sibling_result(redis_client, run, gid, i, SiblingResult(
+                i, f"{gid}.{i}.x", "ok", float(i), 1, 0.1).to_json())
+        if ready:
+            redis_client.zadd(keys.run_ready(run), {gid: 0})
+    # two short waits (a batch is ready at once), the interval passed between them
+    collector.wait_ready(reconcile_every_s=0.2)
+    time.sleep(0.3)
+    collector.wait_ready(reconcile_every_s=0.2)
+    assert redis_client.zscore(keys.run_ready(run), "orphan-cb-g0") is not None

@@ -298,10 +298,8 @@ def claim(client: redis.Redis, run_id: str, step: int, settings: TrainerSettings
                               step)
     samples, stats = collect_samples(client, group_ids, settings.zero_reward_failures,
                                      settings.min_group_rewards, settings.overlong)
-    if not samples and not stats.overlong_masked_calls:
-        raise StepError(f"step {step}: no usable samples in {len(group_ids)} groups "
-                        f"({stats.excluded_samples} excluded, {stats.small_groups} groups "
-                        f"with fewer than {settings.min_group_rewards} rewards)")
+    if not samples and not stats.rollouts:
+        raise StepError(f"step {step}: no rollouts in {len(group_ids)} groups")
     return group_ids, samples, stats
 
 
@@ -379,10 +377,14 @@ def update(resident: Resident, samples: list[Sample], stats: BatchStats, step: i
     resident.weights_version = None
     resident.unrecorded = True  # until the step is recorded
     resident.updated_step = None  # until the update has run to its end
-    if not samples:  # every call was cut at max_tokens and masked (algorithm.overlong.mask)
-        log.warning("step %d trains nothing: all %d trainable calls were cut at max_tokens "
-                    "and masked out (algorithm.overlong.mask)", step,
-                    stats.overlong_masked_calls)
+    if not samples:
+        # Nothing to train on: every call cut at max_tokens and masked out, excluded, or no
+        # call made (rollouts that failed before their first, scored 0). The step goes
+        # through empty: failing it would fail it again at every --resume, for ever.
+        log.warning("step %d trains nothing: of %d rollouts, %d left no trainable call "
+                    "(%d calls excluded, %d masked as over-long, %d groups with too few "
+                    "rewards)", step, stats.rollouts, len(stats.rowless),
+                    stats.excluded_samples, stats.overlong_masked_calls, stats.small_groups)
         metrics.update({"batch/trained_tokens": 0.0, "batch/rows": 0.0})
     else:
         metrics.update(trainer.update(to_verl_batch(samples, trainer.pad_id, stats.rowless),
@@ -884,13 +886,14 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
                      "updates); kept", run_id, kept.steps_done)
         else:
             close_resident()
-        step = read_run(client, run_id).step
-        resident = resident_trainer(run_id, cfg, settings,
-                                    recorded=recorded_steps(client, run_id, step))
-        if resident is not kept and step > (resident.restored_step or 0):
+        # the updates the run recorded: one more than the driver's step counter when a
+        # driver died between a step's record and the counter's increment
+        recorded = recorded_steps(client, run_id, read_run(client, run_id).step)
+        resident = resident_trainer(run_id, cfg, settings, recorded=recorded)
+        if resident is not kept and recorded > (resident.restored_step or 0):
             # the checkpoint lacks updates the run recorded: served as a take-over in a step
             # is, and the next step's metrics report them (the driver warns with them)
-            resident.rollback = _restore_servers(client, settings, resident, beats, step)
+            resident.rollback = _restore_servers(client, settings, resident, beats, recorded)
             metrics.update(resident.rollback)
             version = resident.rollback["trainer/restored_policy_version"]
         else:
