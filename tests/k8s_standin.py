@@ -44,6 +44,7 @@ class StandIn:
     logs: dict[str, str] = field(default_factory=dict)        # job name -> pod log
     requests: list[Recorded] = field(default_factory=list)
     create_errors: list[tuple[int, str]] = field(default_factory=list)  # next creates answer
+    read_errors: int = 0  # the next reads of a Job answer 503 (the API server away)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     version: int = 0
     cond: threading.Condition = field(default_factory=threading.Condition)
@@ -182,6 +183,9 @@ def create_app(s: StandIn) -> Flask:
     @app.get(jobs_path + "/<name>")
     def get_job(ns: str, name: str):
         with s.cond:
+            if s.read_errors > 0:
+                s.read_errors -= 1
+                return _status(503, "ServiceUnavailable", "the API server is restarting")
             if name not in s.jobs:
                 return _status(404, "NotFound", f'jobs.batch "{name}" not found')
             return jsonify(s.jobs[name])

@@ -220,6 +220,24 @@ def test_transient_errors_past_the_retry_budget_fail_the_attempt(tmp_path, stand
     assert "503" in str(err) and len(s.created()) == 3
 
 
+def test_the_api_server_away_past_the_retries_is_waited_for_not_a_failure(tmp_path, standin,
+                                                                       redis_client):
+    """A control-plane upgrade: reads of the Job fail past the retry budget for a while. The
+    Job runs on without the API server, so the attempt waits (within its timeout) rather than
+    fail and start a second Job beside it."""
+    s, server = standin
+    s.read_errors = 7  # more than two rounds of 3 tries
+    ctl = controller(make_cfg(tmp_path, server, "controller.kubernetes.api_retries=3"),
+                     redis_client)
+    llm = endpoint()
+    box = run_async(ctl, llm, posted=lambda: 0.5)
+    name = job_name(llm.rollout_id)
+    wait_for(lambda: name in s.jobs and s.read_errors == 0)
+    s.finish(name, succeeded=True)
+    assert finish(box).get("reward") == 0.5, box.get("error")
+    assert len(s.created()) == 1
+
+
 @pytest.mark.parametrize("why", ["cancel", "timeout"])
 def test_cancel_and_timeout_delete_the_job_with_its_pods(tmp_path, standin, redis_client, why):
     flag = threading.Event()

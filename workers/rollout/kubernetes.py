@@ -323,6 +323,7 @@ class KubernetesController(Controller):
             self._delete(name)
             raise AgentError(str(stop)) from None
         except _ApiError as exc:
+            self._delete(name)  # the retried attempt must not run beside this one's Job
             raise AgentError(str(exc)) from None
         logs = self._logs(name)
         if result == "failed":
@@ -354,7 +355,17 @@ class KubernetesController(Controller):
         self.pod_state, self.pod_started, self.deadline_paused = "", False, 0.0
         self.pod_checked_at, self.waiting_since = time.monotonic(), {}
         while True:
-            job = self._read(name)  # the resync: an event lost between windows is seen here
+            try:  # the resync: an event lost between windows is seen here
+                job = self._read(name)
+            except _ApiError as exc:
+                if exc.status != 0 and exc.status not in TRANSIENT_STATUS:
+                    raise
+                # the API server away past the retries (a control-plane upgrade): the Job
+                # runs on without it; waited for like a broken watch, within the timeout
+                log.warning("cannot read Job %s (%s); waiting for the API server", name, exc)
+                check()
+                time.sleep(min(5.0, float(self.kcfg.watch_timeout_s)))
+                continue
             done = outcome(job)
             if done:
                 return done
