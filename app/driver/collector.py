@@ -102,7 +102,7 @@ class Collector:
     def run(self) -> RunRecord:
         return read_run(self.r, self.run_id)
 
-    COUNTERS = ("dropped", "cancelled", "dispatched", "filtered", "quarantined")
+    COUNTERS = ("dropped", "cancelled", "dispatched", "filtered", "quarantined", "requeued")
 
     def counters(self) -> dict[str, int]:
         raw = self.r.hmget(keys.run(self.run_id),

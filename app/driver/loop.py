@@ -291,9 +291,8 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                 metrics["training/async/filtered_group_share"] = delta["filtered"] / seen
             metrics.update({
                 "training/async/n_dropped_groups": delta["dropped"],
-                # a quarantined prompt's last drop is not re-queued
-                "training/async/n_requeued_groups":
-                    delta["dropped"] - delta["quarantined"] + delta["cancelled"],
+                # counted where pushed: a quarantined prompt's drops are not re-queued
+                "training/async/n_requeued_groups": delta["requeued"],
                 "training/async/n_cancelled_groups": delta["cancelled"],
                 "training/async/n_filtered_groups": delta["filtered"],
                 "training/async/n_quarantined_prompts": delta["quarantined"],

@@ -51,6 +51,7 @@ redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('RPUSH', KEYS[4], ARGV[2])
 redis.call('HINCRBY', KEYS[5], 'n_cancelled', 1)
+redis.call('HINCRBY', KEYS[5], 'n_requeued', 1)
 -- 0 - x, not -x: Redis refuses the "-0" that -0 would send
 redis.call('HINCRBY', KEYS[5], 'finished_active', 0 - redis.call('HLEN', KEYS[6]))
 return 1

@@ -89,6 +89,12 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
         retention.expire_untrained(client, group_id)
         log.warning("group %s dropped and its prompt re-queued: %d sibling(s) failed (%s)",
                     group_id, len(failed), failed[0].error)
+    elif answer == "dropped_quarantined":
+        retention.expire_untrained(client, group_id)
+        log.warning("group %s dropped: %d sibling(s) failed (%s); its prompt %d is "
+                    "quarantined, not re-queued", group_id, len(failed), failed[0].error,
+                    group.sample_index)
+        answer = "dropped"
     elif answer == "quarantined":
         retention.expire_untrained(client, group_id)
         log.error("prompt %d quarantined: its groups were dropped %d times "
@@ -152,9 +158,12 @@ else
       if redis.call('HSETNX', KEYS[10], ARGV[5], ARGV[7]) == 1 then
         redis.call('HINCRBY', KEYS[6], 'n_quarantined', 1)
         answer = 'quarantined'
+      else
+        answer = 'dropped_quarantined'  -- its prompt already was: not re-queued either
       end
     else
       redis.call('RPUSH', KEYS[5], ARGV[5])
+      redis.call('HINCRBY', KEYS[6], 'n_requeued', 1)
     end
   end
 end

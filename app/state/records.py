@@ -238,12 +238,14 @@ class RunRecord(_HashRecord):
     # Counters, each HINCRBY'd where the event happens: dispatch (driver), a group dropped
     # at completion (completion script), cancelled for its age (carry's cancel script),
     # filtered at completion for equal rewards (algorithm.filter_groups), a prompt no longer
-    # re-queued (data.max_prompt_failures; completion script).
+    # re-queued (data.max_prompt_failures; completion script), a prompt re-queued (either
+    # script, where it is pushed: a quarantined prompt's later drops are not).
     n_dispatched: int = 0
     n_dropped: int = 0
     n_cancelled: int = 0
     n_filtered: int = 0
     n_quarantined: int = 0
+    n_requeued: int = 0
     # finished rollouts of active groups, kept exactly by the carry and completion scripts
     # (``app.state.carry``); the unfinished ones the last selection carried over.
     finished_active: int = 0

@@ -390,3 +390,34 @@ def test_a_group_whose_callback_never_ran_is_completed_though_no_wait_is_long(
     time.sleep(0.3)
     collector.wait_ready(reconcile_every_s=0.2)
     assert redis_client.zscore(keys.run_ready(run), "orphan-cb-g0") is not None
+
+
+def test_the_drops_of_a_quarantined_prompt_are_not_counted_as_re_queued(redis_client,
+                                                                        tmp_path):
+    """``data.max_prompt_failures: 2``: the first drop re-queues the prompt, the second
+    quarantines it, and a third (a group dispatched before the quarantine) is dropped and
+    re-queued by no one. The re-queue count is what was pushed: 1, not drops - quarantines."""
+    from omegaconf import OmegaConf
+
+    from app.driver.collector import Collector
+    from app.state.completion import finish_group
+    from app.state.records import GroupRecord
+    from workers.rollout.episode import store_result
+
+    cfg = make_cfg(tmp_path, [{}], "data.max_prompt_failures=2")
+    run = "requeue-count"
+    Collector.create_run(redis_client, run, OmegaConf.to_container(cfg), "async")
+    before = Collector(redis_client, run, cfg).counters()
+    answers = []
+    for k in range(3):
+        gid = f"{run}-g{k}"
+        redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, run, 0, n=1).to_hash())
+        redis_client.zadd(keys.run_active(run), {gid: k})
+        store_result(redis_client, gid, SiblingResult(0, f"{gid}.0.x", "failed", None, 1, 0.1,
+                                                      error="boom"))
+        answers.append(finish_group(redis_client, gid))
+    after = Collector(redis_client, run, cfg).counters()
+    assert answers == ["dropped"] * 3
+    assert redis_client.lrange(keys.run_requeue(run), 0, -1) == ["0"]
+    delta = {k: after[k] - before[k] for k in after}
+    assert (delta["dropped"], delta["quarantined"], delta["requeued"]) == (3, 1, 1)
