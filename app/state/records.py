@@ -100,6 +100,12 @@ class RolloutRecord(_HashRecord):
     # the rollout worker process running the attempt (``reaper.WORKER_ID``): a later delivery
     # of its task closes the attempt only once that worker's alive key is gone
     worker: str = ""
+    # a process agent's process group: its host, leader pid and the leader's start time (in
+    # clock ticks since boot, /proc/<pid>/stat), so a later delivery on that host can stop an
+    # agent its dead worker left running, and never a process that reused the pid
+    agent_host: str = ""
+    agent_pid: int = 0
+    agent_started: str = ""
 
 
 @dataclass

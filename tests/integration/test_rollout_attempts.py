@@ -246,3 +246,49 @@ def test_an_attempt_closed_by_a_later_delivery_does_not_stand_as_ok(redis_client
     stored = episode.existing_result(redis_client, group, 0)
     assert stored is not None and stored.status == result.status
     assert stored.rollout_id == result.rollout_id
+
+
+def test_a_process_agent_its_dead_worker_left_running_is_stopped_by_the_next_delivery(
+        redis_client, group):
+    """The worker's ``finally`` (which kills the agent's group) never ran: the agent, in a
+    session of its own, ran on past its timeout. The later delivery on the same host finds
+    its process group in the rollout record and kills it, once it is sure the pid is still
+    that agent's."""
+    import os
+    import signal
+
+    from workers.rollout.controller import ProcessController, _start_ticks
+
+    make_group(redis_client, group, "controller.agent=echo 0.5")  # the redelivery's agent
+    rid, token = _start_attempt(redis_client, RUN, group, 0, 1)
+    proc = _run_agent_like_a_dead_worker(redis_client, rid, token)
+    try:
+        record = redis_client.hgetall(keys.rollout(rid))
+        assert int(record["agent_pid"]) == proc.pid
+        assert record["agent_started"] == _start_ticks(proc.pid)
+        # a record whose start time does not match is another process's pid: left alone
+        redis_client.hset(keys.rollout(rid), "agent_started", "1")
+        ProcessController("sleep 60", {}, redis_client).stop(rid)
+        assert proc.poll() is None
+        redis_client.hset(keys.rollout(rid), "agent_started", record["agent_started"])
+        result = run_sibling(redis_client, group, 0)  # the redelivery: closes and stops it
+        assert proc.wait(10) == -signal.SIGKILL
+        assert status(redis_client, rid) == "failed"
+        assert result.status == "ok" and result.rollout_id != rid
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _run_agent_like_a_dead_worker(client, rid: str, token: str):
+    """Start the agent as the process controller does (its own session, recorded), from a
+    worker whose process then 'dies': nothing watches or kills it."""
+    import subprocess
+
+    from workers.rollout.controller import ProcessController
+
+    proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    ProcessController("sleep 60", {}, client)._record(rid, proc.pid)
+    client.hset(keys.rollout(rid), "worker", "gone-host:1:dead")  # its alive key is gone
+    return proc

@@ -20,13 +20,20 @@ from __future__ import annotations
 import contextlib
 import importlib
 import json
+import logging
 import os
 import signal
+import socket
 import subprocess
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
+import redis
+
+from app.state import keys
+from app.state.records import RolloutRecord
 from workers.rollout.base import (
     AgentError,
     Controller,
@@ -36,6 +43,8 @@ from workers.rollout.base import (
     parse_reward,
     stop_reason,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["AgentError", "Controller", "LLMEndpoint", "PauseAwareClock", "ProcessController",
            "PythonController", "make_controller", "parse_reward", "stop_reason"]
@@ -136,10 +145,49 @@ def agent_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in WORKER_SECRETS}
 
 
+def _start_ticks(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks since boot), or None (gone, not Linux)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: count from its end
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
+
+
 class ProcessController(Controller):
-    def __init__(self, command: str, settings: dict[str, Any]) -> None:
+    def __init__(self, command: str, settings: dict[str, Any],
+                 client: redis.Redis | None = None) -> None:
         self.command = command
         self.settings = settings
+        self.client = client  # where the agent's process group is recorded (stop() reads it)
+
+    def _record(self, rollout_id: str, pid: int) -> None:
+        started = _start_ticks(pid)
+        if self.client is None or started is None:
+            return
+        self.client.hset(keys.rollout(rollout_id), mapping={
+            RolloutRecord.field("agent_host"): socket.gethostname(),
+            RolloutRecord.field("agent_pid"): pid,
+            RolloutRecord.field("agent_started"): started})
+
+    def stop(self, rollout_id: str) -> None:
+        """Kill the process group of an agent an earlier delivery of this task started on
+        this host, if it is still that one (its dead worker's ``finally`` never ran: the
+        agent would run on with no timeout)."""
+        if self.client is None:
+            return
+        host, pid, started = self.client.hmget(keys.rollout(rollout_id), [
+            RolloutRecord.field(f) for f in ("agent_host", "agent_pid", "agent_started")])
+        if host != socket.gethostname() or not pid or not started:
+            return
+        if _start_ticks(int(pid)) != started:
+            return  # it ended; the pid may be another process's now
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(int(pid), signal.SIGKILL)
+            log.warning("rollout %s: killed the agent process group %s its dead worker left "
+                        "running", rollout_id, pid)
 
     def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None,
             adopted=False):
@@ -156,6 +204,7 @@ class ProcessController(Controller):
             raise AgentError(f"agent process could not be started: {exc}") from None
         reason = None
         try:
+            self._record(llm.rollout_id, proc.pid)
             out, err = _Tail(proc.stdout), _Tail(proc.stderr)
             _feed(proc.stdin, (sample_json + "\n").encode())
             while proc.poll() is None:
@@ -203,11 +252,12 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def make_controller(backend: str, agent: str, settings: dict[str, Any],
                     **context: Any) -> Controller:
-    """``context`` (kubernetes only): kcfg, client, gateway_url, run_id, group_id, index."""
+    """``context``: client (process and kubernetes); kcfg, gateway_url, run_id, group_id,
+    index (kubernetes)."""
     if backend == "python":
         return PythonController(agent, settings)
     if backend == "process":
-        return ProcessController(agent, settings)
+        return ProcessController(agent, settings, context.get("client"))
     if backend == "kubernetes":
         from workers.rollout.kubernetes import KubernetesController
 
