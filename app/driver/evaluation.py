@@ -68,6 +68,9 @@ class PendingEval:
     started: float
     n_groups: int
     collector: Collector
+    # the last time a group of it finished, and how many had: the timeout counts from there
+    progress_at: float = 0.0
+    done: int = 0
 
 
 class Evaluator:
@@ -79,7 +82,9 @@ class Evaluator:
         self.cfg = cfg
         self.files = cfg.data.val_files
         self.freq = int(cfg.trainer.test_freq)
-        # longest an evaluation may take: every attempt of its slowest rollout, and a minute
+        # longest an evaluation may go without a group finishing: every attempt of its slowest
+        # rollout, and a minute (counted from its last progress, not its start: a large set
+        # runs in rounds of the free rollout slots, and waits out the weight loads)
         self.timeout_s = float(cfg.controller.rollout_timeout_s) * \
             int(cfg.controller.max_attempts) + 60.0
         self.keep_s = float(cfg.trainer.trained_data_ttl_s)
@@ -107,8 +112,9 @@ class Evaluator:
         n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         collector = Collector(self.r, eval_id, OmegaConf.create(plain), n=n_val)
         sent = collector.top_up(version, dispatch_step=steps_done)
-        self.pending = PendingEval(eval_id, steps_done, version, time.monotonic(), sent,
-                                   collector)
+        now = time.monotonic()
+        self.pending = PendingEval(eval_id, steps_done, version, now, sent, collector,
+                                   progress_at=now)
         log.info("evaluation %s: %d held-out prompts x %d sent (policy version %d)", eval_id,
                  sent, n_val, version)
         return self.pending
@@ -118,7 +124,10 @@ class Evaluator:
         pipe.zcard(keys.run_ready(pending.eval_id))
         pipe.hget(keys.run(pending.eval_id), RunRecord.field("n_dropped"))
         ready, dropped = pipe.execute()
-        return int(ready) + int(dropped or 0) >= pending.n_groups
+        done = int(ready) + int(dropped or 0)
+        if done > pending.done:
+            pending.done, pending.progress_at = done, time.monotonic()
+        return done >= pending.n_groups
 
     def poll(self) -> dict[str, float] | None:
         """The pending evaluation's metrics once its last group finished, else None. One that
@@ -129,9 +138,10 @@ class Evaluator:
         pending.collector.reconcile()  # a group whose chord callback never ran (30 reads)
         if self.finished(pending):
             return self._report()
-        if time.monotonic() - pending.started > self.timeout_s:
-            log.warning("evaluation %s did not finish within %.0f s; cancelled, not reported",
-                        pending.eval_id, self.timeout_s)
+        if time.monotonic() - pending.progress_at > self.timeout_s:
+            log.warning("evaluation %s: no group finished for %.0f s (%d of %d done); "
+                        "cancelled, not reported", pending.eval_id, self.timeout_s,
+                        pending.done, pending.n_groups)
             self.cancel()
         return None
 

@@ -34,6 +34,31 @@ def _cfg(tmp_path, *overrides: str):
         f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}", *overrides])
 
 
+def test_an_evaluation_that_makes_progress_is_not_cut_by_its_timeout(redis_client, tmp_path):
+    """A large held-out set runs in rounds of the free rollout slots and waits out weight
+    loads: its timeout counts from the last group that finished, not from its start."""
+    from omegaconf import OmegaConf
+
+    from app.driver.collector import Collector
+    from app.driver.evaluation import Evaluator, PendingEval
+
+    cfg = _cfg(tmp_path)
+    run = f"eval-progress-{tmp_path.name[-8:]}"
+    evaluator = Evaluator(redis_client, run, cfg)
+    evaluator.timeout_s = 1.0
+    eval_id = f"{run}-val2"
+    Collector.create_run(redis_client, eval_id, OmegaConf.to_container(cfg), "eval")
+    started = time.monotonic()
+    evaluator.pending = PendingEval(eval_id, 2, 2, started, 4,
+                                    Collector(redis_client, eval_id, cfg), progress_at=started)
+    for i in range(3):  # a group finishes every 0.6 s: 1.8 s in all, past the timeout
+        time.sleep(0.6)
+        redis_client.zadd(keys.run_ready(eval_id), {f"{eval_id}-g{i}": i})
+        assert evaluator.poll() is None and evaluator.pending is not None, i
+    time.sleep(1.2)  # then nothing for longer than the timeout
+    assert evaluator.poll() is None and evaluator.pending is None
+
+
 def test_evaluations_run_beside_training_and_are_never_trained(
         redis_client, gateway_service, celery_workers, tmp_path):
     evals: list[tuple[int, dict]] = []
