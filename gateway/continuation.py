@@ -77,7 +77,7 @@ def cut_in_call(resp: dict[str, Any], tool_call_parser: str | None) -> bool:
             return True
         # or the cut came inside the marker itself (a tokenizer without a token for it
         # spells it in pieces): the continuation's parser would see half a marker
-        if marker and any(text.endswith(marker[:k]) for k in range(1, len(marker))):
+        if marker and any(text.endswith(marker[:k]) for k in range(2, len(marker))):
             return True
     return False
 

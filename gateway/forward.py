@@ -53,9 +53,10 @@ def validate_body(body: Any, endpoint: str) -> dict:
                 raise bad_request(f"messages[{i}].content must be a string or an array",
                                   param="messages")
             for j, part in enumerate(content if isinstance(content, list) else ()):
+                if isinstance(part, str):  # a plain string part: text (LangChain sends them)
+                    continue
                 kind = part.get("type") if isinstance(part, dict) else None
-                if kind not in TEXT_PARTS and not (  # vLLM reads an untyped part's text
-                        kind is None and isinstance(part, dict) and "text" in part):
+                if kind not in TEXT_PARTS:
                     # an image's placeholder tokens would be captured without its pixels:
                     # the trainer could not score the call
                     raise bad_request(f"messages[{i}].content[{j}]: content of type {kind!r} "
@@ -232,7 +233,8 @@ def _not_carried_on(state: GatewayState, rollout_id: str, body: dict[str, Any],
     why = continuation.refusal(body, parser)
     if why is None and not continuation.one_choice(answer):
         why = "several choices"
-    if why is None and continuation.cut_in_call(answer, parser):
+    # without tools the server parses no call out of the text: a cut anywhere carries on
+    if why is None and body.get("tools") and continuation.cut_in_call(answer, parser):
         why = "a tool call cut in its markup"
     if why is None:
         return None

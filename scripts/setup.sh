@@ -126,9 +126,14 @@ install_inference() {
 # The two environments are built side by side (each pip is one process, so on a fresh
 # clone the second one's unpacking overlaps the first one's), and the models are built from
 # the project environment while the inference environment is still installing.
-ensure_venv .venv-vllm install_inference "$INFERENCE_LOCK" pyproject.toml &
+# In a process group of its own (job control on for the one job), so that a failure here
+# stops the whole of it, pip's own subprocesses included, before the script exits.
+# pip must not wait for input there: a background job that reads the terminal is stopped.
+set -m
+PIP_NO_INPUT=1 ensure_venv .venv-vllm install_inference "$INFERENCE_LOCK" pyproject.toml &
 inference_pid=$!
-trap 'pkill -P "$inference_pid" 2>/dev/null; kill "$inference_pid" 2>/dev/null || true' EXIT
+set +m
+trap 'kill -- -"$inference_pid" 2>/dev/null || true; wait "$inference_pid" 2>/dev/null || true' EXIT
 ensure_venv .venv install_project "$PROJECT_LOCK" pyproject.toml
 .venv/bin/python scripts/build_model.py --out var/models/tiny-qwen2 --seed 0
 .venv/bin/python scripts/build_smollm2.py --out var/models/smollm2-135m-instruct

@@ -458,12 +458,11 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
         )
     mini = _get(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size")
     if ok("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size") and mini \
-            and tbs % mini:
-        # verl refuses these too: the last optimizer step would take a smaller share of the
-        # batch than the others, or (mini > batch) the whole batch in one step
-        problems.append(f"actor_rollout_ref.actor.ppo_mini_batch_size: value {mini} must divide "
-                        f"data.train_batch_size ({tbs}): groups per optimizer step, 0 for the "
-                        "whole batch in one")
+            and mini > tbs:
+        # as verl's actor config refuses it: it would silently mean the whole batch
+        problems.append(f"actor_rollout_ref.actor.ppo_mini_batch_size: value {mini} is more "
+                        f"than data.train_batch_size ({tbs}): groups per optimizer step, at "
+                        "most the batch (0 for the whole batch in one)")
     from app.config.loader import repo_path  # the loader imports this module
 
     template = _get(cfg, "inference.chat_template")

@@ -21,8 +21,9 @@ def check_agent(cfg: Any) -> None:
 
     The agent runs in the rollout workers; the driver imports it once to find the mistakes
     that would fail every rollout (a module or function that does not exist, an object that
-    is not callable). A module that exists but needs packages only the workers have is let
-    through, with a warning."""
+    is not callable), so ``carryover train`` runs where the agent's module is importable, as
+    the project's own are. A module that exists but fails to import here (a package or an
+    environment variable only the workers have) is let through, with a warning."""
     if str(cfg.controller.backend) != "python":
         return
     ref = str(cfg.controller.agent)
@@ -36,11 +37,15 @@ def check_agent(cfg: Any) -> None:
     except ModuleNotFoundError as exc:
         missing = exc.name or ""
         if module_name == missing or module_name.startswith(missing + "."):
-            raise ConfigError([f"controller.agent: value {ref!r}: no module {missing!r} "
-                               "(module:function, importable on the rollout workers' path)"]
-                              ) from None
+            raise ConfigError([f"controller.agent: value {ref!r}: no module {missing!r} on "
+                               "this host's path (module:function, importable here and on "
+                               "the rollout workers)"]) from None
         log.warning("controller.agent %r not checked: importing it here needs %r, which "
                     "this process lacks (the rollout workers must have it)", ref, missing)
+        return
+    except Exception as exc:  # noqa: BLE001 - its import fails here, perhaps not there
+        log.warning("controller.agent %r not checked: importing it here raised %s: %s (the "
+                    "rollout workers must be able to)", ref, exc.__class__.__name__, exc)
         return
     finally:
         for p in added:

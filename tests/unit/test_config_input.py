@@ -96,13 +96,15 @@ def test_yaml_1_1_numbers_on_the_command_line_are_not_silently_converted():
     assert "must be a non-empty string (quote it" in line
 
 
-@pytest.mark.parametrize("mini", [3, 8])
-def test_a_mini_batch_size_that_does_not_divide_the_batch_is_refused(mini):
+def test_a_mini_batch_larger_than_the_batch_is_refused_as_verl_refuses_it():
     (line,) = problems(None, ["data.train_batch_size=4",
-                              f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}"])
-    assert line.startswith(f"actor_rollout_ref.actor.ppo_mini_batch_size: value {mini} must "
-                           "divide data.train_batch_size (4)")
-    load_config(None, ["data.train_batch_size=4", "actor_rollout_ref.actor.ppo_mini_batch_size=2"])
+                              "actor_rollout_ref.actor.ppo_mini_batch_size=8"])
+    assert line.startswith("actor_rollout_ref.actor.ppo_mini_batch_size: value 8 is more than "
+                           "data.train_batch_size (4)")
+    # one that does not divide it trains a smaller last mini-batch, as verl's split does
+    for mini in (2, 3, 4):
+        load_config(None, ["data.train_batch_size=4",
+                           f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}"])
 
 
 @pytest.mark.parametrize("overrides,role,message", [
@@ -146,15 +148,28 @@ def test_an_agent_that_cannot_be_called_is_a_config_error(agent, message):
     assert str(info.value).startswith(f"controller.agent: value {agent!r}")
 
 
-def test_an_agent_found_where_the_workers_look_passes(tmp_path, monkeypatch):
+def test_an_agent_found_where_the_workers_look_passes(tmp_path, monkeypatch, caplog):
+    from app.driver import preflight
+
     check_agent(load_config(None, ["controller.agent=examples.reverse.agent:run"]))
-    # the workers run in the repository, which Celery puts on their path
+    # a module in the repository (where the workers run, which Celery puts on their path),
+    # found whatever this process's path and working directory are
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "carryover_test_repo_agent.py").write_text("def run(sample, llm):\n    return 1\n")
+    monkeypatch.setattr(preflight, "REPO_ROOT", repo)
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(REPO))])
-    check_agent(load_config(None, ["controller.agent=tests.agents:arith_graded"]))
-    # a module the driver cannot import for a package only the workers have is let through
-    (tmp_path / "needs_pkg.py").write_text("import carryover_no_such_pkg\n")
-    check_agent(load_config(None, ["controller.agent=needs_pkg:run"]))
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    check_agent(load_config(None, ["controller.agent=carryover_test_repo_agent:run"]))
+    assert str(repo) not in sys.path  # the path is put back
+    # a module that exists but cannot be imported here (a package or a variable only the
+    # workers have) is let through with a warning
+    (repo / "carryover_test_needs_pkg.py").write_text("import carryover_no_such_pkg\n")
+    (repo / "carryover_test_needs_env.py").write_text(
+        "import os\nKEY = os.environ['CARRYOVER_TEST_WORKER_ONLY']\n")
+    for name in ("carryover_test_needs_pkg", "carryover_test_needs_env"):
+        check_agent(load_config(None, [f"controller.agent={name}:run"]))
+    assert "carryover_no_such_pkg" in caplog.text and "KeyError" in caplog.text
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -36,9 +36,10 @@ def test_a_cut_inside_a_tool_calls_markup_is_seen():
     assert cont.cut_in_call(answer('Sure. <tool_call>{"name": "ad'), "hermes")
     assert cont.cut_in_call(answer("", [{"id": "c"}]), "hermes")
     # a tokenizer without a token for the marker spells it in pieces: a cut inside it
-    for half in ("<", "<tool", "<tool_call"):
+    for half in ("<t", "<tool", "<tool_call"):
         assert cont.cut_in_call(answer(f"Sure. {half}"), "hermes"), half
     assert not cont.cut_in_call(answer("Sure. <b>bold</b>"), "hermes")
+    assert not cont.cut_in_call(answer("x <"), "hermes")  # a lone "<" is text far more often
 
 
 def test_the_continuation_asks_for_what_is_left_from_the_ids_so_far():

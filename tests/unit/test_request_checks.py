@@ -95,7 +95,7 @@ def test_errors_under_the_messages_route_have_anthropics_shape():
     ({"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}},
      "messages[1].content[1].type"),
     ({"type": "file", "file": {"file_id": "f"}}, "messages[1].content[1].type"),
-    ("plain string", "messages[1].content[1].type"),
+    ({"text": "no type"}, "messages[1].content[1].type"),  # vLLM refuses an untyped part too
 ])
 def test_a_non_text_content_part_on_chat_is_a_400_naming_it(part, param):
     """An image's placeholder tokens would be captured without its pixels: the trainer
@@ -111,7 +111,7 @@ def test_a_non_text_content_part_on_chat_is_a_400_naming_it(part, param):
 def test_text_parts_of_every_kind_vllm_reads_pass():
     parts = [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"},
              {"type": "output_text", "text": "c"}, {"type": "refusal", "refusal": "no"},
-             {"text": "untyped"}]
+             "a plain string, as LangChain sends a tool's list of strings"]
     assert validate_body({"messages": [{"role": "assistant", "content": parts}]},
                          "chat.completions")
 
