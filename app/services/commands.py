@@ -85,19 +85,24 @@ def _port_of(url: str) -> int | None:
 
 
 def _check_reachable(cfg: Any, role: str) -> None:
-    """The server a role starts on this host is one its URL reaches: a loopback URL's port
-    is the one it binds (a URL of another host may go through a proxy on another port).
-    Otherwise `carryover up` would wait for it at the URL until its start timed out."""
+    """The server a role starts on this host is one its URL reaches: a plain-HTTP loopback
+    URL's port is the one it binds (a URL of another host, or an https one, may go through a
+    proxy on another port). Otherwise `carryover up` would wait for it at the URL until its
+    start timed out."""
+    def direct(url: str) -> bool:
+        parts = urlsplit(url)
+        return parts.scheme == "http" and is_loopback(parts.hostname or "")
+
     if role == "inference":
         port, urls = int(cfg.inference.port), list(cfg.inference.urls)
-        local = [u for u in urls if is_loopback(urlsplit(u).hostname or "")]
+        local = [u for u in urls if direct(u)]
         if local and port not in {_port_of(u) for u in local}:
             raise ConfigError([f"inference.port: value {port} is the port of no entry of "
                                f"inference.urls on this host ({', '.join(local)}): the server "
                                "started on it would never be reached"])
     elif role == "gateway":
         port, url = int(cfg.gateway.port), str(cfg.gateway.url)
-        if is_loopback(urlsplit(url).hostname or "") and _port_of(url) != port:
+        if direct(url) and _port_of(url) != port:
             raise ConfigError([f"gateway.port: value {port} is not the port of gateway.url "
                                f"({url}): agents and the trainer would look for the gateway "
                                "there"])

@@ -123,6 +123,8 @@ def test_a_server_reached_through_another_hosts_url_may_bind_any_port():
                              "gateway.url=http://gateway.internal", "gateway.port=8201"])
     assert "8101" in command_for(cfg, "inference").argv
     command_for(cfg, "gateway")
+    # a TLS proxy on this host in front of the gateway
+    command_for(load_config(None, ["gateway.url=https://localhost:8443"]), "gateway")
 
 
 @pytest.mark.parametrize("path,what", [
