@@ -22,6 +22,7 @@ import os
 import secrets
 import socket
 import threading
+import time
 from typing import Any
 
 import redis
@@ -42,6 +43,8 @@ class Reaper:
         self.worker_id = worker_id
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # no reaping before this (time.monotonic()): set one TTL past a failed beat
+        self._unsure_until = 0.0
 
     # --- this worker ----------------------------------------------------------------
 
@@ -129,15 +132,25 @@ class Reaper:
     def _run(self) -> None:
         beats = 0
         while not self._stop.wait(self.ttl_ms / 4000):
-            try:
-                self.beat()
-                beats += 1
-                if beats % 4 == 0:
-                    self.reap()
-                if beats % 40 == 0:
-                    self.prune()
-            except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive a Redis blip
-                log.warning("rollout worker liveness: %s: %s", exc.__class__.__name__, exc)
+            beats = self.tick(beats)
+
+    def tick(self, beats: int) -> int:
+        """One beat (and every 4th a reap, every 40th a prune); -> the beats done.
+
+        After a beat that failed (Redis away), no reap for one TTL: the other workers' alive
+        keys may have expired in the outage too, and each needs a beat of its own to show it
+        lives; reaped before that, their tasks would run twice."""
+        try:
+            self.beat()
+            beats += 1
+            if beats % 4 == 0 and time.monotonic() >= self._unsure_until:
+                self.reap()
+            if beats % 40 == 0:
+                self.prune()
+        except Exception as exc:  # noqa: BLE001 - the heartbeat must outlive a Redis blip
+            self._unsure_until = time.monotonic() + self.ttl_ms / 1000
+            log.warning("rollout worker liveness: %s: %s", exc.__class__.__name__, exc)
+        return beats
 
 
 _reaper: Reaper | None = None
