@@ -39,35 +39,66 @@ class MetricsSink:
         self.jsonl_path = run_dir / "metrics.jsonl"
         self.console = console
         self.wandb_run = None
+        _end_cleanly(self.jsonl_path)
         mode = os.environ.get("WANDB_MODE") or cfg.logging.wandb_mode
         if mode != "disabled":
             try:
                 import wandb
 
-                self.wandb_run = wandb.init(
+                run = wandb.init(
                     project=cfg.logging.wandb_project, name=run_id, id=run_id, resume="allow",
                     dir=str(run_dir), mode=mode, config=_plain(cfg),
                     settings=wandb.Settings(silent=True, console="off"))
                 # an evaluation is plotted at the update it measured, not the step that
                 # reported it
-                self.wandb_run.define_metric("val/*", step_metric="val/sent_at_step")
+                run.define_metric("val/*", step_metric="val/sent_at_step")
+                self.wandb_run = run
             except Exception as exc:  # noqa: BLE001 - metrics must not stop training
                 log.warning("W&B disabled for this run: %s", exc)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
+        """One step's line, and its W&B row. Neither stops training when it fails (a full
+        disk, W&B's own errors): the metrics are also kept in Redis with the run."""
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
-        with self.jsonl_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+        try:
+            with self.jsonl_path.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        except OSError as exc:
+            log.error("step %d's metrics not written to %s: %s", step, self.jsonl_path, exc)
         if self.wandb_run is not None:
-            self.wandb_run.log({k: v for k, v in record.items() if v is not None}, step=step)
+            try:
+                self.wandb_run.log({k: v for k, v in record.items() if v is not None},
+                                   step=step)
+            except Exception as exc:  # noqa: BLE001 - metrics must not stop training
+                log.warning("W&B disabled for the rest of this run: %s", exc)
+                self.wandb_run = None
 
     def close(self) -> None:
         if self.wandb_run is not None:
-            self.wandb_run.finish()
+            try:
+                self.wandb_run.finish()
+            except Exception as exc:  # noqa: BLE001 - must not hide how the run ended
+                log.warning("W&B run not finished cleanly: %s", exc)
 
     @property
     def wandb_dir(self) -> str | None:
         return getattr(self.wandb_run, "dir", None) if self.wandb_run else None
+
+
+def _end_cleanly(path: Path) -> None:
+    """A line cut short by a crash (the driver killed mid-write, a full disk) is dropped, so
+    that the lines a resumed run appends each stay a line of their own, all readable."""
+    try:
+        with path.open("rb+") as f:
+            data = f.read()
+            if not data or data.endswith(b"\n"):
+                return
+            keep = data.rfind(b"\n") + 1
+            f.truncate(keep)
+        log.warning("%s ended in a line cut short (%d bytes); dropped", path,
+                    len(data) - keep)
+    except FileNotFoundError:
+        return
 
 
 def _plain(cfg: Any) -> dict:

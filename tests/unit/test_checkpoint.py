@@ -78,3 +78,57 @@ def test_a_save_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
         save_checkpoint(trainer, tmp_path / "ckpt", "run", step, step, {"step": str(step)})
     assert latest_checkpoint(tmp_path / "ckpt", "run").name == "step_000002"
     assert sorted(p.name for p in scratch.iterdir() if p.name.startswith("ckpt_")) == []
+
+
+def test_a_failed_save_leaves_no_partial_checkpoint_behind(tmp_path):
+    """A save that fails half-way (a full disk) removes its temporary directory (a partial
+    checkpoint holds gigabytes, and would keep the disk full), and the next save removes
+    any an earlier process left."""
+    cfg = load_config(None, ["trainer.device=cpu"])
+    trainer = EngineTrainer(cfg, MODEL)
+    run_dir = tmp_path / "ckpt" / "run"
+    run_dir.mkdir(parents=True)
+    (run_dir / ".step_000001.tmp").mkdir()  # a crashed process's
+    real_save = trainer.save
+
+    def full_disk(path):
+        path.mkdir(parents=True)
+        (path / "shard").write_bytes(b"x" * 1024)
+        raise OSError(28, "No space left on device")
+
+    trainer.save = full_disk
+    try:
+        save_checkpoint(trainer, tmp_path / "ckpt", "run", 2, 2, {})
+    except OSError as exc:
+        assert exc.errno == 28
+    else:
+        raise AssertionError("the save did not fail")
+    assert sorted(p.name for p in run_dir.iterdir()) == []
+    trainer.save = real_save
+    save_checkpoint(trainer, tmp_path / "ckpt", "run", 3, 3, {})
+    assert sorted(p.name for p in run_dir.iterdir()) == ["step_000003"]
+
+
+def test_a_checkpoint_that_cannot_be_loaded_gives_way_to_the_one_before(tmp_path):
+    """A newest checkpoint torn by a power loss (its files empty) is set aside and the run
+    goes on from the one before, instead of failing every resume until a person steps in."""
+    from workers.trainer import service
+    from workers.trainer.settings import TrainerSettings
+
+    cfg = load_config(None, ["trainer.device=cpu", "actor_rollout_ref.actor.lr=1e-2",
+                             f"trainer.checkpoint_dir={tmp_path / 'ckpt'}"])
+    a = EngineTrainer(cfg, MODEL)
+    a.update(batch())
+    save_checkpoint(a, tmp_path / "ckpt", "run", 1, 1, {})
+    after_one = a.full_weights()
+    a.update(batch(), 1)
+    save_checkpoint(a, tmp_path / "ckpt", "run", 2, 2, {})
+    (tmp_path / "ckpt" / "run" / "step_000002" / "rng.pt").write_bytes(b"")
+    try:
+        resident = service.resident_trainer("run", cfg, TrainerSettings.from_config(cfg))
+        assert resident.restored_step == 1 and resident.steps_done == 1
+        assert same(resident.trainer.full_weights(), after_one)
+    finally:
+        service.close_resident()
+    names = sorted(p.name for p in (tmp_path / "ckpt" / "run").iterdir())
+    assert names[0].startswith("step_000001") and names[1].startswith("unreadable-step_000002")

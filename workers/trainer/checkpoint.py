@@ -14,7 +14,9 @@ write first, so the checkpoint is the state after the step it names.
 from __future__ import annotations
 
 import json
+import os
 import random
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -36,19 +38,48 @@ def save_checkpoint(trainer: Any, root: Path, run_id: str, step: int, version: i
     """``rng``: the generators' state to record (default: now)."""
     run_dir = root / run_id
     out = run_dir / f"step_{step:06d}"
-    tmp = run_dir / f".step_{step:06d}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    trainer.save(tmp / "engine")
-    torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
-    (tmp / "meta.json").write_text(json.dumps(
-        {"run_id": run_id, "step": step, "policy_version": version, "run_state": run_state},
-        indent=1))
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    # what failed saves left (a full disk): a partial checkpoint holds gigabytes
+    for stale in run_dir.glob(".step_*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    # a name of its own: a second trainer process saving the same step cannot mix its
+    # files into this one's
+    tmp = run_dir / f".step_{step:06d}.{os.getpid()}-{secrets.token_hex(3)}.tmp"
+    tmp.mkdir()
+    try:
+        trainer.save(tmp / "engine")
+        torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
+        (tmp / "meta.json").write_text(json.dumps(
+            {"run_id": run_id, "step": step, "policy_version": version,
+             "run_state": run_state}, indent=1))
+        # on disk before the rename makes it the latest: after a power loss a renamed
+        # checkpoint must not hold empty files
+        _sync_tree(tmp)
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+        _sync(run_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     for old in sorted(p for p in run_dir.iterdir() if p.name.startswith("step_"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return out
+
+
+def _sync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(root: Path) -> None:
+    """Every file and directory under ``root`` on disk."""
+    for here, _dirs, files in os.walk(root):
+        for name in files:
+            _sync(Path(here) / name)
+        _sync(Path(here))
 
 
 def checkpoint_step(path: Path) -> int:
@@ -56,13 +87,26 @@ def checkpoint_step(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
 
 
-def latest_checkpoint(root: Path, run_id: str) -> Path | None:
+def complete_checkpoints(root: Path, run_id: str) -> list[Path]:
+    """The run's complete checkpoints, newest first."""
     run_dir = root / run_id
     if not run_dir.is_dir():
-        return None
-    done = sorted(p for p in run_dir.iterdir()
-                  if p.name.startswith("step_") and (p / "meta.json").exists())
-    return done[-1] if done else None
+        return []
+    return sorted((p for p in run_dir.iterdir()
+                   if p.name.startswith("step_") and (p / "meta.json").exists()), reverse=True)
+
+
+def latest_checkpoint(root: Path, run_id: str) -> Path | None:
+    done = complete_checkpoints(root, run_id)
+    return done[0] if done else None
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Rename a checkpoint out of the way (``<why>-step_<k>-<time>``), kept for a person to
+    look at: it is no longer loaded, nor pruned."""
+    target = path.parent / f"{why}-{path.name}-{time.time_ns()}"
+    path.rename(target)
+    return target
 
 
 def set_aside_after(root: Path, run_id: str, recorded: int) -> list[Path]:
@@ -75,9 +119,7 @@ def set_aside_after(root: Path, run_id: str, recorded: int) -> list[Path]:
     moved = []
     for path in sorted(run_dir.iterdir() if run_dir.is_dir() else []):
         if path.name.startswith("step_") and checkpoint_step(path) > recorded:
-            target = run_dir / f"passed_over-{path.name}-{time.time_ns()}"
-            path.rename(target)
-            moved.append(target)
+            moved.append(set_aside(path, "passed_over"))
     return moved
 
 

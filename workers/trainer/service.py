@@ -150,8 +150,6 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
                     "training on top of that update", run_id)
     close_resident()
     trainer = EngineTrainer(cfg, str(settings.model_path))
-    resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path),
-                        generation=next(_generations))
     log.info("loaded policy for run %s on %s", run_id, trainer.device)
     moved = [] if recorded is None else \
         checkpoint.set_aside_after(settings.checkpoint_dir, run_id, recorded)
@@ -162,11 +160,25 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
                     "is trained twice; set aside: %s", run_id, recorded,
                     latest if latest is not None else "the initial weights",
                     ", ".join(p.name for p in moved))
-    if latest is not None:
-        meta = checkpoint.load_checkpoint(trainer, latest)
-        resident.restored_step = resident.steps_done = meta["step"]
-        log.info("run %s: restored trainer state from %s (step %d)", run_id, latest,
+    meta = None
+    for path in checkpoint.complete_checkpoints(settings.checkpoint_dir, run_id):
+        try:
+            meta = checkpoint.load_checkpoint(trainer, path)
+        except Exception as exc:  # noqa: BLE001 - a torn or corrupt checkpoint
+            aside = checkpoint.set_aside(path, "unreadable")
+            log.error("run %s: checkpoint %s cannot be loaded (%s: %s); set aside as %s, "
+                      "trying the one before", run_id, path.name, exc.__class__.__name__,
+                      exc, aside.name)
+            trainer.close()  # a load that failed half-way may have changed its state
+            trainer = EngineTrainer(cfg, str(settings.model_path))
+            continue
+        log.info("run %s: restored trainer state from %s (step %d)", run_id, path,
                  meta["step"])
+        break
+    resident = Resident(run_id, trainer, weights.probe_ids(settings.model_path),
+                        generation=next(_generations))
+    if meta is not None:
+        resident.restored_step = resident.steps_done = meta["step"]
     keeper = running_keeper()
     if keeper is not None:
         inf = settings.inference
