@@ -164,7 +164,8 @@ class _ConnectionPool:
         or spoil, a connection the calls use)."""
         conn = self._new(timeout_s)
         try:
-            conn.request("GET", path)
+            # with the servers' key: a proxy in front may ask for it on every route
+            conn.request("GET", path, headers=self.auth)
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
@@ -354,9 +355,9 @@ class Upstreams:
         with self._lock:
             self._down_until[url] = time.monotonic() + self.cooldown_s
         if restarted and self.client is not None:
+            self._stale.add(url)  # this process knows at once, whether Redis answers or not
             try:
                 self.client.sadd(keys.upstreams_stale(), url)
-                self._stale.add(url)
             except redis.RedisError:
                 pass
 

@@ -216,3 +216,105 @@ def test_a_server_whose_proxy_answers_502_is_marked_stale(redis_client):
         redis_client.srem(keys.upstreams_stale(), url)
 
 
+
+
+class _Engine(http.server.BaseHTTPRequestHandler):
+    """A server as the keeper sees it: its health, the weight version it says it holds, and
+    the probe's log-probs; the POSTs it got are recorded."""
+    state: dict = {}
+
+    def _send(self, code: int, body: dict | None = None) -> None:
+        data = json.dumps(body).encode() if body is not None else b""
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+        if self.path == "/health":
+            self._send(self.state["health"])
+        elif self.path == "/weight_info":
+            self._send(200, {"weight_version": self.state["version"]})
+        else:
+            self._send(404)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        self.state["posts"].append(self.path)
+        if self.path == "/v1/completions":  # the probe: ids 1, 2, 3
+            self._send(200, {"choices": [{"prompt_logprobs": [
+                None, {"2": {"logprob": -1.0}}, {"3": {"logprob": -2.0}}]}]})
+        else:
+            self._send(500)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def engine(redis_client, tmp_path):
+    _Engine.state = {"health": 200, "version": "7", "posts": []}
+    with serving(_Engine) as url:
+        redis_client.hset(keys.policy_published(), mapping={
+            "version": 7, "path": str(tmp_path), "model": "tiny-qwen2",
+            "probe": "[-1.0, -2.0]", "probe_ids": "[1, 2, 3]"})
+        yield url, _Engine.state
+        redis_client.srem(keys.upstreams_stale(), url)
+        redis_client.delete(keys.policy_published())
+
+
+def test_a_server_that_missed_one_look_is_not_taken_out(engine, redis_client):
+    """A busy engine answers /health slowly or with an error once: the keeper (as the
+    gateway) needs two misses in a row before it calls it down; a refused connection is
+    down at once."""
+    from workers.trainer.keeper import UpstreamKeeper
+
+    url, state = engine
+    keeper = UpstreamKeeper(redis_client, [url], "tiny-qwen2", 0.1)
+    state["health"] = 500
+    keeper.tick()
+    assert not redis_client.sismember(keys.upstreams_stale(), url)
+    keeper.tick()
+    assert redis_client.sismember(keys.upstreams_stale(), url)
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens
+    try:
+        UpstreamKeeper(redis_client, [gone], "tiny-qwen2", 0.1).tick()
+        assert redis_client.sismember(keys.upstreams_stale(), gone)
+    finally:
+        redis_client.srem(keys.upstreams_stale(), gone)
+
+
+def test_a_stale_server_that_still_holds_the_weights_is_not_loaded_again(engine,
+                                                                          redis_client):
+    """Marked stale while it kept its weights (a missed look, a gateway that lost it for a
+    moment): the probe proves it and it is back without a reload, which under calls in
+    flight fails and was retried every second. One that restarted is reloaded."""
+    from workers.trainer.keeper import UpstreamKeeper
+
+    url, state = engine
+    redis_client.sadd(keys.upstreams_stale(), url)
+    keeper = UpstreamKeeper(redis_client, [url], "tiny-qwen2", 0.1)
+    assert keeper.tick() == [url]
+    assert state["posts"] == ["/v1/completions"]  # the probe, no load
+    state["version"] = "default"  # restarted: its initial weights
+    redis_client.sadd(keys.upstreams_stale(), url)
+    keeper.tick()
+    assert "/collective_rpc" in state["posts"]
+
+
+def test_health_checks_carry_the_servers_key(redis_client):
+    """A proxy in front of the servers may ask for their key on every route, /health too:
+    checked without it, every server failed every look and all were skipped."""
+    class Guarded(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 - the http.server interface
+            ok = self.headers.get("Authorization") == "Bearer k3y"
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    with serving(Guarded) as url:
+        assert Upstreams([url], client=redis_client, api_key="k3y").check_health(
+            timeout_s=1) == {url: True}

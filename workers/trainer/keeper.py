@@ -79,6 +79,7 @@ class UpstreamKeeper:
         self.send_weights: Callable[[str, int, bool], None] | None = None
         self._waiting: set[str] = set()   # stale, waiting for an unverified version's step
         self._failing: set[str] = set()   # stale, their restore failed (said once each)
+        self._misses: dict[str, int] = {}  # looks in a row a server missed (healthy())
         self.configure(urls, model_name, tolerance, reload_timeout_s, dp_size, sleep_check)
 
     def configure(self, urls: list[str], model_name: str, tolerance: float,
@@ -107,12 +108,32 @@ class UpstreamKeeper:
             except Exception as exc:  # noqa: BLE001 - the keeper must outlive any one failure
                 log.warning("upstream keeper: %s: %s", exc.__class__.__name__, exc)
 
+    # misses in a row before a server that only answers slowly counts as down (a busy
+    # engine may be slow once; the gateway waits for two misses too); a refused
+    # connection counts at once
+    MISSES_DOWN = 2
+
     @staticmethod
-    def healthy(url: str) -> bool:
+    def look(url: str) -> str:
+        """``ok``, ``refused`` (nothing listens: down for sure) or ``miss`` (slow, an error
+        status). With the servers' key, which a proxy in front may ask on every route."""
         try:
-            return requests.get(url + "/health", timeout=2).status_code == 200
+            resp = weights._http.get(url + "/health", timeout=5)
+        except requests.ConnectionError as exc:
+            return "miss" if isinstance(exc, requests.ConnectTimeout) else "refused"
         except requests.RequestException:
-            return False
+            return "miss"
+        return "ok" if resp.status_code == 200 else "miss"
+
+    def healthy(self, url: str) -> bool:
+        """``url`` answers; a slow or failed look counts only the ``MISSES_DOWN``th time in a
+        row (or at once when the connection is refused)."""
+        seen = self.look(url)
+        if seen == "ok":
+            self._misses.pop(url, None)
+            return True
+        self._misses[url] = self._misses.get(url, 0) + 1
+        return not (seen == "refused" or self._misses[url] >= self.MISSES_DOWN)
 
     def tick(self) -> list[str]:
         """One pass; returns the servers it restored. Skipped while this process's step
@@ -202,6 +223,18 @@ class UpstreamKeeper:
         self.client.set(keys.upstreams_need_weights(), f"{url}: {why}")
         self._failed(url, why + "; the driver asks the trainer worker for the run's weights")
 
+    def _still_holds(self, url: str, published: dict[str, str]) -> bool:
+        """``url`` says it holds the published version and the probe agrees."""
+        if weights.loaded_version(url) != published["version"]:
+            return False
+        try:
+            weights.verify_sync(url, published.get("adapter") or self.model_name,
+                                json.loads(published["probe"]), None, self.tolerance,
+                                json.loads(published.get("probe_ids", "null")), self.dp_size)
+        except (weights.WeightSyncError, requests.RequestException, ValueError, KeyError):
+            return False
+        return True
+
     def _no_step_began(self, url: str) -> None:
         """Raise if a step (of another trainer process) took the pause while this restore
         ran: the engines are its own now, not to be resumed or declared restored."""
@@ -230,6 +263,15 @@ class UpstreamKeeper:
             # old weights, so they recompute it on the new ones
             frozen = weights.in_state(url, weights.PAUSE)
             version = int(published["version"])
+            if not frozen and self._still_holds(url, published):
+                # marked stale while it kept its weights (it missed a look, or the gateway
+                # lost it for a moment): proven by the probe, not loaded again
+                self._no_step_began(url)
+                weights.resume_if_paused(url)
+                self.client.srem(keys.upstreams_stale(), url)
+                log.info("inference server %s still holds policy version %d; back in "
+                         "service without a reload", url, version)
+                return
             path = Path(published["path"]) if published.get("path") else None
             if path is not None and not path.is_dir():
                 raise NeedsTrainer(f"the export of policy version {version} ({path}) is gone "
