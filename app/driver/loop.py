@@ -111,6 +111,11 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
                              "(set $CARRYOVER_CONFIG / $REDIS_URL before importing app.celery_app)")
     client = connect(url, reconnect_s=float(cfg.redis.reconnect_s))
     if resume:
+        record = read_run(client, resume)
+        if record.status == "finished":
+            # its final evaluations would run and be reported a second time
+            raise TrainingFailed(f"run {resume} already finished ({record.step} steps); "
+                                 "start a new run instead of resuming it")
         stored = run_config(client, resume)  # the run keeps the config it started with
         _require_same_config(cfg, stored, resume, given)
         cfg = stored

@@ -26,6 +26,17 @@ def test_resuming_with_another_value_is_refused(redis_client, capsys):
     assert redis_client.hget(keys.run("resumed-run"), "step") == "0"  # nothing was touched
 
 
+def test_a_finished_run_is_not_resumed(redis_client, caplog):
+    """Resumed, a finished run ran its final evaluations again and appended their lines a
+    second time."""
+    cfg = service_config()
+    Collector.create_run(redis_client, "finished-run",
+                         OmegaConf.to_container(cfg, resolve=True), "async")
+    redis_client.hset(keys.run("finished-run"), mapping={"status": "finished", "step": 5})
+    assert main(["train", "--resume", "finished-run"]) == 1
+    assert "run finished-run already finished (5 steps)" in caplog.text
+
+
 def test_only_what_the_caller_set_is_compared():
     cfg = service_config()
     stored = OmegaConf.merge(cfg, {"trainer": {"total_steps": 7}})  # a run started with 7
