@@ -219,6 +219,7 @@ class Upstreams:
         self.client = client
         self.stale_refresh_s = stale_refresh_s
         self._stale: set[str] = set()
+        self._unshared: set[str] = set()  # marked stale here, not yet in Redis
         self._stale_read_at = float("-inf")
         self._lock = threading.Lock()
         # No retries here (the agent retries on our 503), no proxy lookups.
@@ -246,9 +247,13 @@ class Upstreams:
         if self.client is not None and now - self._stale_read_at >= self.stale_refresh_s:
             self._stale_read_at = now
             try:
+                if self._unshared:  # marked while Redis did not answer: shared now
+                    self.client.sadd(keys.upstreams_stale(), *self._unshared)
+                    self._unshared.clear()
                 self._stale = set(self.client.smembers(keys.upstreams_stale()))
             except redis.RedisError:
                 pass  # keep the last view; admission fails loudly on its own if Redis is gone
+            self._stale |= self._unshared
         return self._stale
 
     def _usable(self, url: str, now: float, stale: set[str]) -> bool:
@@ -359,7 +364,7 @@ class Upstreams:
             try:
                 self.client.sadd(keys.upstreams_stale(), url)
             except redis.RedisError:
-                pass
+                self._unshared.add(url)  # shared with the next read that reaches Redis
 
     def healthy(self) -> list[str]:
         now = time.monotonic()

@@ -90,15 +90,27 @@ def _end_cleanly(path: Path) -> None:
     that the lines a resumed run appends each stay a line of their own, all readable."""
     try:
         with path.open("rb+") as f:
-            data = f.read()
-            if not data or data.endswith(b"\n"):
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
                 return
-            keep = data.rfind(b"\n") + 1
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            keep, end = 0, size  # the last newline, read back from the end in pieces
+            while end > 0:
+                start = max(0, end - 65536)
+                f.seek(start)
+                at = f.read(end - start).rfind(b"\n")
+                if at >= 0:
+                    keep = start + at + 1
+                    break
+                end = start
             f.truncate(keep)
-        log.warning("%s ended in a line cut short (%d bytes); dropped", path,
-                    len(data) - keep)
+        log.warning("%s ended in a line cut short (%d bytes); dropped", path, size - keep)
     except FileNotFoundError:
         return
+    except OSError as exc:  # the metrics must not stop training; the write says it again
+        log.warning("cannot check the end of %s: %s", path, exc)
 
 
 def _plain(cfg: Any) -> dict:

@@ -284,24 +284,6 @@ def test_a_server_that_missed_one_look_is_not_taken_out(engine, redis_client):
         redis_client.srem(keys.upstreams_stale(), gone)
 
 
-def test_a_stale_server_that_still_holds_the_weights_is_not_loaded_again(engine,
-                                                                          redis_client):
-    """Marked stale while it kept its weights (a missed look, a gateway that lost it for a
-    moment): the probe proves it and it is back without a reload, which under calls in
-    flight fails and was retried every second. One that restarted is reloaded."""
-    from workers.trainer.keeper import UpstreamKeeper
-
-    url, state = engine
-    redis_client.sadd(keys.upstreams_stale(), url)
-    keeper = UpstreamKeeper(redis_client, [url], "tiny-qwen2", 0.1)
-    assert keeper.tick() == [url]
-    assert state["posts"] == ["/v1/completions"]  # the probe, no load
-    state["version"] = "default"  # restarted: its initial weights
-    redis_client.sadd(keys.upstreams_stale(), url)
-    keeper.tick()
-    assert "/collective_rpc" in state["posts"]
-
-
 def test_health_checks_carry_the_servers_key(redis_client):
     """A proxy in front of the servers may ask for their key on every route, /health too:
     checked without it, every server failed every look and all were skipped."""
@@ -318,3 +300,27 @@ def test_health_checks_carry_the_servers_key(redis_client):
     with serving(Guarded) as url:
         assert Upstreams([url], client=redis_client, api_key="k3y").check_health(
             timeout_s=1) == {url: True}
+
+
+def test_a_server_marked_stale_while_redis_is_away_is_shared_once_it_is_back(redis_client):
+    """A stream cut by a restarting server while Redis does not answer: this gateway process
+    routes around the server at once, and tells the others (and the keeper, which reloads
+    it) at its first read of the stale set that reaches Redis."""
+    import redis as redis_lib
+
+    url = f"http://127.0.0.1:{free_port()}"
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    away = redis_lib.Redis(port=free_port(), socket_connect_timeout=0.2,
+                           retry=Retry(NoBackoff(), 0))
+    ups = Upstreams([url], client=away)
+    ups.stale_refresh_s = 0.0
+    try:
+        ups.mark_down(url, restarted=True)
+        assert url in ups.stale()  # known here though Redis did not answer
+        ups.client = redis_client  # Redis back
+        assert url in ups.stale()
+        assert redis_client.sismember(keys.upstreams_stale(), url)
+    finally:
+        redis_client.srem(keys.upstreams_stale(), url)

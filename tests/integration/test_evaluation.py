@@ -34,28 +34,33 @@ def _cfg(tmp_path, *overrides: str):
         f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}", *overrides])
 
 
-def test_an_evaluation_that_makes_progress_is_not_cut_by_its_timeout(redis_client, tmp_path):
+def test_an_evaluation_that_makes_progress_is_not_cut_by_its_timeout(redis_client, tmp_path,
+                                                                      monkeypatch):
     """A large held-out set runs in rounds of the free rollout slots and waits out weight
     loads: its timeout counts from the last group that finished, not from its start."""
+    import types
+
     from omegaconf import OmegaConf
 
+    from app.driver import evaluation
     from app.driver.collector import Collector
     from app.driver.evaluation import Evaluator, PendingEval
 
+    now = [1000.0]  # the clock the evaluator reads
+    monkeypatch.setattr(evaluation, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
     cfg = _cfg(tmp_path)
     run = f"eval-progress-{tmp_path.name[-8:]}"
     evaluator = Evaluator(redis_client, run, cfg)
-    evaluator.timeout_s = 1.0
+    evaluator.timeout_s = 10.0
     eval_id = f"{run}-val2"
     Collector.create_run(redis_client, eval_id, OmegaConf.to_container(cfg), "eval")
-    started = time.monotonic()
-    evaluator.pending = PendingEval(eval_id, 2, 2, started, 4,
-                                    Collector(redis_client, eval_id, cfg), progress_at=started)
-    for i in range(3):  # a group finishes every 0.6 s: 1.8 s in all, past the timeout
-        time.sleep(0.6)
+    evaluator.pending = PendingEval(eval_id, 2, 2, now[0], 4,
+                                    Collector(redis_client, eval_id, cfg), progress_at=now[0])
+    for i in range(3):  # a group finishes every 6 s: 18 s in all, past the timeout
+        now[0] += 6.0
         redis_client.zadd(keys.run_ready(eval_id), {f"{eval_id}-g{i}": i})
         assert evaluator.poll() is None and evaluator.pending is not None, i
-    time.sleep(1.2)  # then nothing for longer than the timeout
+    now[0] += 12.0  # then nothing for longer than the timeout
     assert evaluator.poll() is None and evaluator.pending is None
 
 

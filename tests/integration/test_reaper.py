@@ -4,50 +4,57 @@ which every live worker's key may have expired before it could beat again."""
 
 from __future__ import annotations
 
-import time
+import types
 
 import pytest
 import redis
 
 from app.state import keys
+from workers.rollout import reaper as reaper_module
 from workers.rollout.reaper import Reaper
 
+TTL_S = 30.0  # the keys outlive the test; the clock the reaper reads is the test's
 
-class _Outage(Exception):
-    pass
+
+@pytest.fixture
+def clock(monkeypatch):
+    now = [1000.0]
+    monkeypatch.setattr(reaper_module, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    return now
 
 
 @pytest.fixture
 def workers(redis_client):
     from app.celery_app import celery_app
 
-    watcher = Reaper(redis_client, celery_app, ttl_s=0.8, worker_id="reaper-test:1:a")
-    other = Reaper(redis_client, celery_app, ttl_s=0.8, worker_id="reaper-test:2:b")
+    watcher = Reaper(redis_client, celery_app, ttl_s=TTL_S, worker_id="reaper-test:1:a")
+    other = Reaper(redis_client, celery_app, ttl_s=TTL_S, worker_id="reaper-test:2:b")
     yield watcher, other
     for w in (watcher, other):
         redis_client.delete(keys.worker_alive(w.worker_id), keys.worker_deliveries(w.worker_id))
         redis_client.srem(keys.rollout_workers(), w.worker_id)
 
 
-def test_no_reap_for_one_ttl_after_a_failed_beat(workers, redis_client, monkeypatch):
+def test_no_reap_for_one_ttl_after_a_failed_beat(workers, clock, redis_client, monkeypatch):
     watcher, other = workers
     other.register()
     redis_client.hset(keys.worker_deliveries(other.worker_id), "tag-1", "task-1")
-    # the outage: the watcher's beat fails, and the other's alive key expires meanwhile
+    # the outage: the watcher's beat fails, and the other's alive key expired meanwhile
     real_beat = watcher.beat
     monkeypatch.setattr(watcher, "beat", lambda: (_ for _ in ()).throw(
         redis.ConnectionError("Redis is restarting")))
     assert watcher.tick(3) == 3
     monkeypatch.setattr(watcher, "beat", real_beat)
     redis_client.delete(keys.worker_alive(other.worker_id))
+    clock[0] += 1.0
     assert watcher.tick(3) == 4  # a reap's turn, within a TTL of the failure: none
     assert redis_client.sismember(keys.rollout_workers(), other.worker_id)
     assert redis_client.hget(keys.worker_deliveries(other.worker_id), "tag-1") == "task-1"
-    # the other worker beat again (as a live one does within a TTL): alive, not requeued
-    time.sleep(0.9)
+    # the other worker beat again within the TTL, as a live one does: not requeued
+    clock[0] += TTL_S
     other.beat()
-    assert watcher.tick(7) == 8 and redis_client.sismember(keys.rollout_workers(),
-                                                           other.worker_id)
+    assert watcher.tick(7) == 8
+    assert redis_client.sismember(keys.rollout_workers(), other.worker_id)
     # a worker that stays silent past the TTL is reaped
     redis_client.delete(keys.worker_alive(other.worker_id))
     assert watcher.tick(11) == 12

@@ -3,6 +3,8 @@ parameters and optimizer state."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from app.config import load_config
@@ -83,12 +85,18 @@ def test_a_save_leaves_nothing_in_the_temp_directory(tmp_path, monkeypatch):
 def test_a_failed_save_leaves_no_partial_checkpoint_behind(tmp_path):
     """A save that fails half-way (a full disk) removes its temporary directory (a partial
     checkpoint holds gigabytes, and would keep the disk full), and the next save removes
-    any an earlier process left."""
+    any a dead process of this host left, but not a live one's save in progress."""
+    import socket
+    import subprocess
+
     cfg = load_config(None, ["trainer.device=cpu"])
     trainer = EngineTrainer(cfg, MODEL)
     run_dir = tmp_path / "ckpt" / "run"
     run_dir.mkdir(parents=True)
-    (run_dir / ".step_000001.tmp").mkdir()  # a crashed process's
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    host = socket.gethostname()
+    (run_dir / f".step_000001.{host}.{gone.pid}.aa.tmp").mkdir()  # a crashed process's
     real_save = trainer.save
 
     def full_disk(path):
@@ -105,8 +113,10 @@ def test_a_failed_save_leaves_no_partial_checkpoint_behind(tmp_path):
         raise AssertionError("the save did not fail")
     assert sorted(p.name for p in run_dir.iterdir()) == []
     trainer.save = real_save
+    live = run_dir / f".step_000004.{host}.{os.getpid()}.bb.tmp"  # another save, under way
+    live.mkdir()
     save_checkpoint(trainer, tmp_path / "ckpt", "run", 3, 3, {})
-    assert sorted(p.name for p in run_dir.iterdir()) == ["step_000003"]
+    assert sorted(p.name for p in run_dir.iterdir()) == [live.name, "step_000003"]
 
 
 def test_a_checkpoint_that_cannot_be_loaded_gives_way_to_the_one_before(tmp_path):
@@ -132,3 +142,29 @@ def test_a_checkpoint_that_cannot_be_loaded_gives_way_to_the_one_before(tmp_path
         service.close_resident()
     names = sorted(p.name for p in (tmp_path / "ckpt" / "run").iterdir())
     assert names[0].startswith("step_000001") and names[1].startswith("unreadable-step_000002")
+
+
+def test_a_checkpoint_that_fails_to_load_for_now_is_kept(tmp_path, monkeypatch):
+    """Only a torn checkpoint gives way: a load that fails for another reason (memory, a
+    rank lost, a file system away) fails the task, which a retry may get past, and the
+    checkpoint stays where it is."""
+    from workers.trainer import checkpoint as ckpt
+    from workers.trainer import service
+    from workers.trainer.settings import TrainerSettings
+
+    cfg = load_config(None, ["trainer.device=cpu", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}"])
+    save_checkpoint(EngineTrainer(cfg, MODEL), tmp_path / "ckpt", "run", 1, 1, {})
+
+    def busy(trainer, path):
+        raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(ckpt, "load_checkpoint", busy)
+    try:
+        service.resident_trainer("run", cfg, TrainerSettings.from_config(cfg))
+    except RuntimeError as exc:
+        assert "out of memory" in str(exc)
+    else:
+        raise AssertionError("the load did not fail")
+    finally:
+        service.close_resident()
+    assert [p.name for p in (tmp_path / "ckpt" / "run").iterdir()] == ["step_000001"]

@@ -167,10 +167,14 @@ class ProcessController(Controller):
         started = _start_ticks(pid)
         if self.client is None or started is None:
             return
-        self.client.hset(keys.rollout(rollout_id), mapping={
-            RolloutRecord.field("agent_host"): socket.gethostname(),
-            RolloutRecord.field("agent_pid"): pid,
-            RolloutRecord.field("agent_started"): started})
+        try:
+            self.client.hset(keys.rollout(rollout_id), mapping={
+                RolloutRecord.field("agent_host"): socket.gethostname(),
+                RolloutRecord.field("agent_pid"): pid,
+                RolloutRecord.field("agent_started"): started})
+        except redis.RedisError as exc:  # the agent runs on; only a later stop() misses it
+            log.warning("rollout %s: its agent's process group not recorded: %s", rollout_id,
+                        exc)
 
     def stop(self, rollout_id: str) -> None:
         """Kill the process group of an agent an earlier delivery of this task started on

@@ -13,11 +13,14 @@ write first, so the checkpoint is the state after the step it names.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import random
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,12 +42,11 @@ def save_checkpoint(trainer: Any, root: Path, run_id: str, step: int, version: i
     run_dir = root / run_id
     out = run_dir / f"step_{step:06d}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    # what failed saves left (a full disk): a partial checkpoint holds gigabytes
-    for stale in run_dir.glob(".step_*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
+    _remove_abandoned(run_dir)
     # a name of its own: a second trainer process saving the same step cannot mix its
-    # files into this one's
-    tmp = run_dir / f".step_{step:06d}.{os.getpid()}-{secrets.token_hex(3)}.tmp"
+    # files into this one's, and the cleanup above knows whose it is
+    tmp = run_dir / (f".step_{step:06d}.{socket.gethostname()}.{os.getpid()}."
+                     f"{secrets.token_hex(3)}.tmp")
     tmp.mkdir()
     try:
         trainer.save(tmp / "engine")
@@ -55,7 +57,9 @@ def save_checkpoint(trainer: Any, root: Path, run_id: str, step: int, version: i
         # on disk before the rename makes it the latest: after a power loss a renamed
         # checkpoint must not hold empty files
         _sync_tree(tmp)
-        shutil.rmtree(out, ignore_errors=True)
+        if out.exists():  # another trainer process saved this step first: its stands
+            shutil.rmtree(tmp, ignore_errors=True)
+            return out
         tmp.rename(out)
         _sync(run_dir)
     except BaseException:
@@ -66,10 +70,40 @@ def save_checkpoint(trainer: Any, root: Path, run_id: str, step: int, version: i
     return out
 
 
+# an abandoned temporary checkpoint of another host (or of an unknown writer) is removed
+# once it is this old; this host's are removed as soon as their process is gone
+ABANDONED_AFTER_S = 24 * 3600
+
+
+def _remove_abandoned(run_dir: Path) -> None:
+    """Remove what failed saves left (a full disk, a crash): a partial checkpoint holds
+    gigabytes. A live process's save in progress is left alone."""
+    host = socket.gethostname()
+    for tmp in run_dir.glob(".step_*.tmp"):
+        parts = tmp.name.split(".")  # "", step_N, host..., pid, nonce, tmp
+        mine = len(parts) >= 6 and ".".join(parts[2:-3]) == host and parts[-3].isdigit()
+        try:
+            if mine:
+                os.kill(int(parts[-3]), 0)
+                continue  # its writer still runs
+            if time.time() - tmp.stat().st_mtime < ABANDONED_AFTER_S:
+                continue
+        except ProcessLookupError:
+            pass
+        except (PermissionError, FileNotFoundError):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _sync(path: Path) -> None:
+    """``path`` on disk. Where the filesystem cannot say (some FUSE mounts refuse fsync of a
+    directory), it is taken as done."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EROFS):
+            raise
     finally:
         os.close(fd)
 
@@ -99,6 +133,17 @@ def complete_checkpoints(root: Path, run_id: str) -> list[Path]:
 def latest_checkpoint(root: Path, run_id: str) -> Path | None:
     done = complete_checkpoints(root, run_id)
     return done[0] if done else None
+
+
+def is_torn(exc: BaseException) -> bool:
+    """``exc``, raised loading a checkpoint, says its files are cut short or garbled (what
+    a power loss during the save leaves), rather than that loading failed for now."""
+    if isinstance(exc, (EOFError, pickle.UnpicklingError, json.JSONDecodeError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(
+        mark in text for mark in ("PytorchStreamReader", "failed finding central directory",
+                                  "invalid header or archive is corrupted"))
 
 
 def set_aside(path: Path, why: str) -> Path:

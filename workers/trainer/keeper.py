@@ -119,21 +119,20 @@ class UpstreamKeeper:
         status). With the servers' key, which a proxy in front may ask on every route."""
         try:
             resp = weights._http.get(url + "/health", timeout=5)
-        except requests.ConnectionError as exc:
-            return "miss" if isinstance(exc, requests.ConnectTimeout) else "refused"
-        except requests.RequestException:
-            return "miss"
+        except requests.RequestException as exc:
+            return "refused" if weights.refused(exc) else "miss"
         return "ok" if resp.status_code == 200 else "miss"
 
-    def healthy(self, url: str) -> bool:
-        """``url`` answers; a slow or failed look counts only the ``MISSES_DOWN``th time in a
-        row (or at once when the connection is refused)."""
+    def health(self, url: str) -> str:
+        """``ok``; ``down`` (refused, or the ``MISSES_DOWN``th miss in a row); or ``unsure``
+        (a first miss: nothing is done with the server this pass)."""
         seen = self.look(url)
         if seen == "ok":
             self._misses.pop(url, None)
-            return True
+            return "ok"
         self._misses[url] = self._misses.get(url, 0) + 1
-        return not (seen == "refused" or self._misses[url] >= self.MISSES_DOWN)
+        return "down" if seen == "refused" or self._misses[url] >= self.MISSES_DOWN \
+            else "unsure"
 
     def tick(self) -> list[str]:
         """One pass; returns the servers it restored. Skipped while this process's step
@@ -162,7 +161,10 @@ class UpstreamKeeper:
         self._failing &= stale  # restored meanwhile (by a step's load): said again if it recurs
         restored = []
         for url in list(self.urls):
-            if not self.healthy(url):
+            health = self.health(url)
+            if health == "unsure":
+                continue  # looked at again next pass, not waited on now
+            if health == "down":
                 if url not in stale:
                     self.client.sadd(keys.upstreams_stale(), url)
                     log.warning("inference server %s is down; rollouts are routed around it "
@@ -223,18 +225,6 @@ class UpstreamKeeper:
         self.client.set(keys.upstreams_need_weights(), f"{url}: {why}")
         self._failed(url, why + "; the driver asks the trainer worker for the run's weights")
 
-    def _still_holds(self, url: str, published: dict[str, str]) -> bool:
-        """``url`` says it holds the published version and the probe agrees."""
-        if weights.loaded_version(url) != published["version"]:
-            return False
-        try:
-            weights.verify_sync(url, published.get("adapter") or self.model_name,
-                                json.loads(published["probe"]), None, self.tolerance,
-                                json.loads(published.get("probe_ids", "null")), self.dp_size)
-        except (weights.WeightSyncError, requests.RequestException, ValueError, KeyError):
-            return False
-        return True
-
     def _no_step_began(self, url: str) -> None:
         """Raise if a step (of another trainer process) took the pause while this restore
         ran: the engines are its own now, not to be resumed or declared restored."""
@@ -263,15 +253,6 @@ class UpstreamKeeper:
             # old weights, so they recompute it on the new ones
             frozen = weights.in_state(url, weights.PAUSE)
             version = int(published["version"])
-            if not frozen and self._still_holds(url, published):
-                # marked stale while it kept its weights (it missed a look, or the gateway
-                # lost it for a moment): proven by the probe, not loaded again
-                self._no_step_began(url)
-                weights.resume_if_paused(url)
-                self.client.srem(keys.upstreams_stale(), url)
-                log.info("inference server %s still holds policy version %d; back in "
-                         "service without a reload", url, version)
-                return
             path = Path(published["path"]) if published.get("path") else None
             if path is not None and not path.is_dir():
                 raise NeedsTrainer(f"the export of policy version {version} ({path}) is gone "

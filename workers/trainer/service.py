@@ -161,14 +161,19 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
                     latest if latest is not None else "the initial weights",
                     ", ".join(p.name for p in moved))
     meta = None
-    for path in checkpoint.complete_checkpoints(settings.checkpoint_dir, run_id):
+    candidates = checkpoint.complete_checkpoints(settings.checkpoint_dir, run_id)
+    for i, path in enumerate(candidates):
         try:
             meta = checkpoint.load_checkpoint(trainer, path)
-        except Exception as exc:  # noqa: BLE001 - a torn or corrupt checkpoint
+        except Exception as exc:
+            # Only a checkpoint whose files are torn, and only the newest (a power loss
+            # during its save), gives way to the one before. Anything else (no memory, a
+            # rank lost, a file system away) fails the task as before: retried, it may load.
+            if i > 0 or not checkpoint.is_torn(exc):
+                raise
             aside = checkpoint.set_aside(path, "unreadable")
-            log.error("run %s: checkpoint %s cannot be loaded (%s: %s); set aside as %s, "
-                      "trying the one before", run_id, path.name, exc.__class__.__name__,
-                      exc, aside.name)
+            log.error("run %s: checkpoint %s is torn (%s: %s); set aside as %s, loading the "
+                      "one before", run_id, path.name, exc.__class__.__name__, exc, aside.name)
             trainer.close()  # a load that failed half-way may have changed its state
             trainer = EngineTrainer(cfg, str(settings.model_path))
             continue
