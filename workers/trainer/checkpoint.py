@@ -57,9 +57,9 @@ def save_checkpoint(trainer: Any, root: Path, run_id: str, step: int, version: i
         # on disk before the rename makes it the latest: after a power loss a renamed
         # checkpoint must not hold empty files
         _sync_tree(tmp)
-        if out.exists():  # another trainer process saved this step first: its stands
-            shutil.rmtree(tmp, ignore_errors=True)
-            return out
+        # a checkpoint of this step already there is an earlier save's (a step trained
+        # again after its record was lost): this one holds the weights now
+        shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
         _sync(run_dir)
     except BaseException:
