@@ -79,7 +79,7 @@ class UpstreamKeeper:
         self.send_weights: Callable[[str, int, bool], None] | None = None
         self._waiting: set[str] = set()   # stale, waiting for an unverified version's step
         self._failing: set[str] = set()   # stale, their restore failed (said once each)
-        self._misses: dict[str, int] = {}  # looks in a row a server missed (healthy())
+        self._misses: dict[str, int] = {}  # looks in a row a server missed (health())
         self.configure(urls, model_name, tolerance, reload_timeout_s, dp_size, sleep_check)
 
     def configure(self, urls: list[str], model_name: str, tolerance: float,
