@@ -307,3 +307,37 @@ def test_servers_the_keeper_cannot_restore_get_the_runs_weights_from_the_trainer
     assert step["policy/version"] == version + 1
     _prepared_run(redis_client, run_id, cfg, step=2)   # reported once
     assert "trainer/rolled_back_updates" not in service.train_step(redis_client, run_id, 2)
+
+
+def test_a_final_checkpoint_that_failed_to_save_is_saved_when_the_run_is_taken_up(
+        upstream, redis_client, tmp_path, real_trainer, monkeypatch):
+    """The last step's update was recorded, then its checkpoint failed (a full disk): the
+    step fails and the run stops. Resumed, the run has nothing left to train, so no step
+    would ever save it again: the trainer that holds the update saves it when the run is
+    taken up, before the run can finish without its final weights on disk."""
+    from workers.trainer import checkpoint
+
+    run_id = "final-save"
+    cfg = _cfg(upstream, tmp_path, "trainer.total_steps=1")
+    _prepared_run(redis_client, run_id, cfg)
+    service.init_run(redis_client, run_id)
+    real_save = checkpoint.save_checkpoint
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        service.train_step(redis_client, run_id, 0)
+    assert redis_client.get(keys.run_step_result(run_id, 0)) is not None  # recorded
+    trained = _weights()
+    monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)  # space freed
+    redis_client.hset(keys.run(run_id), "step", 1)  # the driver counted the step
+    service.init_run(redis_client, run_id)
+    latest = checkpoint.latest_checkpoint(tmp_path / "c", run_id)
+    assert latest is not None and checkpoint.checkpoint_step(latest) == 1
+    # it holds the update: a new trainer restored from it has the same weights
+    service.close_resident()
+    service.init_run(redis_client, run_id)
+    assert service._resident.restored_step == 1 and max_diff(trained, _weights()) == 0
+    service.close_resident()

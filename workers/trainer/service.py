@@ -603,6 +603,23 @@ def save_if_due(client: redis.Redis, settings: TrainerSettings, resident: Reside
     metrics["timing/trainer_checkpoint_seconds"] = time.monotonic() - t
 
 
+def save_missing(client: redis.Redis, settings: TrainerSettings, resident: Resident,
+                 run_id: str, version: int) -> None:
+    """Save the checkpoint due at the updates ``resident`` holds, if it is not on disk: a
+    step whose save failed after its record (a full disk) fails, and its retry answers
+    from the record; the last step's, once lost, no later step would write."""
+    done = resident.steps_done
+    if done == 0 or (done % settings.save_freq != 0 and done < settings.total_steps):
+        return
+    latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
+    if latest is not None and checkpoint.checkpoint_step(latest) >= done:
+        return
+    log.warning("run %s: the checkpoint of step %d is missing (its save failed); saving it "
+                "from this worker's trainer, which holds that update", run_id, done)
+    checkpoint.save_checkpoint(resident.trainer, settings.checkpoint_dir, run_id, done,
+                               version, client.hgetall(keys.run(run_id)))
+
+
 # --- weight loading -------------------------------------------------------------------
 
 @dataclass
@@ -915,6 +932,8 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
             version = resident.rollback["trainer/restored_policy_version"]
         else:
             version = _serve_resident(client, settings, resident, beats, metrics)
+        if resident is kept:
+            save_missing(client, settings, resident, run_id, version)
     metrics["policy/version"] = version
     metrics["resumed_from_step"] = resident.restored_step
     return metrics
