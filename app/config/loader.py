@@ -269,7 +269,7 @@ def _fill_derived(cfg: dict[str, Any]) -> None:
     tbs = cfg["data"]["train_batch_size"]
     if async_cfg.get("async_train_batch_size") is None and isinstance(tbs, int) \
             and not isinstance(tbs, bool) and tbs > 0:
-        # The seed's recommended starting point: B_async = 2 * B_train.
+        # The recommended starting point: B_async = 2 * B_train.
         async_cfg["async_train_batch_size"] = 2 * tbs
 
 

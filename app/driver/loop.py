@@ -332,7 +332,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
             if should_stop is not None and should_stop(step - 1, metrics):
                 break
         # the carry-over is of no use to a finished run: its agents stop now, before the final
-        # evaluation's rollouts need the slots (a resumed run sends their prompts again)
+        # evaluation's rollouts need the slots
         still_driving()
         collector.cancel_all()
         if step >= total and evaluator.freq > 0 and evaluator.enabled:

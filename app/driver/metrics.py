@@ -1,6 +1,7 @@
 """Where step metrics go: a JSONL file, the console, W&B (offline by default), Redis.
 
-The JSONL file and W&B get the same dict each step; metric names are the seed's, exactly.
+The JSONL file and W&B get the same dict each step; the carry-over metrics keep their
+documented names exactly.
 """
 
 from __future__ import annotations
@@ -15,8 +16,8 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 CARRY = "training/async/"
-# The metrics the seed names, in the order the console line shows them.
-SEED_METRICS = (
+# The carry-over metrics, in the order the console line shows them.
+CARRY_METRICS = (
     CARRY + "n_prev_carry_over_rollouts",
     CARRY + "n_completed_rollouts",
     CARRY + "n_new_carry_over_rollouts",

@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from app.driver.metrics import SEED_METRICS
+from app.driver.metrics import CARRY_METRICS
 from tests.conftest import REPO, stack_overrides
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def test_short_demo_runs_end_to_end(tmp_path):
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     for r in rows:
-        for name in SEED_METRICS:
+        for name in CARRY_METRICS:
             assert name in r and r[name] is not None, name
         assert 0.0 <= r["reward/mean"] <= 1.0
     assert any(r["training/async/n_new_carry_over_rollouts"] > 0 for r in rows[:-1])

@@ -1,4 +1,5 @@
-"""The arithmetic example: its data are what the seed writes, its reward reads the first number."""
+"""The arithmetic example: its shipped data are what its generator writes, its reward reads
+the first number."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from examples.arith.agent import check, first_number
 from tests.conftest import REPO
 
 
-def test_the_shipped_data_are_what_the_seed_writes(tmp_path):
+def test_the_shipped_data_are_what_the_generator_writes(tmp_path):
     make_data.main(["--out", str(tmp_path)])
     for name in ("train.jsonl", "val.jsonl"):
         assert (tmp_path / name).read_bytes() == \

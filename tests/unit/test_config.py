@@ -1,5 +1,5 @@
-"""Configuration: the seed's YAML loads as is, defaults and derived values, and every invalid
-config is refused with a specific line naming key, value and rule."""
+"""Configuration: the documented YAML blocks load as they are, defaults and derived values,
+and every invalid config is refused with a specific line naming key, value and rule."""
 
 from __future__ import annotations
 
@@ -14,10 +14,8 @@ import yaml
 from app.config import ConfigError, load_config
 
 REPO = Path(__file__).resolve().parents[2]
-SEED = REPO.parent / "shared" / "seed" / "asynchronous-training.md"
-
-# The seed document's YAML blocks, verbatim (also read from the seed when it is present).
-SEED_BLOCKS = [
+# The asynchronous-training blocks as the design document writes them.
+DOC_BLOCKS = [
     """
     agentlightning:
       async_rollout:
@@ -48,8 +46,8 @@ def write(tmp_path: Path, text: str, name: str = "c.yaml") -> Path:
     return p
 
 
-@pytest.mark.parametrize("block", SEED_BLOCKS)
-def test_seed_blocks_load_as_they_are(tmp_path, block):
+@pytest.mark.parametrize("block", DOC_BLOCKS)
+def test_documented_blocks_load_as_they_are(tmp_path, block):
     cfg = load_config(write(tmp_path, block))
     assert cfg.agentlightning.async_rollout.enabled is True
     assert cfg.agentlightning.async_rollout.async_train_batch_size == 64
@@ -58,30 +56,7 @@ def test_seed_blocks_load_as_they_are(tmp_path, block):
     assert cfg.algorithm.rollout_correction.rollout_is_threshold == 2
 
 
-def test_seed_document_blocks_if_present(tmp_path):
-    if not SEED.exists():
-        pytest.skip("seed document not beside the checkout")
-    text = SEED.read_text()
-    # Blocks in the seed are the indented-free YAML runs starting at a top-level section.
-    blocks, current = [], []
-    for line in text.splitlines():
-        if line and not line.startswith(" ") and line.rstrip().endswith(":") and line.split(":")[
-                0] in ("data", "agentlightning", "algorithm"):
-            current.append(line)
-        elif current and (line.startswith(" ") or not line.strip()):
-            current.append(line)
-        elif current:
-            blocks.append("\n".join(current))
-            current = []
-    if current:
-        blocks.append("\n".join(current))
-    assert blocks, "no YAML found in the seed"
-    for block in blocks:
-        assert isinstance(yaml.safe_load(block), dict)
-        load_config(write(tmp_path, block))
-
-
-def test_defaults_use_seed_values():
+def test_defaults_are_the_documented_values():
     cfg = load_config()
     assert cfg.data.train_batch_size == 32
     assert cfg.agentlightning.async_rollout.async_train_batch_size == 64
@@ -276,7 +251,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_config_show_cli(tmp_path):
-    p = write(tmp_path, SEED_BLOCKS[2])
+    p = write(tmp_path, DOC_BLOCKS[2])
     ok = run_cli("config", "show", "--config", str(p), "data.train_batch_size=8")
     assert ok.returncode == 0, ok.stderr
     shown = yaml.safe_load(ok.stdout)
