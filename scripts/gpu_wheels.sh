@@ -15,7 +15,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 OUT=.whl
-grep -qx "/$OUT/" .git/info/exclude 2>/dev/null || echo "/$OUT/" >> .git/info/exclude
 rm -rf "$OUT" && mkdir -p "$OUT/all"
 
 # name==version pins from the project's lock where it has one (the versions CI tests)

@@ -19,6 +19,13 @@ PYTHON=${PYTHON:-$(command -v python3.11 || command -v python3)}
 DRY_RUN=0
 [[ ${1:-} == --dry-run ]] && DRY_RUN=1
 say() { printf '\033[1m[setup]\033[0m %s\n' "$*"; }
+# the locks are of Python 3.11 (vLLM's CPU build and verl's pins); another version fails deep
+# inside pip with advice that does not help
+if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+  echo "[setup] Python 3.11 is required; $PYTHON is $("$PYTHON" -V 2>/dev/null || echo missing)." \
+    "Install python3.11 or set PYTHON=/path/to/python3.11" >&2
+  exit 1
+fi
 digest() { cat "$@" | sha256sum | cut -c1-16; }
 quiet_pip() {  # run a pip command; show its output only when it fails
   local log; log=$(mktemp)
