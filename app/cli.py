@@ -206,7 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p_demo)
     mode = p_demo.add_mutually_exclusive_group()
     mode.add_argument("--sync", action="store_true", help="synchronous baseline")
-    mode.add_argument("--compare", action="store_true", help="run async, then sync, on one stack; print their figures side by side")
+    mode.add_argument("--compare", action="store_true",
+                      help="run async, then sync, on one stack; print their figures side by side")
     p_demo.add_argument("--steps", type=int, help="optimizer steps (trainer.total_steps)")
     p_demo.set_defaults(func=cmd_demo)
     return parser

@@ -19,23 +19,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gateway.errors import GatewayError
 from gateway.rendering import TemplateInput
 
 log = logging.getLogger(__name__)
 
-CODE = "context_length_exceeded"
 # how vLLM words its own refusal (``vllm/entrypoints/openai/engine/serving.py``)
 VLLM_PHRASES = ("maximum context length", "max_model_len")
-
-
-def overflow_error(prompt_tokens: int, max_tokens: int, max_model_len: int,
-                   param: str) -> GatewayError:
-    return GatewayError(
-        400, f"This model's maximum context length is {max_model_len} tokens; the request "
-             f"has {prompt_tokens} prompt tokens and asks for {max_tokens} completion tokens "
-             f"({prompt_tokens + max_tokens} in all). Shorten the conversation or lower "
-             f"max_tokens.", code=CODE, param=param)
 
 
 def is_vllm_overflow(status: int, message: str) -> bool:

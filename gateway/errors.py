@@ -32,6 +32,21 @@ class GatewayError(Exception):
                           "code": self.code}}
 
 
+# the code of a call whose prompt and max_tokens exceed the served context (OpenAI's)
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+def overflow_error(prompt_tokens: int, max_tokens: int, max_model_len: int, param: str,
+                   limit: str = "max_tokens") -> GatewayError:
+    """OpenAI's context-length refusal, naming both lengths; ``limit``: the request's
+    name for the completion's length."""
+    return GatewayError(
+        400, f"This model's maximum context length is {max_model_len} tokens; the request "
+             f"has {prompt_tokens} prompt tokens and asks for {max_tokens} completion tokens "
+             f"({prompt_tokens + max_tokens} in all). Shorten the conversation or lower "
+             f"{limit}.", code=CONTEXT_LENGTH_EXCEEDED, param=param)
+
+
 def bad_request(message: str, param: str | None = None) -> GatewayError:
     return GatewayError(400, message, param=param, code="invalid_request")
 

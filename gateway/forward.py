@@ -23,8 +23,8 @@ from gateway import capture, continuation, sampling
 from gateway.admission import admit
 from gateway.auth import rollout_token_sha256
 from gateway.body import check_int, json_body, loads
-from gateway.context import CODE, is_vllm_overflow, overflow_error
-from gateway.errors import GatewayError, bad_request, retryable
+from gateway.context import is_vllm_overflow
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, GatewayError, bad_request, retryable
 from gateway.leases import Lease, UpstreamCancelled
 from gateway.protocols import OPENAI, Protocol, StreamTranslator
 from gateway.state import GatewayState, get_state
@@ -121,9 +121,8 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
             # a continued prompt is counted as the ids vLLM gets, not rendered once more
             over = state.context.check(up_body, endpoint, continued)
             if over is not None:
-                raise _overflowed(state, rollout_id, overflow_error(
-                    *over, state.context.max_model_len,
-                    "messages" if endpoint == "chat.completions" else "prompt"))
+                raise _overflowed(state, rollout_id, protocol.overflow(
+                    *over, state.context.max_model_len, endpoint))
         if continued is not None:  # vLLM takes these ids instead of rendering
             up_body["kv_transfer_params"] = {**(up_body.get("kv_transfer_params") or {}),
                                              "prompt_token_ids": continued}
@@ -195,7 +194,7 @@ def _send(state: GatewayState, rollout_id: str, lease_id: str, upstream: str, en
             raise retryable(f"inference server lacks adapter {body.get('model')} "
                             f"({err.message})", s.retry_after_s, code="upstream_unavailable")
         if is_vllm_overflow(resp.status, err.message):
-            err.code = CODE
+            err.code = CONTEXT_LENGTH_EXCEEDED
             raise _overflowed(state, rollout_id, err)
         raise err
     return resp, data

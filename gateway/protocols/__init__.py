@@ -14,7 +14,7 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError
+from gateway.errors import GatewayError, bad_request, overflow_error
 
 
 class StreamTranslator:
@@ -44,8 +44,32 @@ class Protocol:
     def stream(self, request: dict[str, Any]) -> StreamTranslator:
         return StreamTranslator()
 
+    def overflow(self, prompt_tokens: int, max_tokens: int, max_model_len: int,
+                 endpoint: str = "chat.completions") -> GatewayError:
+        """The refusal of a call whose prompt and ``max_tokens`` exceed the context, in the
+        protocol's words (``context_length_exceeded``)."""
+        return overflow_error(prompt_tokens, max_tokens, max_model_len,
+                              "messages" if endpoint == "chat.completions" else "prompt")
+
 
 OPENAI = Protocol()
+
+
+def required_string(obj: dict[str, Any], name: str, where: str) -> str:
+    """``obj[name]``, a non-empty string, else a 400 naming ``where.name`` (taken as it came
+    it would enter the prompt as the word None, or as a Python repr)."""
+    value = obj.get(name)
+    if not isinstance(value, str) or not value:
+        raise bad_request(f"{where}.{name} must be a non-empty string", param=f"{where}.{name}")
+    return value
+
+
+def tools_callable(chat: dict[str, Any]) -> bool:
+    """Whether the model may answer ``chat`` with a tool call. OpenAI and Anthropic hold only
+    the final text answer to a structured-output format; vLLM holds every token to it (a
+    forced call overrides it), so under tool_choice auto the format is not sent, or no call
+    could be made."""
+    return bool(chat.get("tools")) and chat.get("tool_choice") != "none"
 
 
 def function_tool(tool: dict[str, Any], schema_key: str) -> dict[str, Any]:
@@ -67,8 +91,6 @@ def text_of(content: Any, where: str) -> str:
     """A string, or a list of text parts ({"type": "text" | "input_text" | "output_text",
     "text": ...}), as one string: the parts joined with newlines, as vLLM joins a chat
     message's text parts (Claude Code, for one, sends its system prompt in several)."""
-    from gateway.errors import bad_request
-
     if content is None:
         return ""
     if isinstance(content, str):

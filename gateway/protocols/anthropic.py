@@ -28,13 +28,15 @@ from typing import Any
 
 import orjson
 
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import CONTEXT_LENGTH_EXCEEDED, GatewayError, bad_request
 from gateway.protocols import (
     Protocol,
     StreamTranslator,
     function_tool,
     named_function,
+    required_string,
     text_of,
+    tools_callable,
 )
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -87,11 +89,11 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
         if kind == "text" and isinstance(block.get("text"), str):
             texts.append(block["text"])
         elif kind == "tool_use" and role == "assistant":
-            calls.append({"id": str(block.get("id")), "type": "function", "function": {
-                "name": str(block.get("name")),
+            calls.append({"id": required_string(block, "id", at), "type": "function", "function": {
+                "name": required_string(block, "name", at),
                 "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)}})
         elif kind == "tool_result" and role == "user":
-            out.append({"role": "tool", "tool_call_id": str(block.get("tool_use_id")),
+            out.append({"role": "tool", "tool_call_id": required_string(block, "tool_use_id", at),
                         "content": text_of(block.get("content"), f"{at}.content")})
         else:
             raise bad_request(f"{at}: a {kind!r} block is not supported by this gateway in a "
@@ -184,13 +186,25 @@ class Messages(Protocol):
             raise bad_request("structured outputs cannot continue a prefilled assistant "
                               "message", param="output_config.format"
                               if body.get("output_config") else "output_format")
-        if schema is not None:
+        if schema is not None and not tools_callable(chat):
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": schema, "strict": True}}
         if body.get("stream"):
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}
         return chat
+
+    def overflow(self, prompt_tokens: int, max_tokens: int, max_model_len: int,
+                 endpoint: str = "chat.completions") -> GatewayError:
+        """Anthropic's words for it (clients such as Claude Code read the figures and ask
+        again with a smaller ``max_tokens``); the Messages API names no field."""
+        if prompt_tokens >= max_model_len:
+            message = f"prompt is too long: {prompt_tokens} tokens > {max_model_len} maximum"
+        else:
+            message = (f"input length and `max_tokens` exceed context limit: {prompt_tokens} "
+                       f"+ {max_tokens} > {max_model_len}, decrease input length or "
+                       "`max_tokens` and try again")
+        return GatewayError(400, message, code=CONTEXT_LENGTH_EXCEEDED)
 
     def answer(self, chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
         choice = (chat.get("choices") or [{}])[0]

@@ -26,13 +26,15 @@ from typing import Any
 import orjson
 
 from gateway.body import check_int
-from gateway.errors import GatewayError, bad_request
+from gateway.errors import GatewayError, bad_request, overflow_error
 from gateway.protocols import (
     Protocol,
     StreamTranslator,
     function_tool,
     named_function,
+    required_string,
     text_of,
+    tools_callable,
 )
 
 REFUSED_FIELDS = {
@@ -93,11 +95,18 @@ def _messages(items: Any) -> list[dict[str, Any]]:
             if role not in ("user", "assistant", "system", "developer"):
                 raise bad_request(f"{where}.role must be user, assistant, system or "
                                   f"developer", param=f"{where}.role")
-            out.append({"role": "system" if role == "developer" else role,
+            # a developer message goes on as one: vLLM makes it a system message for a
+            # template that does not name the role, and then merges every system message
+            # into one, first (two system messages apart fail in some templates)
+            out.append({"role": role,
                         "content": text_of(item.get("content"), f"{where}.content")})
         elif kind == "function_call":
-            call = {"id": str(item.get("call_id")), "type": "function", "function": {
-                "name": str(item.get("name")), "arguments": str(item.get("arguments") or "{}")}}
+            arguments = item.get("arguments")
+            if arguments is not None and not isinstance(arguments, str):
+                raise bad_request(f"{where}.arguments must be a string (the call's JSON)",
+                                  param=f"{where}.arguments")
+            call = {"id": required_string(item, "call_id", where), "type": "function", "function": {
+                "name": required_string(item, "name", where), "arguments": arguments or "{}"}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
                 last.setdefault("tool_calls", []).append(call)  # one turn, several calls
@@ -105,7 +114,7 @@ def _messages(items: Any) -> list[dict[str, Any]]:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
             output = item.get("output")
-            out.append({"role": "tool", "tool_call_id": str(item.get("call_id")),
+            out.append({"role": "tool", "tool_call_id": required_string(item, "call_id", where),
                         "content": output if isinstance(output, str)
                         else text_of(output, f"{where}.output")})
         elif kind == "reasoning":
@@ -127,8 +136,11 @@ class Responses(Protocol):
             if body.get(name):
                 raise bad_request(f"{name}: {why}", param=name)
         msgs = _messages(body.get("input"))
-        if body.get("instructions"):
-            msgs.insert(0, {"role": "system", "content": str(body["instructions"])})
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise bad_request("instructions must be a string", param="instructions")
+        if instructions:
+            msgs.insert(0, {"role": "system", "content": instructions})
         chat: dict[str, Any] = {"messages": msgs}
         check_int(body, "max_output_tokens", 1)
         if body.get("max_output_tokens") is not None:
@@ -147,12 +159,17 @@ class Responses(Protocol):
             if body.get("parallel_tool_calls") is not None:
                 chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
         fmt = _response_format(body.get("text"))
-        if fmt is not None:
+        if fmt is not None and not tools_callable(chat):
             chat["response_format"] = fmt
         if body.get("stream"):
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}
         return chat
+
+    def overflow(self, prompt_tokens: int, max_tokens: int, max_model_len: int,
+                 endpoint: str = "chat.completions") -> GatewayError:
+        return overflow_error(prompt_tokens, max_tokens, max_model_len, "input",
+                              "max_output_tokens")
 
     def answer(self, chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
         choice = (chat.get("choices") or [{}])[0]

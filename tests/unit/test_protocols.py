@@ -79,6 +79,14 @@ def test_messages_become_chat_messages_in_order():
      "stop_sequences"),
     ({"max_tokens": 5, "stop_sequences": ["END", 3],
       "messages": [{"role": "user", "content": "hi"}]}, "stop_sequences"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": [{"type": "tool_use", "name": "add", "input": {}}]}]},
+     "messages[1].content[0].id"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}, {
+        "role": "assistant", "content": [{"type": "tool_use", "id": "t", "input": {}}]}]},
+     "messages[1].content[0].name"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "content": "7"}]}]}, "messages[0].content[0].tool_use_id"),
 ])
 def test_what_messages_cannot_serve_is_a_400_naming_it(body, param):
     with pytest.raises(GatewayError) as err:
@@ -271,7 +279,9 @@ def test_responses_input_items_become_chat_messages():
             {"type": "function_call_output", "call_id": "c2", "output": "4"}]})
     assert chat["messages"] == [
         {"role": "system", "content": "be brief"},
-        {"role": "system", "content": "rules"},
+        # kept as the agent wrote it: vLLM makes it a system message for a template that
+        # does not name the role, and then merges the system messages into one, first
+        {"role": "developer", "content": "rules"},
         {"role": "user", "content": "3+4?"},
         {"role": "assistant", "content": "adding", "tool_calls": [
             {"id": "c1", "type": "function",
@@ -283,6 +293,10 @@ def test_responses_input_items_become_chat_messages():
     assert chat["max_tokens"] == 30
     assert chat["tool_choice"] == {"type": "function", "function": {"name": "add"}}
     assert chat["tools"][0]["function"]["strict"] is True
+    # a forced call: the tool's schema holds the answer, not the text format
+    assert "response_format" not in chat
+    chat = Responses().to_chat({"input": "3+4?", "text": {"format": {
+        "type": "json_schema", "name": "out", "schema": TOOL_SCHEMA}}})
     assert chat["response_format"] == {"type": "json_schema", "json_schema": {
         "name": "out", "schema": TOOL_SCHEMA}}
 
@@ -297,6 +311,15 @@ def test_responses_input_items_become_chat_messages():
     ({"input": []}, "input"),
     ({"input": "hi", "max_output_tokens": 0}, "max_output_tokens"),  # its own name
     ({"input": "hi", "max_output_tokens": "5"}, "max_output_tokens"),
+    # written into the prompt as Python's repr, or as the word None, they were not refused
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f",
+                 "arguments": {"a": 1}}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call", "name": "f", "arguments": "{}"}]},
+     "input[0].call_id"),
+    ({"input": [{"type": "function_call", "call_id": "c", "arguments": "{}"}]},
+     "input[0].name"),
+    ({"input": [{"type": "function_call_output", "output": "3"}]}, "input[0].call_id"),
+    ({"input": "hi", "instructions": ["be", "brief"]}, "instructions"),
 ])
 def test_what_responses_cannot_serve_is_a_400_naming_it(body, param):
     with pytest.raises(GatewayError) as err:
@@ -495,3 +518,49 @@ def test_a_responses_stream_error_is_one_the_openai_sdk_raises():
     data = sse_events([Responses().stream({}).error(err)])[0]
     assert data["type"] == "error" and data["error"]["message"] == err.message
     assert data["code"] == "cancelled_by_update"
+
+
+# --- what both protocols share ---------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"x": {"type": "integer"}}}
+RESPONSES_FORMAT = {"format": {"type": "json_schema", "name": "out", "schema": SCHEMA}}
+
+
+@pytest.mark.parametrize("choice, applied", [(None, False), ("auto", False), ("none", True)])
+def test_a_structured_output_with_tools_leaves_the_model_free_to_call_them(choice, applied):
+    """OpenAI and Anthropic hold the final text answer to the format and still let the
+    model call a tool (the OpenAI Agents SDK sends both for an agent with an output type
+    and tools); vLLM would hold every token to it, so no call could ever be made. Under
+    tool_choice auto the format is therefore not sent; with tool_choice none, or no
+    tools, it is."""
+    tools = [{"type": "function", "name": "add", "parameters": TOOL_SCHEMA}]
+    body = {"input": "3+4?", "tools": tools, "text": RESPONSES_FORMAT}
+    if choice is not None:
+        body["tool_choice"] = choice
+    chat = Responses().to_chat(body)
+    assert ("response_format" in chat) is applied
+    assert "response_format" in Responses().to_chat({"input": "3+4?",
+                                                     "text": RESPONSES_FORMAT})
+    msg = {"max_tokens": 9, "messages": [{"role": "user", "content": "3+4?"}],
+           "tools": [{"name": "add", "input_schema": TOOL_SCHEMA}],
+           "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}
+    if choice is not None:
+        msg["tool_choice"] = {"type": choice}
+    assert ("response_format" in Messages().to_chat(msg)) is applied
+    del msg["tools"]
+    msg.pop("tool_choice", None)
+    assert "response_format" in Messages().to_chat(msg)
+
+
+def test_a_context_overflow_is_worded_as_each_provider_words_it():
+    """The Messages API refuses input + max_tokens past the context window in its own words
+    (clients such as Claude Code read them and ask again with fewer tokens), and names no
+    field; the Responses API's field is input, its limit max_output_tokens."""
+    err = Messages().overflow(7000, 32000, 8192)
+    assert err.status == 400 and err.code == "context_length_exceeded"
+    assert "input length and `max_tokens` exceed context limit: 7000 + 32000 > 8192" \
+        in error_body(err)["error"]["message"]
+    assert "prompt is too long: 9000 tokens > 8192 maximum" in \
+        error_body(Messages().overflow(9000, 10, 8192))["error"]["message"]
+    err = Responses().overflow(7000, 32000, 8192)
+    assert err.param == "input" and "max_output_tokens" in err.message
