@@ -64,6 +64,17 @@ def required_string(obj: dict[str, Any], name: str, where: str) -> str:
     return value
 
 
+def template_kwargs(body: dict[str, Any], chat: dict[str, Any]) -> None:
+    """vLLM's ``chat_template_kwargs`` (an SDK's ``extra_body``: Qwen3's ``enable_thinking``,
+    say) go on to the chat body as the chat route takes them."""
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None:
+        return
+    if not isinstance(kwargs, dict):
+        raise bad_request("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    chat["chat_template_kwargs"] = kwargs
+
+
 def tools_callable(chat: dict[str, Any]) -> bool:
     """Whether the model may answer ``chat`` with a tool call. OpenAI and Anthropic hold only
     the final text answer to a structured-output format; vLLM holds every token to it (a

@@ -35,6 +35,7 @@ from gateway.protocols import (
     function_tool,
     named_function,
     required_string,
+    template_kwargs,
     text_of,
     tools_callable,
 )
@@ -189,6 +190,7 @@ class Messages(Protocol):
         if schema is not None and not tools_callable(chat):
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": schema, "strict": True}}
+        template_kwargs(body, chat)
         if body.get("stream"):
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True, "continuous_usage_stats": True}

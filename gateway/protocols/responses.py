@@ -33,6 +33,7 @@ from gateway.protocols import (
     function_tool,
     named_function,
     required_string,
+    template_kwargs,
     text_of,
     tools_callable,
 )
@@ -161,6 +162,7 @@ class Responses(Protocol):
         fmt = _response_format(body.get("text"))
         if fmt is not None and not tools_callable(chat):
             chat["response_format"] = fmt
+        template_kwargs(body, chat)
         if body.get("stream"):
             chat["stream"] = True
             chat["stream_options"] = {"include_usage": True}

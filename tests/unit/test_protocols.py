@@ -564,3 +564,17 @@ def test_a_context_overflow_is_worded_as_each_provider_words_it():
         error_body(Messages().overflow(9000, 10, 8192))["error"]["message"]
     err = Responses().overflow(7000, 32000, 8192)
     assert err.param == "input" and "max_output_tokens" in err.message
+
+
+def test_chat_template_kwargs_go_on_as_on_the_chat_route():
+    """An SDK's ``extra_body={"chat_template_kwargs": {"enable_thinking": False}}`` (Qwen3)
+    was dropped on both routes; it renders the prompt, so it goes on as it came."""
+    kwargs = {"enable_thinking": False}
+    assert Responses().to_chat({"input": "hi", "chat_template_kwargs": kwargs})[
+        "chat_template_kwargs"] == kwargs
+    assert Messages().to_chat({"max_tokens": 5, "chat_template_kwargs": kwargs,
+                               "messages": [{"role": "user", "content": "hi"}]})[
+        "chat_template_kwargs"] == kwargs
+    with pytest.raises(GatewayError) as err:
+        Responses().to_chat({"input": "hi", "chat_template_kwargs": "no"})
+    assert err.value.param == "chat_template_kwargs"
