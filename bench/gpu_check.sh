@@ -6,8 +6,9 @@
 # The machine keeps the parts carried before while it stays warm. "install" joins the wheels
 # cut in pieces (checked against their SHA-256) and installs every wheel into $SITE
 # (/tmp/site) without touching the machine's own packages; "run" installs, then runs
-# python -m bench.gpu_trainer with the options (it exits 1 when a threshold is missed), its
-# JSON to $OUT/gpu_trainer.json. scripts/gpu_mirror_env.sh runs "install" and the check in a
+# python -m bench.gpu_trainer with the options (it exits 1 when a threshold is missed, 124
+# past $CHECK_TIMEOUT_S, 420 s), its JSON to $OUT/gpu_trainer.json, its figures so far to
+# $OUT/gpu_trainer.partial.json after each phase, its stderr to $OUT/gpu_trainer.stderr. scripts/gpu_mirror_env.sh runs "install" and the check in a
 # CPU copy of the machine's environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -39,9 +40,17 @@ case "${1:-}" in
     ;;
   install) install ;;
   run)
+    out=${OUT:-/tmp}
+    # what the machine holds, for reading a failure: its packages and NCCL
+    "$PY" -m pip list --format=freeze > "$out/pip_list.txt" 2>&1 || true
     install
     export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1
-    "$PY" -m bench.gpu_trainer "${@:2}" | tee "${OUT:-/tmp}/gpu_trainer.json"
+    "$PY" -c 'import torch; print("torch", torch.__version__, "nccl", torch.cuda.nccl.version()
+              if torch.cuda.is_available() else "no CUDA")' || true
+    # bounded below the call's own limit, so that what was written comes back; stderr (a
+    # traceback) is kept whole beside the JSON, not only in the call's last lines
+    timeout "${CHECK_TIMEOUT_S:-420}" "$PY" -m bench.gpu_trainer "${@:2}" \
+      2> >(tee "$out/gpu_trainer.stderr" >&2) | tee "$out/gpu_trainer.json"
     ;;
   *) echo "usage: bench/gpu_check.sh stage|install|run [bench.gpu_trainer options]" >&2
      exit 2 ;;

@@ -16,22 +16,28 @@ after the update, after ``empty_cache``, after the offload ``--offload`` configu
 Prints JSON: trained tokens/s, memory at each stage, the log-prob gap between the engine and
 a plain Hugging Face forward of the same weights, skipped (non-finite) steps, the export
 check. Thresholds fail the run (exit 1, one line per failed figure on stderr): the log-prob
-gap (``--max-gap``), any skipped step, an export (or a CUDA IPC sync) that differs, memory
-not returned by the offload (``--min-offload-gib``, GPU) and tokens/s
-(``--min-tokens-per-s``).
+gap (``--max-gap``), an SFT that left the logits flat (``--max-sft-loss``), any skipped step,
+an export (or a CUDA IPC sync) that differs from the trainer's weights or does not differ
+from the initial model's, no KL after the actor moved (``--kl``), memory the hand-over does
+not return (``--min-offload-gib``: the update's peak less what the trainer holds when the KV
+cache wakes; ``--max-resident-gib``: what it holds then, GPU) and tokens/s
+(``--min-tokens-per-s``). The figures so far go to ``$OUT/gpu_trainer.partial.json`` after
+each phase.
 
 Nothing is downloaded. ``--tiny`` is the CPU-sized variant CI runs (same code path).
 
 Usage: python -m bench.gpu_trainer [--tiny] [--steps 5] [--groups 16] [--n 4]
        [--prompt-len 256] [--response-len 256] [--micro 4] [--kl] [--dynamic-bsz]
-       [--offload] [--sft-steps N] [--max-gap 0.05] [--min-tokens-per-s 0]
-       [--min-offload-gib 0] [--ipc] [--bucket-mb 256] [--out DIR]
+       [--offload] [--sft-steps N] [--max-gap 0.05] [--max-sft-loss X] [--lr 1e-5]
+       [--min-tokens-per-s 0] [--min-offload-gib 0] [--max-resident-gib X] [--ipc]
+       [--bucket-mb 256] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import statistics
@@ -48,11 +54,17 @@ TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_atte
             rope_theta=10000.0)
 
 
+# the ids patterned text is drawn from: few enough that a few SFT steps see each many times
+# (over the 0.5B model's 151,936 ids each would be seen about once, and its logits stay flat)
+PATTERN_IDS = 1024
+
+
 def patterned(rng: random.Random, vocab: int, length: int) -> list[int]:
     """A sequence a model learns to predict in a few steps: a random start, then a fixed
-    stride (mod the vocabulary, above the special ids)."""
-    start, stride = rng.randrange(3, vocab), rng.choice((1, 2, 3, 5))
-    return [1] + [3 + (start + stride * i) % (vocab - 3) for i in range(length - 1)]
+    stride (mod the pattern's ids, above the special ids)."""
+    span = min(vocab, PATTERN_IDS) - 3
+    start, stride = rng.randrange(0, span), rng.choice((1, 2, 3, 5))
+    return [1] + [3 + (start + stride * i) % span for i in range(length - 1)]
 
 
 def build_model(out: Path, shape: dict, sft_steps: int, device: str, seed: int = 0
@@ -123,7 +135,9 @@ def ipc_check(trainer, tmp: Path, dtype: str, bucket_mb: int) -> dict[str, objec
             return {"error": "bench.ipc_receiver did not start"}
         seconds = []
         for _ in range(2):  # the second without the first's CUDA IPC set-up
-            sent = trainer.transfer_weights([url], dtype, bucket_mb << 20, 600, None,
+            # a minute, not the load's usual bound: a hang must leave the check's other
+            # figures time to come back
+            sent = trainer.transfer_weights([url], dtype, bucket_mb << 20, 60, None,
                                             engine="ipc")
             if sent.loaded != [url]:
                 return {"error": f"the receiver did not load: {sent.failed}"}
@@ -137,6 +151,34 @@ def ipc_check(trainer, tmp: Path, dtype: str, bucket_mb: int) -> dict[str, objec
     return {"sync_s": seconds, "bytes": sent.bytes_moved, "buckets": sent.buckets,
             "bucket_mb": bucket_mb, "tensors": len(got),
             "differing_tensors": len(differ) + len(set(got) - set(saved))}
+
+
+def changed_tensors(initial: Path, exported: Path) -> int:
+    """How many of the export's tensors differ from the initial model's (both bf16)."""
+    import torch
+    from safetensors.torch import load_file
+
+    def tensors(folder: Path) -> dict:
+        return {k: v for f in sorted(folder.glob("*.safetensors"))
+                for k, v in load_file(str(f)).items()}
+
+    before, after = tensors(initial), tensors(exported)
+    return sum(1 for k, v in after.items() if k in before and not torch.equal(before[k], v))
+
+
+class Progress:
+    """The figures so far, written after each phase to ``$OUT/gpu_trainer.partial.json``
+    (when ``$OUT`` is set): a crash or a hang late in the check leaves the earlier ones."""
+
+    def __init__(self) -> None:
+        out = os.environ.get("OUT")
+        self.path = Path(out) / "gpu_trainer.partial.json" if out else None
+        self.figures: dict = {}
+
+    def note(self, **figures: object) -> None:
+        self.figures.update(figures)
+        if self.path is not None:
+            self.path.write_text(json.dumps(self.figures, indent=1, default=str))
 
 
 def thresholds(result: dict, args: argparse.Namespace) -> list[str]:
@@ -158,10 +200,25 @@ def thresholds(result: dict, args: argparse.Namespace) -> list[str]:
     if result["trained_tokens_per_s"] < args.min_tokens_per_s:
         failed.append(f"trained_tokens_per_s {result['trained_tokens_per_s']:.0f} is below "
                       f"--min-tokens-per-s {args.min_tokens_per_s}")
-    returned = result["memory_returned_by_offload_gib"]
+    returned = result["memory_returned_gib"]
     if returned < args.min_offload_gib:
-        failed.append(f"memory_returned_by_offload_gib {returned:.2f} is below "
-                      f"--min-offload-gib {args.min_offload_gib}")
+        failed.append(f"memory_returned_gib {returned:.2f} (the update's peak less what the "
+                      f"trainer holds when the KV cache wakes) is below --min-offload-gib "
+                      f"{args.min_offload_gib}")
+    resident = result["resident_at_kv_cache_wake_gib"]
+    if args.max_resident_gib is not None and resident > args.max_resident_gib:
+        failed.append(f"resident_at_kv_cache_wake_gib {resident:.2f} is above "
+                      f"--max-resident-gib {args.max_resident_gib}")
+    sft = result["sft_loss"]
+    if sft and not sft["last"] < args.max_sft_loss:
+        failed.append(f"sft_loss.last {sft['last']:.2f} is not below {args.max_sft_loss:.2f}: "
+                      "the model's logits are not peaked, and the log-prob gap means little")
+    if not result["export"]["changed_tensors"]:
+        failed.append("export: no tensor differs from the initial model's (the updates moved "
+                      "nothing, or the export is stale)")
+    kl = result["kl_loss"]
+    if result["use_kl_loss"] and len(kl) > 1 and not kl[-1] > 0:
+        failed.append(f"kl_loss {kl}: no KL after the actor moved (the reference path)")
     return failed
 
 
@@ -184,7 +241,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="fail above this mean |engine - HF| log-prob gap (bf16 compute)")
     ap.add_argument("--min-tokens-per-s", type=float, default=0.0)
     ap.add_argument("--min-offload-gib", type=float, default=0.0,
-                    help="fail if the offload returns less accelerator memory (GPU)")
+                    help="fail if the update's peak less what the trainer holds when the KV "
+                         "cache wakes is below this (GPU)")
+    ap.add_argument("--max-resident-gib", type=float, default=None,
+                    help="fail if the trainer holds more accelerator memory than this when "
+                         "the KV cache wakes (GPU; with --offload its state is on the host)")
+    ap.add_argument("--max-sft-loss", type=float, default=None,
+                    help="fail if the SFT ends above this (default 0.6 x ln of the pattern's "
+                         "ids: logits not peaked)")
+    ap.add_argument("--lr", type=float, default=1e-5,
+                    help="the updates' learning rate (large enough that bf16 weights move)")
     ap.add_argument("--ipc", action="store_true",
                     help="two weight syncs by CUDA IPC into a second process (GPU)")
     ap.add_argument("--bucket-mb", type=int, default=256, help="the --ipc bucket")
@@ -194,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
         args.groups, args.n, args.prompt_len, args.response_len = 4, 4, 24, 16
     if args.sft_steps is None:
         args.sft_steps = 150 if args.tiny else 40
+    shape = TINY if args.tiny else QWEN25_05B
+    if args.max_sft_loss is None:
+        args.max_sft_loss = 0.6 * math.log(min(shape["vocab_size"], PATTERN_IDS))
+    progress = Progress()
 
     import torch
 
@@ -204,18 +274,19 @@ def main(argv: list[str] | None = None) -> int:
     from workers.trainer.verl_batch import to_verl_batch
 
     device = "cpu" if args.tiny or not torch.cuda.is_available() else "cuda"
-    shape = TINY if args.tiny else QWEN25_05B
+    progress.note(device=device, torch=torch.__version__, cuda=torch.version.cuda)
     out = Path(args.out or tempfile.mkdtemp(prefix="carryover-gpu-")) / "qwen2.5-shaped"
     t = time.monotonic()
     sft: dict[str, float] = {}
     if not (out / "config.json").exists():
         sft = build_model(out, shape, args.sft_steps, device)
     build_s = time.monotonic() - t
+    progress.note(sft_loss=sft, build_model_s=build_s)
 
     actor = "actor_rollout_ref.actor."
     tokens_per_row = args.prompt_len + args.response_len
     cfg = load_config(None, [
-        f"trainer.device={device}", f"{actor}lr=1e-6",
+        f"trainer.device={device}", f"{actor}lr={args.lr}",
         f"{actor}fsdp_config.param_dtype=bfloat16",
         f"{actor}ppo_micro_batch_size_per_gpu={args.micro}",
         f"{actor}enable_gradient_checkpointing=true",
@@ -229,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     t = time.monotonic()
     trainer = EngineTrainer(cfg, str(out))
     engine_build_s = time.monotonic() - t
+    progress.note(build_engine_s=engine_build_s)
 
     rng = random.Random(0)
     vocab = shape["vocab_size"]
@@ -258,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     del hf
     mask = vb.response_mask > 0
     gap = (engine_lp[mask] - plain[:, : engine_lp.shape[1]][mask]).abs()
+    progress.note(logprob_gap_engine_vs_hf={"mean": float(gap.mean()), "max": float(gap.max())})
 
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -269,21 +342,26 @@ def main(argv: list[str] | None = None) -> int:
         times.append(time.monotonic() - t)
         skipped += m["actor/skipped_steps"]
         kl += [v for k, v in m.items() if k.split("/")[-1] == "kl_loss"]
+        progress.note(update_seconds=times, skipped_steps=skipped, kl_loss=kl)
     peak = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else 0.0
     timed = times[1:] or times  # the first update pays for warm-up
     master = trainer.ranks.call("master_dtype")[0]
     # the trainer's half of the collocated hand-over, as a step runs it
     memory = trainer.memory("after_update")
     exported = export_check(trainer, out.parent / "export", "bfloat16")
+    exported["changed_tensors"] = changed_tensors(out, out.parent / "export")
+    progress.note(export=exported)
     ipc: dict[str, object] | None = None
     if args.ipc:
         ipc = ipc_check(trainer, out.parent, "bfloat16", args.bucket_mb) \
             if device == "cuda" else {"skipped": "CUDA IPC needs a GPU"}
+        progress.note(ipc=ipc)
     memory.update(trainer.release_memory("before_weights_wake", offload=False))
     memory.update(trainer.release_memory("before_kv_cache_wake", offload=True))
     trainer.close()
-    before = memory["memory/trainer_rank0_before_weights_wake_allocated_gb"]
-    after = memory["memory/trainer_rank0_before_kv_cache_wake_allocated_gb"]
+    # what the trainer holds when the engine's KV cache wakes (verl's engine has already
+    # parked what fsdp_config offloads when its update ended)
+    after = memory["memory/trainer_rank0_before_kv_cache_wake_allocated_gb"] * 1e9 / 2**30
 
     result = {
         "benchmark": "gpu_trainer", "device": device,
@@ -300,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
         "trained_tokens_per_s": tokens / statistics.median(timed),
         "peak_memory_gib": peak,
         "memory_gb": {k.removeprefix("memory/trainer_rank0_"): v for k, v in memory.items()},
-        "memory_returned_by_offload_gib": (before - after) * 1e9 / 2**30
-        if device == "cuda" else 0.0,
+        "memory_returned_gib": peak - after if device == "cuda" else 0.0,
+        "resident_at_kv_cache_wake_gib": after if device == "cuda" else 0.0,
+        "lr": args.lr,
         "export": exported, "ipc": ipc,
         "logprob_gap_engine_vs_hf": {"mean": float(gap.mean()), "max": float(gap.max())},
         "skipped_steps": skipped,
@@ -310,6 +389,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     failed = thresholds(result, args)
     result["failed"] = failed
+    progress.note(**result)
     print(json.dumps(result, indent=1))
     for line in failed:
         print(f"gpu_trainer: FAILED {line}", file=sys.stderr)

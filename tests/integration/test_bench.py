@@ -148,6 +148,7 @@ def test_gpu_trainer_bench_tiny_json(tmp_path):
     # the reference path: no KL before the first step moved the actor, some after
     assert len(r["kl_loss"]) == 3 and r["kl_loss"][0] == 0 and r["kl_loss"][-1] > 0
     assert r["export"]["tensors"] > 0 and r["export"]["differing_tensors"] == 0
+    assert r["export"]["changed_tensors"] > 0  # the updates moved the exported weights
     assert r["ipc"] == {"skipped": "CUDA IPC needs a GPU"}  # on the GPU: two syncs, checked
     assert set(r["memory_gb"]) >= {"after_update_allocated_gb",
                                    "before_kv_cache_wake_allocated_gb"}
@@ -157,6 +158,15 @@ def test_gpu_trainer_bench_tiny_json(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 1
     assert "FAILED logprob_gap_engine_vs_hf.mean" in out.stderr
+    # an SFT too short to peak the logits fails the run too (its gap would mean little)
+    out = subprocess.run([sys.executable, "-m", "bench.gpu_trainer", "--tiny", "--steps", "1",
+                          "--sft-steps", "2", "--out", str(tmp_path / "flat")], cwd=REPO,
+                         capture_output=True, text=True, timeout=600, env={
+                             **os.environ, "OUT": str(tmp_path)})
+    assert out.returncode == 1 and "FAILED sft_loss.last" in out.stderr
+    # the figures so far were written phase by phase
+    partial = json.loads((tmp_path / "gpu_trainer.partial.json").read_text())
+    assert partial["failed"] and partial["sft_loss"]["last"] > 3
 
 
 def test_checkpoint_cost_bench_json():
