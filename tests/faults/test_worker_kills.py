@@ -161,9 +161,9 @@ def kill_trainer_in_step_2(stack, tmp_path, celery_workers, run_id: str,  # noqa
     if status == 1:
         adm.release(lease)
     # Nobody resumes the gateway: its pause lease must simply run out.
-    waited = wait_for(lambda: not stack.exists(keys.paused()), heartbeat + 3,
+    waited = wait_for(lambda: not stack.exists(keys.paused()), 2 * heartbeat + 5,
                       "the pause to expire")
-    assert waited <= heartbeat + 1.0
+    assert waited <= 2 * heartbeat + 2  # its lease ran out (it is never resumed)
     celery_workers.start(["trainer"])
     finished(thread, out, 240, 4, "the trainer worker died", stack, celery_workers, run_id)
     assert_trained_once_and_whole(stack, run_id, 4, 2, 2)

@@ -343,15 +343,18 @@ def test_waiting_for_a_creation_slot_is_not_the_agents_time(tmp_path, standin, r
 def test_creations_are_paced_across_controllers(tmp_path, standin, redis_client):
     s, server = standin
     cfg = make_cfg(tmp_path, server, "controller.kubernetes.creates_per_minute=120")
+    began = time.time()
     boxes = [run_async(controller(cfg, redis_client, index=i), endpoint(i), posted=lambda: 0.5)
              for i in range(4)]
     wait_for(lambda: len(s.jobs) == 4)
     for name in list(s.jobs):
         s.finish(name, succeeded=True)
     assert all(finish(b).get("reward") == 0.5 for b in boxes)
+    # 120 per minute: one every 0.5 s, whoever creates, so the fourth slot comes 1.5 s after
+    # the first at the earliest. Measured from the start, not gap by gap: a request that
+    # reaches the stand-in late (a loaded machine) shortens the gap after it
     times = sorted(r.at for r in s.created())
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    assert min(gaps) >= 0.45, gaps  # 120 per minute: one every 0.5 s, whoever creates
+    assert times[-1] - began >= 1.5 - 0.05, [t - began for t in times]
 
 
 def test_redelivered_sibling_adopts_the_running_job(tmp_path, standin, redis_client):

@@ -122,18 +122,22 @@ def test_bad_process_agents_fail_their_attempt(cmd, fragment):
         assert "oops" in info.value.stderr_tail
 
 
-def _left_in_group(pgid: int) -> list[int]:
-    """The live processes of process group ``pgid`` (a killed child that nobody has reaped
-    yet is a zombie: dead, only not waited for)."""
-    time.sleep(0.3)
-    left = []
-    for p in psutil.process_iter(["status"]):
-        try:
-            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
-                left.append(p.pid)
-        except ProcessLookupError:
-            continue
-    return left
+def _left_in_group(pgid: int, wait_s: float = 10.0) -> list[int]:
+    """The live processes of process group ``pgid`` once it has emptied, or those left
+    after ``wait_s`` (a killed child not yet scheduled still shows as running; one that
+    nobody has reaped yet is a zombie: dead, only not waited for)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        left = []
+        for p in psutil.process_iter(["status"]):
+            try:
+                if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                    left.append(p.pid)
+            except ProcessLookupError:
+                continue
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def test_hanging_process_agent_is_killed_with_its_children(tmp_path):
@@ -144,7 +148,7 @@ def test_hanging_process_agent_is_killed_with_its_children(tmp_path):
     start = time.monotonic()
     with pytest.raises(AgentError, match="timed out"):
         run_process(f"echo $$ > {pgid_file}; sleep 60 & sleep 60; wait", timeout=1.0)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 30  # its timeout, not the agent's minute
     assert _left_in_group(int(pgid_file.read_text())) == []
 
 
@@ -154,7 +158,7 @@ def test_children_an_agent_leaves_behind_are_killed_when_it_exits(tmp_path):
     pgid_file = tmp_path / "pgid"
     start = time.monotonic()
     assert run_process(f"echo $$ > {pgid_file}; sleep 60 & echo 1") == 1.0
-    assert time.monotonic() - start < 3
+    assert time.monotonic() - start < 30  # at once, not after the child's minute
     assert _left_in_group(int(pgid_file.read_text())) == []
 
 

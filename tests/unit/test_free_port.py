@@ -4,6 +4,8 @@ the config refuses it)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import bench.stack
 
 
@@ -27,6 +29,8 @@ class _Socket:
 
 def test_a_port_handed_out_is_not_handed_out_again(monkeypatch):
     monkeypatch.setattr(bench.stack, "_handed_out", set(), raising=False)
-    monkeypatch.setattr(bench.stack.socket, "socket", _Socket)
+    # the module's name for the socket module, not socket.socket itself: other threads of
+    # the test process (servers of earlier tests) open real sockets meanwhile
+    monkeypatch.setattr(bench.stack, "socket", SimpleNamespace(socket=_Socket))
     _Socket.ports = [41000, 41000, 41000, 41001, 41000, 41002]
     assert [bench.stack.free_port() for _ in range(3)] == [41000, 41001, 41002]

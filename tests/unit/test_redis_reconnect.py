@@ -188,7 +188,10 @@ def test_a_restart_no_command_waited_through_is_heard(server):
 
     client = connect(server.url)
     client.ping()
-    time.sleep(0.5)  # the server's run_id is known
+    deadline = time.monotonic() + 10  # the server's run_id is known (read in a thread)
+    while outage_for(server.url).server_run_id is None or outage_for(server.url)._checking:
+        assert time.monotonic() < deadline, "the server's run_id was never read"
+        time.sleep(0.05)
     heard: list[tuple[float, float]] = []
     outage_for(server.url).listeners.append(lambda began, ended: heard.append((began, ended)))
     restart_after(server, 0.5)

@@ -32,9 +32,10 @@ class SlowResult:
 
 
 def beat(client, key: str, stop: threading.Event) -> None:
+    # a TTL ten refreshes long: a thread stalled on a loaded machine keeps it alive
     while not stop.is_set():
-        client.set(key, 1, px=400)
-        time.sleep(0.1)
+        client.set(key, 1, px=2000)
+        time.sleep(0.2)
 
 
 def test_a_heartbeating_trainer_outlives_the_timeout(redis_client):
@@ -55,7 +56,8 @@ def test_a_task_nobody_takes_times_out(redis_client):
 
 
 def test_a_trainer_whose_heartbeat_stops_is_lost(redis_client):
-    redis_client.set("co:test:dead", 1, px=300)
+    # long enough to be seen by the first check on a loaded machine, then it expires
+    redis_client.set("co:test:dead", 1, px=2000)
     with pytest.raises(TrainerLost):
         _await(redis_client, SlowResult(None), "co:test:dead", 30, 0.1)
 
