@@ -255,6 +255,40 @@ def test_cancel_and_timeout_delete_the_job_with_its_pods(tmp_path, standin, redi
     assert policy == "Background"
 
 
+def test_an_error_while_waiting_deletes_the_job(tmp_path, standin, redis_client):
+    """Redis away past the client's reconnect budget (the cancel check reads it), or any
+    other error while the Job runs: the attempt fails, and its Job must not run on beside
+    the retry's."""
+    import redis
+
+    broken = threading.Event()
+
+    def cancelled() -> bool:
+        if broken.is_set():
+            raise redis.ConnectionError("Redis is away")
+        return False
+
+    box: dict = {}
+    s, server = standin
+    llm = endpoint()
+    ctl = controller(make_cfg(tmp_path, server), redis_client)
+
+    def target() -> None:
+        try:
+            ctl.run({"text": "abc"}, llm, 60, PauseAwareClock(lambda: False), cancelled)
+        except Exception as exc:  # noqa: BLE001 - what the attempt raises
+            box["error"] = exc
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    name = job_name(llm.rollout_id)
+    wait_for(lambda: name in s.jobs)
+    broken.set()
+    thread.join(30)
+    assert not thread.is_alive() and isinstance(box.get("error"), redis.ConnectionError)
+    assert name not in s.jobs and len(s.deleted()) == 1
+
+
 @pytest.mark.parametrize("reason, grace_s", [("InvalidImageName", 600),
                                              ("ImagePullBackOff", 2)])
 def test_a_container_that_cannot_start_fails_the_attempt(tmp_path, standin, redis_client,

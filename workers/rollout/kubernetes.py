@@ -325,6 +325,12 @@ class KubernetesController(Controller):
         except _ApiError as exc:
             self._delete(name)  # the retried attempt must not run beside this one's Job
             raise AgentError(str(exc)) from None
+        except Exception:
+            # Redis away past its reconnect budget (the cancel check reads it), or any
+            # other error: the attempt fails, and its Job must not run on beside the
+            # retry's. A worker's shutdown (not an Exception) leaves it for adoption.
+            self._delete(name)
+            raise
         logs = self._logs(name)
         if result == "failed":
             raise AgentError(f"Job {name} failed: {reason}", logs[-2000:])
