@@ -113,15 +113,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _interrupt_on_signals() -> None:
-    """SIGINT and SIGTERM both stop things in order. Set explicitly: a shell that starts us
-    in the background leaves SIGINT ignored, and SIGTERM would otherwise kill us at once,
-    leaving every child running."""
+    """SIGINT, SIGTERM and SIGHUP all stop things in order. Set explicitly: a shell that
+    starts us in the background leaves SIGINT ignored, and SIGTERM or SIGHUP (a closed
+    terminal, a dropped ssh session) would otherwise kill us at once, leaving every child
+    running in its own session."""
 
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, handler)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -252,8 +252,9 @@ class Supervisor:
                 self._kill_leftovers(proc)
                 try:
                     self._spawn(command_for(self.cfg, role), port_wait_s=2.0)
-                except (StartupError, OSError) as exc:
-                    # as an exit at once: the same backoff, and RoleFailing as many times on
+                except Exception as exc:  # noqa: BLE001 - a config error too (a model dir
+                    # briefly unreadable) is one failed start, not the end of every role:
+                    # as an exit at once, the same backoff, and RoleFailing as many times on
                     self.started_at[role] = now
                     self.start_errors[role] = str(exc)
                     log.warning("%s could not be started again: %s", role, exc)
@@ -314,7 +315,8 @@ class Supervisor:
 
         saved = None
         if threading.current_thread() is threading.main_thread():
-            saved = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+            saved = {s: signal.signal(s, signal.SIG_IGN)
+                     for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
         try:
             self._stop(grace)
         finally:
@@ -331,7 +333,13 @@ class Supervisor:
                 except subprocess.TimeoutExpired:
                     log.warning("%s did not stop in %.0fs; killing", role, grace)
                     _signal_group(proc, signal.SIGKILL)
-                    proc.wait(timeout=5)
+                    try:
+                        proc.wait(timeout=5)
+                    except subprocess.TimeoutExpired:
+                        # stuck in the kernel (a GPU driver call): the other roles, Redis
+                        # among them, are stopped all the same
+                        log.error("%s (pid %d) outlived SIGKILL; going on without it", role,
+                                  proc.pid)
             self._kill_leftovers(proc)  # children that outlived their leader (a pool process)
         self.procs.clear()
         self.restart_due.clear()

@@ -238,3 +238,48 @@ def test_a_restart_that_failed_once_succeeds_at_the_next_try(sup, monkeypatch):
     assert sup.restarts == {"rollout": 1} and not sup.start_errors
     # the dead role's group was killed once, not again at the second try
     assert signalled.count((old.pid, signal.SIGKILL)) == 1
+
+
+def test_a_restart_whose_command_cannot_be_built_is_retried_not_fatal(sup, monkeypatch):
+    """vLLM died while its model directory was briefly unreadable (a network file system's
+    blip): building its command raises a config error. That is one failed start, with the
+    backoff, not the end of every role (it stopped the stack with exit code 2)."""
+    from app.config import ConfigError
+
+    built = []
+
+    def command_for(cfg, role):
+        built.append(role)
+        if len(built) == 1:
+            raise ConfigError(["actor_rollout_ref.model.path: no model (config.json) in /nfs"])
+        return Command(role, sup.programs[role])
+
+    monkeypatch.setattr(sv, "command_for", command_for)
+    old = sup.procs["rollout"]
+    old.send_signal(signal.SIGKILL)
+    old.wait()
+    deadline = time.monotonic() + 10
+    while sup.procs["rollout"] is old and time.monotonic() < deadline:
+        sup.watch()
+        time.sleep(0.05)
+    assert built == ["rollout", "rollout"]  # failed once, then started
+    assert sup.procs["rollout"] is not old and sup.procs["rollout"].poll() is None
+    assert sup.procs["gateway"].poll() is None
+
+
+def test_a_stop_goes_on_past_a_process_that_does_not_die(sup, monkeypatch):
+    """A process stuck in the kernel (a GPU driver call) outlives SIGKILL for a while: the
+    other roles, Redis among them, are stopped all the same."""
+    import subprocess
+
+    stuck = sup.procs["gateway"]
+    real_wait = stuck.wait
+
+    def wait(timeout=None):
+        raise subprocess.TimeoutExpired(stuck.args, timeout)
+
+    monkeypatch.setattr(stuck, "wait", wait)
+    rollout = sup.procs["rollout"]
+    sup.stop(grace=0.2)
+    assert rollout.poll() is not None  # stopped, though the gateway did not say it was
+    real_wait(5)
