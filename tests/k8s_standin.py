@@ -50,6 +50,8 @@ class StandIn:
     cond: threading.Condition = field(default_factory=threading.Condition)
     events: list[tuple[int, str, dict]] = field(default_factory=list)  # (version, type, job)
     pod_status: dict[str, dict] = field(default_factory=dict)  # job name -> its pod's status
+    # job name -> why the Job controller cannot create its pod (no pod; a FailedCreate event)
+    create_refused: dict[str, str] = field(default_factory=dict)
 
     # --- what tests call -------------------------------------------------------------------
 
@@ -222,11 +224,25 @@ def create_app(s: StandIn) -> Flask:
         selector = request.args.get("labelSelector", "")
         name = selector.removeprefix("job-name=")
         items = []
-        if name in s.jobs or name in s.logs:
+        if (name in s.jobs or name in s.logs) and name not in s.create_refused:
             items.append({"metadata": {"name": f"{name}-pod", "namespace": ns,
                                        "labels": {"job-name": name}},
                           "status": s.pod_status.get(name, {"phase": "Running"})})
         return jsonify({"kind": "PodList", "apiVersion": "v1", "metadata": {}, "items": items})
+
+    @app.get("/api/v1/namespaces/<ns>/events")
+    def list_events(ns: str):
+        fields = dict(f.split("=", 1) for f in request.args.get("fieldSelector", "").split(",")
+                      if "=" in f)
+        name = fields.get("involvedObject.name", "")
+        items = []
+        if name in s.create_refused and fields.get("involvedObject.kind", "Job") == "Job":
+            items.append({"metadata": {"name": f"{name}.17", "namespace": ns},
+                          "involvedObject": {"kind": "Job", "name": name, "namespace": ns},
+                          "reason": "FailedCreate", "type": "Warning",
+                          "message": s.create_refused[name]})
+        return jsonify({"kind": "EventList", "apiVersion": "v1", "metadata": {},
+                        "items": items})
 
     @app.get("/api/v1/namespaces/<ns>/pods/<pod>/log")
     def pod_log(ns: str, pod: str):

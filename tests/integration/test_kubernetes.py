@@ -311,6 +311,27 @@ def test_a_container_that_cannot_start_fails_the_attempt(tmp_path, standin, redi
     assert name not in s.jobs  # deleted, not left to its deadline
 
 
+def test_a_job_whose_pod_cannot_be_created_fails_with_the_reason(tmp_path, standin,
+                                                                  redis_client):
+    """Pod Security, a quota that asks for limits, a missing service account: the Job
+    controller cannot create the pod and says so only in an event. Once that has lasted
+    ``start_grace_s`` the attempt fails with the event's words, not a bare timeout at 60 s
+    (a quota may free up meanwhile, so not at once)."""
+    s, server = standin
+    llm = endpoint()
+    name = job_name(llm.rollout_id)
+    why = ('pods "x" is forbidden: violates PodSecurity "restricted:latest": '
+           'allowPrivilegeEscalation != false')
+    s.create_refused[name] = why
+    start = time.monotonic()
+    cfg = make_cfg(tmp_path, server, "controller.kubernetes.start_grace_s=2")
+    err = finish(run_async(controller(cfg, redis_client), llm, timeout_s=60))["error"]
+    assert "FailedCreate" in str(err) and "PodSecurity" in str(err), err
+    took = time.monotonic() - start
+    assert 2 <= took < 30, took
+    assert name not in s.jobs  # deleted
+
+
 def test_a_sample_too_large_for_a_jobs_environment_is_a_clear_error(tmp_path, standin):
     _, server = standin
     cfg = make_cfg(tmp_path, server)

@@ -244,6 +244,7 @@ class KubernetesController(Controller):
         self.pod_checked_at = 0.0    # monotonic time of the last pod read
         self.waiting_since: dict[str, float] = {}  # container waiting reason -> first seen
         self.can_patch = True        # False once RBAC refused a deadline patch
+        self.can_list_events = True  # False once RBAC refused listing events
         self.deadline_paused = 0.0   # pause seconds the Job's deadline already covers
 
     # --- API calls with retries -----------------------------------------------------------
@@ -417,6 +418,8 @@ class KubernetesController(Controller):
         except _ApiError as exc:
             log.warning("cannot see the pod of Job %s: %s", name, exc)
             return
+        if not pods:
+            self._creation_refused(name, now)
         for pod in pods:
             pstatus = pod.status
             if (getattr(pstatus, "phase", None) or "Pending") != "Pending":
@@ -437,6 +440,34 @@ class KubernetesController(Controller):
                 if cond.type == "PodScheduled" and cond.status == "False":
                     self.pod_state = (f"Pending ({cond.reason or 'not scheduled'}: "
                                       f"{cond.message or ''})")
+
+    def _creation_refused(self, name: str, now: float) -> None:
+        """A Job with no pod: the Job controller may be refused its creation (Pod Security,
+        a quota that asks for limits, a missing service account, a webhook), which only an
+        event says. Failed once that has lasted ``start_grace_s`` (a quota may free up
+        meanwhile), with the event's words; until then the timeout's message says it."""
+        if not self.can_list_events:
+            return
+        try:
+            events = self._api("list events", self.core.list_namespaced_event, self.namespace,
+                               field_selector=f"involvedObject.kind=Job,"
+                                              f"involvedObject.name={name}").items
+        except _ApiError as exc:
+            if exc.status == 403:  # RBAC without events: say so once
+                self.can_list_events = False
+                log.error("%s: grant list on events (docs/kubernetes.md) to hear why a Job's "
+                          "pod is not created", exc)
+            else:
+                log.warning("cannot see the events of Job %s: %s", name, exc)
+            return
+        refused = [e for e in events if e.reason == "FailedCreate"]
+        if not refused:
+            return
+        why = f"FailedCreate: {refused[-1].message or ''}".rstrip(": ")
+        since = self.waiting_since.setdefault("FailedCreate", now)
+        if now - since >= float(self.kcfg.start_grace_s):
+            raise _Stop(f"Job {name} cannot create its pod: {why}")
+        self.pod_state = f"not created ({why})"
 
     def _extend_deadline(self, job: Any, timeout_s: float, clock: PauseAwareClock) -> None:
         """Kubernetes counts the Job's deadline in wall time; the attempt's timeout leaves out
