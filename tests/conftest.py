@@ -247,7 +247,17 @@ def gateway_process(tmp_root: Path, name: str, urls: list[str], *overrides: str,
              "gateway:create_app()"],
             cwd=REPO, env=env, stdout=logs, stderr=logs, start_new_session=True)
     try:
-        wait_http(f"http://127.0.0.1:{gw_port}/healthz")
+        # its workers import the tokenizer's stack: on a loaded 2-core machine that has
+        # taken over 30 s; one that died says why at once
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                wait_http(f"http://127.0.0.1:{gw_port}/healthz", 5)
+                break
+            except TimeoutError:
+                log = (tmp_root / "logs" / f"{name}.log").read_text(errors="replace")
+                assert gateway.poll() is None, f"gateway {name} exited:\n{log[-3000:]}"
+                assert time.monotonic() < deadline, f"gateway {name} not up:\n{log[-3000:]}"
         yield f"http://127.0.0.1:{gw_port}", gateway
     finally:
         _stop(gateway)
