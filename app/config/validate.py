@@ -86,6 +86,13 @@ def at_least(low: float) -> Check:
     return check
 
 
+def int_at_least(low: int) -> Check:
+    def check(v: Any) -> str | None:
+        return None if _is_int(v) and v >= low else f"must be an integer >= {low}"
+
+    return check
+
+
 def fraction(v: Any) -> str | None:
     return None if _is_num(v) and 0 <= v <= 1 else "must be a number from 0 to 1"
 
@@ -358,6 +365,7 @@ RULES: dict[str, Check] = {
     "controller.kubernetes.image": string,
     "controller.kubernetes.image_pull_policy": one_of(*PULL_POLICIES),
     "controller.kubernetes.service_account": optional(string),
+    "controller.kubernetes.automount_service_account_token": boolean,
     "controller.kubernetes.resources": mapping,
     "controller.kubernetes.node_selector": string_mapping,
     "controller.kubernetes.labels": k8s_label_mapping,
@@ -366,7 +374,8 @@ RULES: dict[str, Check] = {
     "controller.kubernetes.kubeconfig": optional(string),
     "controller.kubernetes.context": optional(string),
     "controller.kubernetes.creates_per_minute": positive_num,
-    "controller.kubernetes.ttl_seconds_after_finished": non_negative_int,
+    # the worker reads the finished pod's log (a printed reward) after the Job ends
+    "controller.kubernetes.ttl_seconds_after_finished": int_at_least(60),
     "controller.kubernetes.deadline_slack_s": non_negative_num,
     "controller.kubernetes.watch_timeout_s": positive_int,
     "controller.kubernetes.start_grace_s": non_negative_num,

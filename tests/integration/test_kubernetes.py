@@ -126,6 +126,8 @@ def test_manifest_fields_and_client_model_round_trip(tmp_path, standin):
     assert spec["template"]["metadata"]["labels"] == labels
     assert pod["restartPolicy"] == "Never"
     assert pod["serviceAccountName"] == "agent-runner"
+    # agent code gets no Kubernetes API token unless the config asks for one
+    assert pod["automountServiceAccountToken"] is False
     assert pod["nodeSelector"] == {"pool": "cpu"}
     container = pod["containers"][0]
     assert container["image"] == "agents:1.0"
@@ -189,6 +191,19 @@ def test_failed_job_reports_reason_and_log(tmp_path, standin, redis_client):
              message="Job was active longer than specified deadline", log="Traceback: boom\n")
     err = finish(box)["error"]
     assert "DeadlineExceeded" in str(err) and "boom" in err.stderr_tail
+
+
+def test_a_pod_killed_for_memory_says_so(tmp_path, standin, redis_client):
+    """With backoffLimit 0 the Job only says BackoffLimitExceeded: the attempt's error names
+    what ended the pod (its container OOMKilled, exit 137), which the operator acts on."""
+    s, name, box = started_job(tmp_path, standin, redis_client)
+    s.pod_status[name] = {"phase": "Failed", "containerStatuses": [{
+        "name": "agent", "ready": False, "restartCount": 0, "image": "agents:1.0",
+        "imageID": "", "state": {"terminated": {"reason": "OOMKilled", "exitCode": 137}}}]}
+    s.finish(name, succeeded=False, message="Job has reached the specified backoff limit")
+    err = finish(box)["error"]
+    assert "BackoffLimitExceeded" in str(err) and "OOMKilled" in str(err), err
+    assert "exit code 137" in str(err)
 
 
 def test_permanent_api_error_fails_at_once_with_the_api_message(tmp_path, standin,

@@ -165,6 +165,9 @@ INVALID = [
     (["controller.kubernetes.deadline_slack_s=8", "controller.kubernetes.watch_timeout_s=5"],
      "controller.kubernetes.deadline_slack_s: value 8 must be at least twice"),
     (["controller.kubernetes.start_grace_s=-1"], "controller.kubernetes.start_grace_s"),
+    # deleted at once, the finished pod's log (a printed reward) would be gone
+    (["controller.kubernetes.ttl_seconds_after_finished=0"],
+     "controller.kubernetes.ttl_seconds_after_finished: value 0 must be an integer >= 60"),
     (["trainer.launcher=local", "trainer.nnodes=2"],
      "trainer.nnodes: value 2 needs verl's Ray worker group, and trainer.launcher is local"),
     (["redis.url=http://127.0.0.1:6390"],

@@ -134,6 +134,8 @@ def build_job(kcfg: Any, *, command: str, llm: LLMEndpoint, gateway_url: str, sa
     pod = k8s.V1PodSpec(
         restart_policy="Never", containers=[container],
         service_account_name=kcfg.service_account or None,
+        # the namespace's service account token gives agent code the Kubernetes API
+        automount_service_account_token=bool(kcfg.automount_service_account_token),
         node_selector=dict(kcfg.node_selector) or None)
     return k8s.V1Job(
         api_version="batch/v1", kind="Job",
@@ -334,7 +336,9 @@ class KubernetesController(Controller):
             raise
         logs = self._logs(name)
         if result == "failed":
-            raise AgentError(f"Job {name} failed: {reason}", logs[-2000:])
+            ended = self._pod_ended(name)
+            raise AgentError(f"Job {name} failed: {reason}" + (f"; {ended}" if ended else ""),
+                             logs[-2000:])
         posted = posted_reward()
         if posted is not None:
             return parse_reward(posted)
@@ -507,6 +511,29 @@ class KubernetesController(Controller):
         except _ApiError as exc:
             if exc.status != 404:
                 log.error("%s (the Job's activeDeadlineSeconds still ends it)", exc)
+
+    def _pod_ended(self, name: str) -> str:
+        """What ended the Job's pod (its container OOMKilled, exit code 137; the pod
+        Evicted), best effort: with backoffLimit 0 the Job itself says only
+        BackoffLimitExceeded."""
+        try:
+            pods = self._api("list pods", self.core.list_namespaced_pod, self.namespace,
+                             label_selector=f"job-name={name}").items
+        except _ApiError:
+            return ""
+        said = []
+        for pod in pods:
+            status = pod.status
+            if status is None:
+                continue
+            if status.reason:
+                said.append(f"pod {status.reason}: {status.message or ''}".rstrip(": "))
+            for cs in status.container_statuses or []:
+                ended = getattr(cs.state, "terminated", None) if cs.state else None
+                if ended is not None and (ended.reason or ended.exit_code):
+                    said.append(f"container {cs.name} {ended.reason or 'exited'} "
+                                f"(exit code {ended.exit_code})")
+        return ", ".join(said)
 
     def _logs(self, name: str) -> str:
         """The agent container's log, best effort (for error messages and a printed reward)."""
