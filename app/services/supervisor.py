@@ -44,6 +44,7 @@ class RoleFailing(RuntimeError):
 MAX_QUICK_FAILURES = 5
 QUICK_S = 30.0        # a role that dies within this long after its start failed "quickly"
 BACKOFF_S = (1.0, 30.0)  # first and longest wait before a restart
+LOG_ROTATE_BYTES = 256 * 2**20  # a role's log past this is rotated when the role starts
 
 
 def _ready_check(cfg: Any, role: str) -> Callable[[], bool]:
@@ -150,6 +151,7 @@ class Supervisor:
                 f"carryover stack still running or stopping?); "
                 f"or choose another port with {address[2]}=...")
         try:
+            self._rotate(self.log_path(cmd.role))
             logfile = open(self.log_path(cmd.role), "ab")  # noqa: SIM115 - owned by the child
         except OSError as exc:
             raise StartupError(f"{cmd.role}: cannot open its log {self.log_path(cmd.role)}: "
@@ -170,11 +172,25 @@ class Supervisor:
         self.started_at[cmd.role] = time.monotonic()
         log.info("%s: started pid %d (log %s)", cmd.role, proc.pid, self.log_path(cmd.role))
 
-    def _tail(self, role: str, lines: int = 15) -> str:
+    @staticmethod
+    def _rotate(path: Path) -> None:
+        """A role's log past ``LOG_ROTATE_BYTES`` becomes ``<role>.log.1`` (replacing the one
+        before) when the role starts: a stack that runs for weeks keeps two at most."""
         try:
-            return "\n".join(self.log_path(role).read_text(errors="replace").splitlines()[-lines:])
+            if path.stat().st_size > LOG_ROTATE_BYTES:
+                path.replace(path.with_name(path.name + ".1"))
+        except FileNotFoundError:
+            pass
+
+    def _tail(self, role: str, lines: int = 15) -> str:
+        """The log's last ``lines``, read from its end (a log may be large)."""
+        try:
+            with open(self.log_path(role), "rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+                text = f.read().decode(errors="replace")
         except OSError:
             return ""
+        return "\n".join(text.splitlines()[-lines:])
 
     def _wait_ready(self, roles: Iterable[str], timeout: float,
                     progress: Callable[[str], None] | None = None) -> None:

@@ -283,3 +283,23 @@ def test_a_stop_goes_on_past_a_process_that_does_not_die(sup, monkeypatch):
     sup.stop(grace=0.2)
     assert rollout.poll() is not None  # stopped, though the gateway did not say it was
     real_wait(5)
+
+
+def test_a_role_log_past_its_limit_is_rotated_when_the_role_starts(tmp_path, monkeypatch):
+    """A stack that runs for weeks, its roles restarted now and then: each log is kept to
+    about ``LOG_ROTATE_BYTES`` (the one before is kept as ``<role>.log.1``), and the tail a
+    failure shows is read from the end, not the whole file."""
+    monkeypatch.setattr(sv, "LOG_ROTATE_BYTES", 1000)
+    s = sv.Supervisor(load_config(None, []), log_dir=tmp_path)
+    log = s.log_path("rollout")
+    log.write_bytes(b"old line\n" * 200)  # 1800 bytes: past the limit
+    try:
+        s._spawn(Command("rollout", ["sh", "-c", "echo fresh; sleep 60"]))
+        deadline = time.monotonic() + 10
+        while "fresh" not in log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert log.read_text() == "fresh\n"
+        assert (tmp_path / "rollout.log.1").read_bytes() == b"old line\n" * 200
+        assert s._tail("rollout") == "fresh"
+    finally:
+        s.stop(grace=2)
