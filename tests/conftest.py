@@ -210,6 +210,28 @@ def serving(handler: type) -> Iterator[str]:
         server.server_close()
 
 
+def wait_rollouts_idle(client, timeout: float = 60) -> None:
+    """Until no live rollout worker holds an unacknowledged task (every agent of the test
+    has returned): a gate deleted while an agent is still in its model call would hold that
+    agent, and a shared worker's slot, for its two minutes."""
+    from app.state import keys
+
+    def running() -> int:
+        # a worker's deliveries are forgotten lazily once acknowledged: those still in
+        # kombu's unacknowledged hash are the tasks running now
+        count = 0
+        for worker in client.smembers(keys.rollout_workers()):
+            if client.exists(keys.worker_alive(worker)):
+                tags = client.hkeys(keys.worker_deliveries(worker))
+                if tags:
+                    count += sum(body is not None for body in client.hmget("unacked", tags))
+        return count
+
+    deadline = time.monotonic() + timeout
+    while running() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def wait_http(url: str, timeout: float = 30) -> None:
     import requests
 

@@ -19,7 +19,7 @@ from app.config import load_config
 from app.driver.loop import train
 from app.state import keys
 from app.state.records import SiblingResult
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_rollouts_idle
 
 pytestmark = pytest.mark.slow
 CARRY = "training/async/"
@@ -31,7 +31,7 @@ def stack(redis_client, gateway_service, celery_workers):
     # Open every gate so no agent thread stays blocked in the shared rollout worker.
     for gate in ("s1", "s2", "slow", "end", "never"):
         redis_client.set(f"test:gate:{gate}", 1)
-    time.sleep(0.5)
+    wait_rollouts_idle(redis_client)  # every agent saw its gate open before it goes
     for key in redis_client.scan_iter("test:*"):
         redis_client.delete(key)
 

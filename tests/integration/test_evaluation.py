@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
@@ -15,6 +14,7 @@ from app.config import load_config
 from app.driver.loop import train
 from app.state import keys
 from app.state.records import CapturedCall
+from tests.conftest import wait_rollouts_idle
 
 pytestmark = pytest.mark.slow
 
@@ -151,5 +151,5 @@ def test_a_run_that_stops_early_cancels_its_running_evaluation(
     assert redis_client.zcard(keys.run_active(eval_id)) == 0
     for seq in range(2):
         assert redis_client.hget(keys.group(f"{eval_id}-g{seq}"), "status") == "cancelled"
-    time.sleep(0.5)  # the gated agents see the gate before it goes
+    wait_rollouts_idle(redis_client)  # the gated agents saw the gate open before it goes
     redis_client.delete("test:gate:evaluation")
