@@ -154,6 +154,16 @@ def test_manifest_fields_and_client_model_round_trip(tmp_path, standin):
         V1Container(name=None, image="x")
 
 
+def test_the_api_client_keeps_a_connection_per_waiting_rollout(tmp_path, standin):
+    """Every rollout slot of a worker holds a watch: the client's default pool (5 per CPU)
+    would drop and reopen a TLS connection per request past it."""
+    from workers.rollout.kubernetes import API_POOL_SIZE, api_client
+
+    _, server = standin
+    api = api_client(server.kubeconfig(str(tmp_path / "kubeconfig-pool")), None)
+    assert api.rest_client.pool_manager.connection_pool_kw["maxsize"] == API_POOL_SIZE >= 64
+
+
 def test_long_ids_make_valid_names():
     name = job_name("Run_With.Odd/Chars-" + "x" * 80 + ".3.ab")
     assert len(name) <= 63 and name.startswith("co-")

@@ -177,6 +177,9 @@ def outcome(job: Any) -> tuple[str, str] | None:
 
 _API_LOCK = threading.Lock()
 _API_CLIENTS: dict[tuple[str | None, str | None], Any] = {}
+# connections the shared client keeps: every rollout slot of a worker (64 by default) holds
+# a watch, and the client's default (5 per CPU) dropped and reopened one per request past it
+API_POOL_SIZE = 128
 
 
 def api_client(kubeconfig: str | None, context: str | None) -> Any:
@@ -188,17 +191,19 @@ def api_client(kubeconfig: str | None, context: str | None) -> Any:
     key = (kubeconfig, context)
     with _API_LOCK:
         if key not in _API_CLIENTS:
+            conf = k8s.Configuration()
+            conf.connection_pool_maxsize = API_POOL_SIZE
             if kubeconfig is None and context is None:
                 try:
-                    conf = k8s.Configuration()
                     k8s_config.load_incluster_config(client_configuration=conf)
                     _API_CLIENTS[key] = k8s.ApiClient(conf)
                     return _API_CLIENTS[key]
                 except k8s_config.ConfigException:
                     pass
             try:
-                _API_CLIENTS[key] = k8s_config.new_client_from_config(
-                    config_file=kubeconfig, context=context)
+                k8s_config.load_kube_config(config_file=kubeconfig, context=context,
+                                            client_configuration=conf)
+                _API_CLIENTS[key] = k8s.ApiClient(conf)
             except (k8s_config.ConfigException, OSError) as exc:
                 raise AgentError(f"controller.kubernetes: no usable cluster configuration "
                                  f"(kubeconfig {kubeconfig or '~/.kube/config'}): {exc}"
