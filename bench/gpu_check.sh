@@ -37,6 +37,9 @@ case "${1:-}" in
   stage)
     nvidia-smi -L
     echo "staged: $(ls -d .whl/part* | tr '\n' ' ')($(du -sch .whl/part* | tail -1 | cut -f1))"
+    # what the machine holds of the carried packages (the largest could be left behind)
+    "$PY" -m pip list --format=freeze 2>/dev/null | grep -iE "^(pyarrow|pandas|ray|datasets)==" \
+      || true
     ;;
   install) install ;;
   run)
