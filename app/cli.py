@@ -116,13 +116,15 @@ def _interrupt_on_signals() -> None:
     """SIGINT, SIGTERM and SIGHUP all stop things in order. Set explicitly: a shell that
     starts us in the background leaves SIGINT ignored, and SIGTERM or SIGHUP (a closed
     terminal, a dropped ssh session) would otherwise kill us at once, leaving every child
-    running in its own session."""
+    running in its own session. A SIGHUP ignored when we start (``nohup``) stays ignored."""
 
     def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, handler)
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    if signal.getsignal(signal.SIGHUP) is not signal.SIG_IGN:
+        signal.signal(signal.SIGHUP, handler)
 
 
 def cmd_up(args: argparse.Namespace) -> int:

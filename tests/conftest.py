@@ -214,6 +214,8 @@ def wait_rollouts_idle(client, timeout: float = 60) -> None:
     """Until no live rollout worker holds an unacknowledged task (every agent of the test
     has returned): a gate deleted while an agent is still in its model call would hold that
     agent, and a shared worker's slot, for its two minutes."""
+    from kombu.transport.redis import Channel
+
     from app.state import keys
 
     def running() -> int:
@@ -224,11 +226,13 @@ def wait_rollouts_idle(client, timeout: float = 60) -> None:
             if client.exists(keys.worker_alive(worker)):
                 tags = client.hkeys(keys.worker_deliveries(worker))
                 if tags:
-                    count += sum(body is not None for body in client.hmget("unacked", tags))
+                    count += sum(body is not None
+                                 for body in client.hmget(Channel.unacked_key, tags))
         return count
 
     deadline = time.monotonic() + timeout
-    while running() and time.monotonic() < deadline:
+    while running():
+        assert time.monotonic() < deadline, "rollout tasks still running after their gates opened"
         time.sleep(0.1)
 
 

@@ -175,7 +175,7 @@ class Supervisor:
     @staticmethod
     def _rotate(path: Path) -> None:
         """A role's log past ``LOG_ROTATE_BYTES`` becomes ``<role>.log.1`` (replacing the one
-        before) when the role starts: a stack that runs for weeks keeps two at most."""
+        before) when the role (re)starts; a role that never restarts keeps writing to one."""
         try:
             if path.stat().st_size > LOG_ROTATE_BYTES:
                 path.replace(path.with_name(path.name + ".1"))

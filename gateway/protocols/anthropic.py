@@ -200,7 +200,7 @@ class Messages(Protocol):
                  endpoint: str = "chat.completions") -> GatewayError:
         """Anthropic's words for it (clients such as Claude Code read the figures and ask
         again with a smaller ``max_tokens``); the Messages API names no field."""
-        if prompt_tokens >= max_model_len:
+        if prompt_tokens > max_model_len:
             message = f"prompt is too long: {prompt_tokens} tokens > {max_model_len} maximum"
         else:
             message = (f"input length and `max_tokens` exceed context limit: {prompt_tokens} "

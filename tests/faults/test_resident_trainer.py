@@ -341,3 +341,37 @@ def test_a_final_checkpoint_that_failed_to_save_is_saved_when_the_run_is_taken_u
     service.init_run(redis_client, run_id)
     assert service._resident.restored_step == 1 and max_diff(trained, _weights()) == 0
     service.close_resident()
+
+
+def test_a_run_taken_up_while_its_checkpoint_is_written_waits_for_it(
+        upstream, redis_client, tmp_path, real_trainer, monkeypatch):
+    """A step's checkpoint is written in the background; the driver dies and a new one takes
+    the run up on the same worker meanwhile. The engine must not be used while it is saved
+    (the export, a second save of the same step): the write in progress is waited for, and
+    the step is not saved twice."""
+    import threading
+    import time
+
+    from workers.trainer import checkpoint
+
+    run_id = "pending-save"
+    cfg = _cfg(upstream, tmp_path, "trainer.save_freq=1", "trainer.checkpoint_in_background=true")
+    _prepared_run(redis_client, run_id, cfg)
+    service.init_run(redis_client, run_id)
+    real_save = checkpoint.save_checkpoint
+    saving, saves = threading.Event(), []
+
+    def slow_save(*args, **kwargs):
+        saves.append(args[3])
+        saving.set()
+        time.sleep(2)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save_checkpoint", slow_save)
+    service.train_step(redis_client, run_id, 0)
+    assert service._resident.saves.pending and saving.wait(10)
+    redis_client.hset(keys.run(run_id), "step", 1)
+    service.init_run(redis_client, run_id)  # the same worker: its trainer is kept
+    assert saves == [1]  # written once, by the background save
+    assert checkpoint.checkpoint_step(checkpoint.latest_checkpoint(tmp_path / "c", run_id)) == 1
+    service.close_resident()

@@ -56,3 +56,19 @@ def test_a_closed_terminal_stops_the_stack_in_order_too(signum):
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+def test_a_stack_started_under_nohup_keeps_sighup_ignored():
+    """``nohup carryover up &``: the terminal's SIGHUP must not stop the stack."""
+    from app.cli import _interrupt_on_signals
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        _interrupt_on_signals()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        os.kill(os.getpid(), signal.SIGHUP)  # ignored: nothing happens
+        time.sleep(0.2)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)

@@ -472,7 +472,9 @@ class KubernetesController(Controller):
         refused = [e for e in events if e.reason == "FailedCreate"]
         if not refused:
             return
-        why = f"FailedCreate: {refused[-1].message or ''}".rstrip(": ")
+        # the latest (a list's order is not promised)
+        latest = max(refused, key=lambda e: str(e.last_timestamp or e.event_time or ""))
+        why = f"FailedCreate: {latest.message or ''}".rstrip(": ")
         since = self.waiting_since.setdefault("FailedCreate", now)
         if now - since >= float(self.kcfg.start_grace_s):
             raise _Stop(f"Job {name} cannot create its pod: {why}")

@@ -918,6 +918,10 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
             # checkpoint would throw away the updates made since
             log.info("run %s: this worker's trainer holds the run's latest weights (%d "
                      "updates); kept", run_id, kept.steps_done)
+            try:  # a checkpoint still being written: the engine is not used meanwhile
+                kept.saves.wait()
+            except checkpoint.CheckpointError as exc:
+                log.error("%s", exc)  # written again below (save_missing)
         else:
             close_resident()
         # the updates the run recorded: one more than the driver's step counter when a
