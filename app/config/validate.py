@@ -206,6 +206,17 @@ def string_mapping(v: Any) -> str | None:
     return f"must map to strings; not strings: {bad}" if bad else None
 
 
+def k8s_env_mapping(v: Any) -> str | None:
+    """Each value a string, or a Secret's key: ``{secret: <name>, key: <key>}``."""
+    if not isinstance(v, dict):
+        return "must be a mapping of strings or {secret: name, key: key}"
+    bad = [k for k, x in v.items() if not isinstance(x, str) and not (
+        isinstance(x, dict) and set(x) == {"secret", "key"}
+        and all(isinstance(s, str) and s for s in x.values()))]
+    return (f"must map to strings or {{secret: name, key: key}}; not: {bad}" if bad
+            else None)
+
+
 def k8s_label_mapping(v: Any) -> str | None:
     problem = string_mapping(v)
     if problem:
@@ -369,7 +380,7 @@ RULES: dict[str, Check] = {
     "controller.kubernetes.resources": mapping,
     "controller.kubernetes.node_selector": string_mapping,
     "controller.kubernetes.labels": k8s_label_mapping,
-    "controller.kubernetes.env": string_mapping,
+    "controller.kubernetes.env": k8s_env_mapping,
     "controller.kubernetes.gateway_url": optional(url),
     "controller.kubernetes.kubeconfig": optional(string),
     "controller.kubernetes.context": optional(string),

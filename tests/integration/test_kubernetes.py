@@ -154,6 +154,33 @@ def test_manifest_fields_and_client_model_round_trip(tmp_path, standin):
         V1Container(name=None, image="x")
 
 
+def test_an_agent_secret_comes_from_a_kubernetes_secret(tmp_path, standin):
+    """An API key the agent needs (a tool's, say) is named as a Secret's key, so it never
+    stands in the Job spec, which anyone who can read Jobs reads."""
+    _, server = standin
+    cfg = make_cfg(tmp_path, server, "controller.kubernetes.env={PLAIN: x, "
+                   "TOOL_KEY: {secret: agent-keys, key: tool}}")
+    from kubernetes.client import ApiClient
+
+    job = build_job(cfg.controller.kubernetes, command="true", llm=endpoint(),
+                    gateway_url="http://gw", sample={}, settings={}, run_id=RUN,
+                    group_id=GROUP, index=0, attempt=1, timeout_s=10)
+    env = ApiClient().sanitize_for_serialization(job)["spec"]["template"]["spec"][
+        "containers"][0]["env"]
+    by_name = {e["name"]: e for e in env}
+    assert by_name["PLAIN"] == {"name": "PLAIN", "value": "x"}
+    assert by_name["TOOL_KEY"] == {"name": "TOOL_KEY", "valueFrom": {
+        "secretKeyRef": {"name": "agent-keys", "key": "tool"}}}
+
+
+@pytest.mark.parametrize("value", ["{secret: agent-keys}", "{secret: s, key: k, x: 1}", "3"])
+def test_an_env_value_neither_text_nor_a_secret_is_refused(value):
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError, match="controller.kubernetes.env"):
+        load_config(None, [f"controller.kubernetes.env={{TOOL_KEY: {value}}}"])
+
+
 def test_the_api_client_keeps_a_connection_per_waiting_rollout(tmp_path, standin):
     """Every rollout slot of a worker holds a watch: the client's default pool (5 per CPU)
     would drop and reopen a TLS connection per request past it."""

@@ -118,18 +118,26 @@ def build_job(kcfg: Any, *, command: str, llm: LLMEndpoint, gateway_url: str, sa
                          "(Linux refuses one variable over 128 KiB): shorten the sample, or "
                          "give the agent a reference to fetch")
     base = f"{gateway_url.rstrip('/')}/rollout/{llm.rollout_id}"
-    env = {**dict(kcfg.env or {}),
+    env = {**_plain(kcfg.env or {}),
            "OPENAI_BASE_URL": f"{base}/v1", "OPENAI_API_KEY": llm.api_key,
            "OPENAI_MODEL": llm.model, "CARRYOVER_ROLLOUT_ID": llm.rollout_id,
            "CARRYOVER_REWARD_URL": f"{base}/reward",
            "CARRYOVER_MAX_WAIT_S": str(llm.max_wait_s),
            "CARRYOVER_SAMPLE": sample_json,
            "CARRYOVER_AGENT_SETTINGS": json.dumps(settings)}
+    secrets = _secret_refs(kcfg.env or {})
+    taken = sorted(set(secrets) & set(env))
+    if taken:
+        raise AgentError(f"controller.kubernetes.env: {taken} are set by carryover for the "
+                         "agent; give the Secret's value another name")
     labels = job_labels(run_id, group_id, index, attempt, dict(kcfg.labels or {}))
     container = k8s.V1Container(
         name="agent", image=kcfg.image, image_pull_policy=kcfg.image_pull_policy,
         command=["/bin/sh", "-c", command],
-        env=[k8s.V1EnvVar(name=k, value=str(v)) for k, v in env.items()],
+        env=[k8s.V1EnvVar(name=k, value=str(v)) for k, v in env.items()]
+        + [k8s.V1EnvVar(name=k, value_from=k8s.V1EnvVarSource(
+            secret_key_ref=k8s.V1SecretKeySelector(name=ref["secret"], key=ref["key"])))
+           for k, ref in secrets.items()],
         resources=k8s.V1ResourceRequirements(**_resources(kcfg.resources)))
     pod = k8s.V1PodSpec(
         restart_policy="Never", containers=[container],
@@ -147,6 +155,18 @@ def build_job(kcfg: Any, *, command: str, llm: LLMEndpoint, gateway_url: str, sa
             ttl_seconds_after_finished=int(kcfg.ttl_seconds_after_finished),
             template=k8s.V1PodTemplateSpec(metadata=k8s.V1ObjectMeta(labels=labels),
                                            spec=pod)))
+
+
+def _plain(env: Any) -> dict[str, str]:
+    """``controller.kubernetes.env``'s plain values."""
+    return {k: str(v) for k, v in dict(env).items() if not hasattr(v, "keys")}
+
+
+def _secret_refs(env: Any) -> dict[str, dict[str, str]]:
+    """``controller.kubernetes.env``'s Secret keys (``{secret: name, key: key}``): the value
+    is read from the Secret by the kubelet and never stands in the Job spec."""
+    return {k: {"secret": str(v["secret"]), "key": str(v["key"])}
+            for k, v in dict(env).items() if hasattr(v, "keys")}
 
 
 def _resources(spec: Any) -> dict[str, Any]:
