@@ -145,7 +145,7 @@ def ipc_check(trainer, tmp: Path, dtype: str, bucket_mb: int) -> dict[str, objec
     finally:
         proc.kill()
         proc.wait()
-    got = {k: v for f in folder.glob("*.safetensors") for k, v in load_file(str(f)).items()}
+    got = tensors(folder)
     saved = load_file(str(tmp / "export" / "model.safetensors"))
     differ = [k for k in saved if k not in got or not torch.equal(got[k], saved[k])]
     return {"sync_s": seconds, "bytes": sent.bytes_moved, "buckets": sent.buckets,
@@ -153,14 +153,17 @@ def ipc_check(trainer, tmp: Path, dtype: str, bucket_mb: int) -> dict[str, objec
             "differing_tensors": len(differ) + len(set(got) - set(saved))}
 
 
+def tensors(folder: Path) -> dict:
+    """Every tensor of the safetensors files in ``folder``, by name."""
+    from safetensors.torch import load_file
+
+    return {k: v for f in sorted(folder.glob("*.safetensors"))
+            for k, v in load_file(str(f)).items()}
+
+
 def changed_tensors(initial: Path, exported: Path) -> int:
     """How many of the export's tensors differ from the initial model's (both bf16)."""
     import torch
-    from safetensors.torch import load_file
-
-    def tensors(folder: Path) -> dict:
-        return {k: v for f in sorted(folder.glob("*.safetensors"))
-                for k, v in load_file(str(f)).items()}
 
     before, after = tensors(initial), tensors(exported)
     return sum(1 for k, v in after.items() if k in before and not torch.equal(before[k], v))

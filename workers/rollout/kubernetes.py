@@ -359,9 +359,14 @@ class KubernetesController(Controller):
             # retry's. A worker's shutdown (not an Exception) leaves it for adoption.
             self._delete(name)
             raise
-        logs = self._logs(name)
+        try:  # listed once: for its log, and for what ended it
+            pods = self._pods(name)
+        except _ApiError as exc:
+            log.warning("no log for Job %s: %s", name, exc)
+            pods = []
+        logs = self._logs(name, pods)
         if result == "failed":
-            ended = self._pod_ended(name)
+            ended = pod_ended(pods)
             raise AgentError(f"Job {name} failed: {reason}" + (f"; {ended}" if ended else ""),
                              logs[-2000:])
         posted = posted_reward()
@@ -442,8 +447,7 @@ class KubernetesController(Controller):
         self.pod_checked_at = now
         name = job.metadata.name
         try:
-            pods = self._api("list pods", self.core.list_namespaced_pod, self.namespace,
-                             label_selector=f"job-name={name}").items
+            pods = self._pods(name)
         except _ApiError as exc:
             log.warning("cannot see the pod of Job %s: %s", name, exc)
             return
@@ -539,36 +543,16 @@ class KubernetesController(Controller):
             if exc.status != 404:
                 log.error("%s (the Job's activeDeadlineSeconds still ends it)", exc)
 
-    def _pod_ended(self, name: str) -> str:
-        """What ended the Job's pod (its container OOMKilled, exit code 137; the pod
-        Evicted), best effort: with backoffLimit 0 the Job itself says only
-        BackoffLimitExceeded."""
-        try:
-            pods = self._api("list pods", self.core.list_namespaced_pod, self.namespace,
-                             label_selector=f"job-name={name}").items
-        except _ApiError:
-            return ""
-        said = []
-        for pod in pods:
-            status = pod.status
-            if status is None:
-                continue
-            if status.reason:
-                said.append(f"pod {status.reason}: {status.message or ''}".rstrip(": "))
-            for cs in status.container_statuses or []:
-                ended = getattr(cs.state, "terminated", None) if cs.state else None
-                if ended is not None and (ended.reason or ended.exit_code):
-                    said.append(f"container {cs.name} {ended.reason or 'exited'} "
-                                f"(exit code {ended.exit_code})")
-        return ", ".join(said)
+    def _pods(self, name: str) -> list[Any]:
+        """The pods of Job ``name`` (raises ``_ApiError``)."""
+        return self._api("list pods", self.core.list_namespaced_pod, self.namespace,
+                         label_selector=f"job-name={name}").items
 
-    def _logs(self, name: str) -> str:
+    def _logs(self, name: str, pods: list[Any]) -> str:
         """The agent container's log, best effort (for error messages and a printed reward)."""
+        if not pods:
+            return ""
         try:
-            pods = self._api("list pods", self.core.list_namespaced_pod, self.namespace,
-                             label_selector=f"job-name={name}").items
-            if not pods:
-                return ""
             # raw body: the client's own decoding of a log turns bytes into "b'...'" text
             resp = self._api("read pod log", self.core.read_namespaced_pod_log,
                              pods[0].metadata.name, self.namespace, tail_lines=200,
@@ -577,6 +561,24 @@ class KubernetesController(Controller):
         except _ApiError as exc:
             log.warning("no log for Job %s: %s", name, exc)
             return ""
+
+
+def pod_ended(pods: list[Any]) -> str:
+    """What ended a Job's pod (its container OOMKilled, exit code 137; the pod Evicted):
+    with backoffLimit 0 the Job itself says only BackoffLimitExceeded."""
+    said = []
+    for pod in pods:
+        status = pod.status
+        if status is None:
+            continue
+        if status.reason:
+            said.append(f"pod {status.reason}: {status.message or ''}".rstrip(": "))
+        for cs in status.container_statuses or []:
+            ended = getattr(cs.state, "terminated", None) if cs.state else None
+            if ended is not None and (ended.reason or ended.exit_code):
+                said.append(f"container {cs.name} {ended.reason or 'exited'} "
+                            f"(exit code {ended.exit_code})")
+    return ", ".join(said)
 
 
 class _ApiError(Exception):

@@ -589,7 +589,7 @@ def record(client: redis.Redis, run_id: str, step: int, group_ids: list[str],
 def save_if_due(client: redis.Redis, settings: TrainerSettings, resident: Resident,
                 run_id: str, step: int, version: int, metrics: Metrics) -> None:
     done = step + 1
-    if done % settings.save_freq != 0 and done < settings.total_steps:
+    if not settings.save_due(done):
         return
     # what the checkpoint records is taken now; only the writing may run in the background
     write = partial(checkpoint.save_checkpoint, resident.trainer, settings.checkpoint_dir,
@@ -609,7 +609,7 @@ def save_missing(client: redis.Redis, settings: TrainerSettings, resident: Resid
     step whose save failed after its record (a full disk) fails, and its retry answers
     from the record; the last step's, once lost, no later step would write."""
     done = resident.steps_done
-    if done == 0 or (done % settings.save_freq != 0 and done < settings.total_steps):
+    if not settings.save_due(done):
         return
     latest = checkpoint.latest_checkpoint(settings.checkpoint_dir, run_id)
     if latest is not None and checkpoint.checkpoint_step(latest) >= done:

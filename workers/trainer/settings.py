@@ -84,6 +84,11 @@ class TrainerSettings:
         """The engines sleep through a collocated update where sleep mode is on (GPU)."""
         return self.collocated(device) and self.inference.sleep_mode
 
+    def save_due(self, updates: int) -> bool:
+        """A checkpoint is due once the run holds ``updates`` updates: every ``save_freq``,
+        and at the last step."""
+        return updates > 0 and (updates % self.save_freq == 0 or updates >= self.total_steps)
+
     def saves_in_background(self, device: str) -> bool:
         """A checkpoint is written while the next step's groups are collected only where the
         engine's state stays put between steps: verl's save brings offloaded parameters
