@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 
 from app.state import keys
-from gateway.rendering import TemplateInput
+from gateway.rendering import TemplateInput, template_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ class Continuity:
         msgs = body.get("messages") or []
         ends = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
         if not ends or self.eos_id is None or body.get("n", 1) != 1 \
-                or body.get("continue_final_message") or body.get("chat_template_kwargs"):
+                or body.get("continue_final_message") or template_kwargs(body):
             return None
         tools = body.get("tools")
         ends = ends[::-1]  # the longest kept conversation first

@@ -152,6 +152,18 @@ class TemplateInput:
         return out
 
 
+def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """The extra inputs vLLM gives the chat template for the chat body ``body``: its
+    ``chat_template_kwargs``, and a ``reasoning_effort`` (with ``enable_thinking`` set from it
+    unless given, for templates where thinking is opt-in)."""
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        kwargs.setdefault("enable_thinking", effort != "none")
+        kwargs["reasoning_effort"] = effort
+    return kwargs
+
+
 def _texts(content: Any) -> list[str] | None:
     """The texts of a content that is nothing but text (None: none), else None."""
     if content is None:

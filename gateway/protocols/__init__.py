@@ -75,6 +75,20 @@ def template_kwargs(body: dict[str, Any], chat: dict[str, Any]) -> None:
     chat["chat_template_kwargs"] = kwargs
 
 
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's chat field
+
+
+def reasoning_effort(effort: Any, param: str, chat: dict[str, Any]) -> None:
+    """A reasoning effort goes on as the chat route's ``reasoning_effort``, which vLLM hands
+    the chat template (gpt-oss and Qwen3 templates read it; others ignore it) rather than
+    drop it: the prompt the model sees then is the one the provider's API would give it."""
+    if effort is None:
+        return
+    if effort not in EFFORTS:
+        raise bad_request(f"{param} must be one of {', '.join(EFFORTS)}", param=param)
+    chat["reasoning_effort"] = effort
+
+
 def tools_callable(chat: dict[str, Any]) -> bool:
     """Whether the model may answer ``chat`` with a tool call. OpenAI and Anthropic hold only
     the final text answer to a structured-output format; vLLM holds every token to it (a

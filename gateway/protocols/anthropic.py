@@ -13,7 +13,11 @@ so the gateway translates to the chat path that captures them:
   (``continue_final_message``) instead of opening a new one.
 - ``stop_sequences`` becomes ``stop``; ``max_tokens`` (required) and the sampling
   parameters are passed on, where the gateway's sampling policy applies to them as on
-  every route.
+  every route; ``output_config.effort`` becomes ``reasoning_effort``, as vLLM's own
+  Messages route makes it.
+- A ``tool_result`` block's ``is_error`` has no place in a chat ``tool`` message and is not
+  passed on (vLLM's own Messages route drops it too): the error's text is what the model
+  reads.
 
 What the gateway cannot serve is refused with a 400 naming it: image and document blocks,
 extended thinking, server tools (web search, code execution and the like), MCP servers.
@@ -34,6 +38,7 @@ from gateway.protocols import (
     StreamTranslator,
     function_tool,
     named_function,
+    reasoning_effort,
     required_string,
     template_kwargs,
     text_of,
@@ -113,9 +118,7 @@ def _message(m: Any, i: int) -> list[dict[str, Any]]:
 def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
     """The JSON schema structured outputs ask the answer to follow (``output_config.format``,
     or the earlier beta's top-level ``output_format``), else None. Served as the chat
-    route's ``response_format`` (constrained decoding, captured as such); the effort an
-    ``output_config`` may name concerns extended thinking, which is not served, and is
-    ignored."""
+    route's ``response_format`` (constrained decoding, captured as such)."""
     config = body.get("output_config")
     if config is not None and not isinstance(config, dict):
         raise bad_request("output_config must be an object", param="output_config")
@@ -190,6 +193,8 @@ class Messages(Protocol):
         if schema is not None and not tools_callable(chat):
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": schema, "strict": True}}
+        reasoning_effort((body.get("output_config") or {}).get("effort"),
+                         "output_config.effort", chat)
         template_kwargs(body, chat)
         if body.get("stream"):
             chat["stream"] = True

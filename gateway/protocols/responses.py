@@ -6,7 +6,8 @@ completions and back.
   ``tool_calls``, ``function_call_output`` items ``tool`` messages; reasoning items are
   dropped (the served model writes none).
 - Function ``tools`` and ``tool_choice`` map one to one; ``text.format`` (json_schema,
-  json_object) becomes ``response_format``; ``max_output_tokens`` becomes ``max_tokens``.
+  json_object) becomes ``response_format``; ``max_output_tokens`` becomes ``max_tokens``;
+  ``reasoning.effort`` becomes ``reasoning_effort``, which vLLM gives the chat template.
 - The answer is a ``response`` object with a message item and a ``function_call`` item per
   tool call; streamed, the events the SDKs read (created, output items and parts, text and
   argument deltas, completed).
@@ -32,6 +33,7 @@ from gateway.protocols import (
     StreamTranslator,
     function_tool,
     named_function,
+    reasoning_effort,
     required_string,
     template_kwargs,
     text_of,
@@ -162,6 +164,10 @@ class Responses(Protocol):
         fmt = _response_format(body.get("text"))
         if fmt is not None and not tools_callable(chat):
             chat["response_format"] = fmt
+        reasoning = body.get("reasoning")
+        if reasoning is not None and not isinstance(reasoning, dict):
+            raise bad_request("reasoning must be an object", param="reasoning")
+        reasoning_effort((reasoning or {}).get("effort"), "reasoning.effort", chat)
         template_kwargs(body, chat)
         if body.get("stream"):
             chat["stream"] = True

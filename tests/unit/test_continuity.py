@@ -169,3 +169,24 @@ def test_a_continued_prompt_is_counted_as_its_ids(tok):
     assert check.check(long, "chat.completions") is not None  # rendered: too long
     assert check.check(long, "chat.completions", list(range(50))) is None
     assert check.check(long, "chat.completions", list(range(60))) == (60, 8)
+
+
+def test_a_reasoning_effort_is_rendered_and_counted_as_the_server_renders_it(tok, redis_client):
+    """vLLM gives a chat's ``reasoning_effort`` to the template (gpt-oss's writes it into the
+    system turn): a later turn is rendered, not continued without it, and the context
+    check counts the prompt with it."""
+    import copy
+
+    from gateway.context import ContextCheck
+
+    body, _, _ = first_turn(tok, redis_client, "r-effort")
+    nxt = {**second_turn(body), "reasoning_effort": "high"}
+    assert Continuity(tok, redis_client).prompt_ids("r-effort", nxt) is None
+    effort = copy.copy(tok)
+    effort.chat_template = ("{% if reasoning_effort %}Reasoning: {{ reasoning_effort * 40 }}"
+                            "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
+    check = ContextCheck(effort, 32)
+    short = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
+    assert check.check(short, "chat.completions") is None
+    over = check.check({**short, "reasoning_effort": "high"}, "chat.completions")
+    assert over is not None and over[0] > 24, over

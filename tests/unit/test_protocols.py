@@ -578,3 +578,25 @@ def test_chat_template_kwargs_go_on_as_on_the_chat_route():
     with pytest.raises(GatewayError) as err:
         Responses().to_chat({"input": "hi", "chat_template_kwargs": "no"})
     assert err.value.param == "chat_template_kwargs"
+
+
+def test_a_reasoning_effort_goes_on_as_the_chat_routes():
+    """The Agents SDK's ``ModelSettings(reasoning=Reasoning(effort=...))`` and Anthropic's
+    ``output_config.effort`` render the prompt of a model whose template reads it: they go
+    on as ``reasoning_effort``, as vLLM's own routes make them, not dropped."""
+    assert Responses().to_chat({"input": "hi", "reasoning": {"effort": "low",
+                                                             "summary": "auto"}})[
+        "reasoning_effort"] == "low"
+    assert "reasoning_effort" not in Responses().to_chat({"input": "hi", "reasoning": {}})
+    assert Messages().to_chat({"max_tokens": 5, "output_config": {"effort": "high"},
+                               "messages": [{"role": "user", "content": "hi"}]})[
+        "reasoning_effort"] == "high"
+    for body, param in (({"input": "hi", "reasoning": {"effort": "lots"}}, "reasoning.effort"),
+                        ({"input": "hi", "reasoning": "low"}, "reasoning")):
+        with pytest.raises(GatewayError) as err:
+            Responses().to_chat(body)
+        assert err.value.status == 400 and err.value.param == param
+    with pytest.raises(GatewayError) as err:
+        Messages().to_chat({"max_tokens": 5, "output_config": {"effort": 3},
+                            "messages": [{"role": "user", "content": "hi"}]})
+    assert err.value.param == "output_config.effort"

@@ -94,3 +94,17 @@ def test_tool_call_arguments_are_given_as_an_object():
     msgs = [{"role": "assistant", "content": "hi", "tool_calls": []}]
     assert convert(msgs) == [{"role": "assistant", "content": "hi"}]
     assert msgs[0]["tool_calls"] == []
+
+
+def test_template_kwargs_are_vllms_for_a_reasoning_effort():
+    from gateway.rendering import template_kwargs
+
+    assert template_kwargs({"messages": []}) == {}
+    assert template_kwargs({"reasoning_effort": "low"}) == {
+        "reasoning_effort": "low", "enable_thinking": True}
+    assert template_kwargs({"reasoning_effort": "none"}) == {
+        "reasoning_effort": "none", "enable_thinking": False}
+    # the agent's own enable_thinking stands
+    assert template_kwargs({"reasoning_effort": "low",
+                            "chat_template_kwargs": {"enable_thinking": False, "x": 1}}) == {
+        "reasoning_effort": "low", "enable_thinking": False, "x": 1}
