@@ -54,6 +54,9 @@ def eval_config(cfg: Any, n_samples: int) -> dict:
     assert isinstance(plain, dict)
     plain["data"].update(train_files=plain["data"]["val_files"], shuffle=False,
                          train_batch_size=n_samples)
+    # nothing of it is trained; a mini-batch larger than the held-out set would fail the
+    # batch rules each time the workers read this config back
+    plain["actor_rollout_ref"]["actor"]["ppo_mini_batch_size"] = 0
     plain["agentlightning"]["async_rollout"]["enabled"] = False
     plain["controller"]["on_failure"] = "zero_reward"
     plain["algorithm"]["filter_groups"]["enable"] = False  # every prompt is measured

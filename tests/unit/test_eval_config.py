@@ -42,3 +42,14 @@ def test_the_evaluation_run_visits_every_held_out_prompt_once():
     # a failed evaluation rollout scores 0: it is never re-queued
     assert plain["controller"]["on_failure"] == "zero_reward"
     load_config(base=plain)  # what the workers load back must validate
+
+
+def test_a_held_out_set_smaller_than_the_mini_batch_validates():
+    """verl's ``ppo_mini_batch_size: 16`` with 10 held-out prompts: the evaluation run's
+    config (read back by every worker and the driver) failed the batch rules, and the run
+    died at its first evaluation."""
+    cfg = load_config(None, ["data.val_files=examples/arith/data/val.jsonl",
+                             "trainer.test_freq=5", "data.train_batch_size=32",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+                             "agentlightning.async_rollout.async_train_batch_size=48"])
+    load_config(base=eval_config(cfg, 10))
