@@ -63,7 +63,26 @@ def _load_parquet(p: Path, key: str) -> list[dict]:
         raise DatasetError(f"{key}: cannot read {p} ({exc})") from None
     if not rows:
         raise DatasetError(f"{key}: {p} holds no samples")
+    for no, row in enumerate(rows, 1):
+        try:
+            json.dumps(row)
+        except (TypeError, ValueError):
+            # a sample reaches the agent as JSON: a timestamp, bytes or decimal column would
+            # fail after the run is recorded, without naming the file
+            bad = next(col for col, value in row.items() if not _json_ok(value))
+            raise DatasetError(
+                f"{key}: {p}: row {no}, column {bad!r}: a {type(row[bad]).__name__} value "
+                "cannot be sent to an agent as JSON (cast the column to string or a "
+                "number)") from None
     return rows
+
+
+def _json_ok(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def check_files(cfg: Any) -> list[dict]:

@@ -42,3 +42,15 @@ def test_undecodable_text_and_a_missing_parquet_file_name_the_key_and_line(tmp_p
     assert str(info.value) == f"data.val_files: {tmp_path / 'd.jsonl'}:2: not UTF-8 text (byte 26)"
     with pytest.raises(DatasetError, match=r"cannot read /no/such/file.parquet \(no such file\)"):
         load_samples("/no/such/file.parquet")
+
+
+def test_a_parquet_column_json_cannot_carry_is_named(tmp_path):
+    """A timestamp column (pyarrow gives datetime values) failed once the run was recorded,
+    as a TypeError naming no file."""
+    import datetime
+
+    rows = [{"text": "a", "at": datetime.datetime(2026, 1, 1)}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "t.parquet")
+    with pytest.raises(DatasetError, match=r"data.val_files: .*t.parquet: row 1, column 'at': "
+                                           r"a datetime value"):
+        load_samples(str(tmp_path / "t.parquet"), key="data.val_files")
