@@ -74,9 +74,11 @@ def rollout_calls(rollout_id: str) -> str:
     return PREFIX + "rollout:" + rollout_id + ":calls"
 
 
-def rollout_inflight(rollout_id: str) -> str:
-    """STRING counter of a rollout's requests now in the gateway (per-rollout concurrency cap)."""
-    return PREFIX + "rollout:" + rollout_id + ":inflight"
+def rollout_leases(rollout_id: str) -> str:
+    """ZSET lease id -> expiry (ms, Redis clock): the rollout's requests now in the gateway,
+    as in :func:`leases` (per-rollout concurrency cap). Counted live: a lease its gateway
+    never released drops out when it expires."""
+    return PREFIX + "rollout:" + rollout_id + ":leases"
 
 
 # --- runs, groups: the collector --------------------------------------------------------

@@ -33,7 +33,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 """
 
-# KEYS: paused, leases, rollout_inflight, policy_version, rollout
+# KEYS: paused, leases, rollout_leases, policy_version, rollout
 # ARGV: lease_id, ttl_ms, max_per_rollout, token_sha256 ('' = caller already authenticated)
 # -> {status, policy_version, the rollout's own sampling temperature ('' or 'null': none)}:
 # status as in AdmitStatus. Authentication rides in the same round trip: the gateway's hot
@@ -46,18 +46,17 @@ if ARGV[4] ~= '' then
   if rec[2] ~= 'running' then return {-4, 0} end
 end
 if redis.call('EXISTS', KEYS[1]) == 1 then return {0, 0} end
-local n = redis.call('INCR', KEYS[3])
+redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+if redis.call('ZCARD', KEYS[3]) >= tonumber(ARGV[3]) then return {-1, 0} end
+local expiry = now + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[3], expiry, ARGV[1])
 redis.call('PEXPIRE', KEYS[3], ARGV[2])
-if n > tonumber(ARGV[3]) then
-  redis.call('DECR', KEYS[3])
-  return {-1, 0}
-end
-redis.call('ZADD', KEYS[2], now + tonumber(ARGV[2]), ARGV[1])
+redis.call('ZADD', KEYS[2], expiry, ARGV[1])
 local v = redis.call('GET', KEYS[4])
 return {1, tonumber(v or '0'), rec[3] or ''}
 """
 
-# KEYS: leases, rollout_inflight, cancelled, rollout_calls, rollout_turns
+# KEYS: leases, rollout_leases, cancelled, rollout_calls, rollout_turns
 # ARGV: lease_id, turn digest ('' = none), tag of the call's response, calls...
 # -> the rollout's number of calls after recording them (1 with nothing to record), 0 the
 # lease was cancelled by a drain timeout: nothing is recorded. The calls are written before
@@ -75,10 +74,8 @@ if not cancelled and #ARGV > 3 then
     if redis.call('TTL', KEYS[5]) == -1 then redis.call('EXPIRE', KEYS[5], 604800) end
   end
 end
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
-  local n = redis.call('DECR', KEYS[2])
-  if n <= 0 then redis.call('DEL', KEYS[2]) end
-end
+redis.call('ZREM', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
 redis.call('SREM', KEYS[3], ARGV[1])
 if cancelled then return 0 end
 return length
@@ -99,11 +96,16 @@ return 1
 RECENT_CAPTURES_S = 10.0
 LOST_BEFORE_OUTAGE_S = 3.0
 
-# KEYS: leases   ARGV: ttl_ms, lease ids...  (XX: never resurrect a released lease)
+# KEYS: leases, then each lease's rollout_leases   ARGV: ttl_ms, lease ids (in that order)
+# (XX: never resurrect a released lease)
 REFRESH = _NOW_MS + """
 local n = 0
+local expiry = now + tonumber(ARGV[1])
 for i = 2, #ARGV do
-  n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', now + tonumber(ARGV[1]), ARGV[i])
+  n = n + redis.call('ZADD', KEYS[1], 'XX', 'CH', expiry, ARGV[i])
+  if redis.call('ZADD', KEYS[i], 'XX', 'CH', expiry, ARGV[i]) == 1 then
+    redis.call('PEXPIRE', KEYS[i], ARGV[1])
+  end
 end
 return n
 """
@@ -217,7 +219,7 @@ class Admission:
         one of its own (``RolloutRecord.temperature``: an evaluation's), else None."""
         lease_id = f"{rollout_id}|{uuid.uuid4().hex}"
         status, version, *rest = self._admit(
-            keys=[keys.paused(), keys.leases(), keys.rollout_inflight(rollout_id),
+            keys=[keys.paused(), keys.leases(), keys.rollout_leases(rollout_id),
                   keys.policy_version(), keys.rollout(rollout_id)],
             args=[lease_id, self.ttl_ms, self.max_per_rollout, token_sha256])
         own = rest[0] if rest and rest[0] not in ("", "null") else None
@@ -232,7 +234,7 @@ class Admission:
         rollout_id = lease_id.split("|", 1)[0]
         digest, tag = turn if turn is not None and len(calls) == 1 else ("", "")
         length = int(self._record_release(
-            keys=[keys.leases(), keys.rollout_inflight(rollout_id), keys.cancelled(),
+            keys=[keys.leases(), keys.rollout_leases(rollout_id), keys.cancelled(),
                   keys.rollout_calls(rollout_id), keys.rollout_turns(rollout_id)],
             args=[lease_id, digest, tag, *calls]))
         if length and calls:
@@ -264,7 +266,10 @@ class Admission:
     def refresh(self, lease_ids: list[str]) -> int:
         if not lease_ids:
             return 0
-        return int(self._refresh(keys=[keys.leases()], args=[self.ttl_ms, *lease_ids]))
+        return int(self._refresh(
+            keys=[keys.leases(), *(keys.rollout_leases(lid.split("|", 1)[0])
+                                   for lid in lease_ids)],
+            args=[self.ttl_ms, *lease_ids]))
 
     def cancelled_among(self, lease_ids: list[str]) -> set[str]:
         if not lease_ids:

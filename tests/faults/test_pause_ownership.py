@@ -10,7 +10,7 @@ import time
 import pytest
 
 from app.state import keys
-from app.state.pause import Admission, Pause
+from app.state.pause import Admission, AdmitStatus, Pause
 from workers.trainer import service
 
 
@@ -94,3 +94,36 @@ def test_the_mark_that_carries_cut_calls_on_lives_and_ends_with_its_pause(clean)
     assert not carries_on(clean)
     other.resume()
     assert not clean.exists(keys.pause_carries_on())  # the resume deletes the mark
+
+
+def test_a_rollouts_cap_counts_its_live_leases_only(clean):
+    """The per-rollout cap counts the rollout's live leases. Leases a killed gateway never
+    released expire out of it even while the agent keeps retrying (each refused retry kept
+    a counter alive, and the rollout was refused for good); a long call whose lease is kept
+    alive stays counted past the lease TTL."""
+    gw = Admission(clean, lease_ttl_s=1, max_per_rollout=2)
+    # two calls of a gateway killed before it released them
+    assert [gw.admit("orphaned")[0] for _ in range(2)] == [AdmitStatus.ADMITTED] * 2
+    admitted_at = None
+    start = time.monotonic()
+    while time.monotonic() - start < 4:
+        status, lease, _ = gw.admit("orphaned")
+        if status == AdmitStatus.ADMITTED:
+            admitted_at = time.monotonic() - start
+            gw.release(lease)
+            break
+        assert status == AdmitStatus.OVER_CAP
+        time.sleep(0.2)
+    assert admitted_at is not None and admitted_at >= 0.8, admitted_at
+
+    one = Admission(clean, lease_ttl_s=1, max_per_rollout=1)
+    status, long_call, _ = one.admit("long")
+    assert status == AdmitStatus.ADMITTED
+    for _ in range(8):  # 2 s, twice the TTL, the lease kept alive as the gateway keeps it
+        time.sleep(0.25)
+        assert one.refresh([long_call]) == 1
+        assert one.admit("long")[0] == AdmitStatus.OVER_CAP
+    one.release(long_call)
+    status, lease, _ = one.admit("long")
+    assert status == AdmitStatus.ADMITTED
+    one.release(lease)
