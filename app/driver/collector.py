@@ -381,5 +381,12 @@ class Collector:
     def active_count(self) -> int:
         return self.r.zcard(keys.run_active(self.run_id))
 
-    def set_step(self, step: int) -> None:
-        self.r.hset(keys.run(self.run_id), "step", step)
+    def set_step(self, step: int, metrics_entry: str | None = None) -> None:
+        """Record ``step`` updates done, with the last one's metrics entry in the same
+        transaction: a driver killed between the two would resume past a step whose
+        metrics were never kept."""
+        pipe = self.r.pipeline()
+        pipe.hset(keys.run(self.run_id), RunRecord.field("step"), step)
+        if metrics_entry is not None:
+            pipe.rpush(keys.run_metrics(self.run_id), metrics_entry)
+        pipe.execute()

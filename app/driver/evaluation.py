@@ -34,6 +34,7 @@ from app.driver.collector import Collector
 from app.state import carry, keys, retention
 from app.state.completion import sibling_results
 from app.state.records import SUCCESS_REWARD, CapturedCall, GroupRecord, RunRecord
+from app.state.runs import MissingState, read_run, run_config
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +121,43 @@ class Evaluator:
                                    progress_at=now)
         log.info("evaluation %s: %d held-out prompts x %d sent (policy version %d)", eval_id,
                  sent, n_val, version)
+        return self.pending
+
+    def adopt(self, version: int) -> PendingEval | None:
+        """At resume: the evaluation the dead driver left running is taken up and reported
+        as any other (its rollouts went on meanwhile); left alone, it would hold rollout
+        slots and never expire. At most one runs at a time: an older one is cancelled.
+        ``version``: the policy version now, for a report none of whose calls were
+        captured."""
+        prefix = keys.run(f"{self.run_id}-val")
+        found: list[RunRecord] = []
+        for key in self.r.scan_iter(prefix + "*"):
+            eval_id = key.removeprefix(keys.run(""))
+            if ":" in eval_id:  # one of its sets, not its record
+                continue
+            try:
+                rec = read_run(self.r, eval_id)
+            except MissingState:  # expired since the scan
+                continue
+            if rec.mode == EVAL_MODE and rec.status == "running":
+                found.append(rec)
+        found.sort(key=lambda rec: rec.created_at)
+        for rec in found:
+            if self.pending is not None:
+                log.warning("evaluation %s: an older one still running; cancelled",
+                            self.pending.eval_id)
+                self.cancel()
+            n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
+            collector = Collector(self.r, rec.run_id, run_config(self.r, rec.run_id), n=n_val)
+            collector.resend_unsent()
+            sent_at = int(rec.run_id[len(self.run_id) + len("-val"):].split("-")[0])
+            # how long it has run, on this process's clock
+            started = time.monotonic() - max(time.time() - rec.created_at, 0.0)
+            self.pending = PendingEval(rec.run_id, sent_at, version, started,
+                                       rec.n_dispatched, collector,
+                                       progress_at=time.monotonic())
+            log.info("evaluation %s (sent after %d updates) taken up from the driver before",
+                     rec.run_id, sent_at)
         return self.pending
 
     def finished(self, pending: PendingEval) -> bool:

@@ -30,8 +30,9 @@ from app.driver.recovery import OutageWatch, repair
 from app.driver.restore import ServerRestore
 from app.driver.trainer_call import call_trainer
 from app.state import keys
-from app.state.connection import connect, resolve_redis_url
-from app.state.runs import read_run, run_config
+from app.state.connection import connect, redact, resolve_redis_url
+from app.state.records import RunRecord
+from app.state.runs import MissingState, read_run, run_config
 
 log = logging.getLogger(__name__)
 
@@ -111,12 +112,17 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
                              "(set $CARRYOVER_CONFIG / $REDIS_URL before importing app.celery_app)")
     client = connect(url, reconnect_s=float(cfg.redis.reconnect_s))
     if resume:
-        record = read_run(client, resume)
+        try:
+            record = read_run(client, resume)
+            stored = run_config(client, resume)  # the run keeps the config it started with
+        except MissingState:
+            raise TrainingFailed(f"--resume {resume}: no such run in the Redis at "
+                                 f"{redact(url)} (a run id is printed when its run "
+                                 "starts, and names its folder under logging.dir)") from None
         if record.status == "finished":
             # its final evaluations would run and be reported a second time
             raise TrainingFailed(f"run {resume} already finished ({record.step} steps); "
                                  "start a new run instead of resuming it")
-        stored = run_config(client, resume)  # the run keeps the config it started with
         _require_same_config(cfg, stored, resume, given)
         cfg = stored
     _require_gateway_agrees(cfg)
@@ -156,7 +162,9 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
     sink = MetricsSink(run_dir, run_id, cfg, console=bool(cfg.logging.console))
     total = int(cfg.trainer.total_steps)
     step = read_run(client, run_id).step
-    if not resume:
+    if resume:
+        sink.catch_up(client.lindex(keys.run_metrics(run_id), -1))
+    else:
         log.info("run %s started (metrics in %s; after a crash: carryover train --resume "
                  "%s)", run_id, run_dir, run_id)
     # The engine must serve this run's policy before any rollout of it starts.
@@ -169,20 +177,27 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
         resent = collector.resend_unsent()
         log.info("resuming run %s at step %d with %d active groups (%d re-sent)",
                  run_id, step, collector.active_count(), resent)
+        evaluator.adopt(int(client.get(keys.policy_version()) or 0))
 
     def report_eval(steps_done: int, val: dict[str, float] | None) -> None:
         if val is None:
             return
-        client.rpush(keys.run_metrics(run_id), json.dumps({"step": steps_done, **val}))
+        pipe = client.pipeline()  # the report and its mark together: never one twice
+        pipe.rpush(keys.run_metrics(run_id), json.dumps({"step": steps_done, **val}))
+        pipe.hset(keys.run(run_id), RunRecord.field("evaluated_step"), steps_done)
+        pipe.execute()
         sink.log(steps_done, val)
         if on_eval:
             on_eval(steps_done, val)
         elif cfg.logging.console:
             print(val_line(steps_done, val), flush=True)
 
-    if step == 0 and evaluator.before_training():
-        # the initial policy alone: waited for before any training rollout is sent
-        evaluator.start(0, int(client.get(keys.policy_version()) or 0))
+    evaluated = read_run(client, run_id).evaluated_step  # -1 unless a resumed run reported one
+    if step == 0 and evaluator.before_training() and evaluated < 0:
+        # the initial policy alone: waited for before any training rollout is sent (a
+        # resumed run's may be running still, taken up)
+        if evaluator.pending is None:
+            evaluator.start(0, int(client.get(keys.policy_version()) or 0))
         report_eval(0, evaluator.wait(on_wait=restore_servers))
     last_counters = collector.counters()
     n = collector.n
@@ -311,10 +326,9 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
             last_counters = counters
             step += 1
             still_driving()  # the step's counter and metrics are written by the lease's holder
-            collector.set_step(step)
             last_entry = {"step": step - 1, **metrics}
+            collector.set_step(step, json.dumps(last_entry))
             chosen = None
-            client.rpush(keys.run_metrics(run_id), json.dumps(last_entry))
             sink.log(step - 1, metrics)
             if on_step:
                 on_step(step - 1, metrics)
@@ -335,8 +349,9 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
         # evaluation's rollouts need the slots
         still_driving()
         collector.cancel_all()
-        if step >= total and evaluator.freq > 0 and evaluator.enabled:
-            # the final policy is always measured (verl's last validation)
+        if step >= total and evaluator.freq > 0 and evaluator.enabled \
+                and read_run(client, run_id).evaluated_step < step:
+            # the final policy is always measured (verl's last validation), once
             report_eval(step - 1, evaluator.wait(on_wait=restore_servers))
             evaluator.start(step, int(client.get(keys.policy_version()) or 0))
             report_eval(step, evaluator.wait(on_wait=restore_servers))

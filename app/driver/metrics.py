@@ -74,6 +74,21 @@ class MetricsSink:
                 log.warning("W&B disabled for the rest of this run: %s", exc)
                 self.wandb_run = None
 
+    def catch_up(self, last_entry: str | None) -> bool:
+        """At resume: write the run's last metrics entry kept in Redis (JSON) if the file
+        lacks it (the driver died between keeping it and writing it here: nothing else is
+        written in between, so only the last can be missing). True if it was written."""
+        if last_entry is None:
+            return False
+        entry = json.loads(last_entry)
+        if {k: _clean(v) for k, v in entry.items()} == _last_line(self.jsonl_path):
+            return False
+        step = entry.pop("step")
+        log.info("metrics of step %d were kept in Redis, not in %s: written now", step,
+                 self.jsonl_path)
+        self.log(step, entry)
+        return True
+
     def close(self) -> None:
         if self.wandb_run is not None:
             try:
@@ -84,6 +99,19 @@ class MetricsSink:
     @property
     def wandb_dir(self) -> str | None:
         return getattr(self.wandb_run, "dir", None) if self.wandb_run else None
+
+
+def _last_line(path: Path) -> dict[str, Any] | None:
+    """The file's last record, as :meth:`MetricsSink.log` wrote it (non-finite values
+    as null), else None."""
+    try:
+        with path.open("rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(0, size - (1 << 20)))
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    return json.loads(lines[-1]) if lines else None
 
 
 def _end_cleanly(path: Path) -> None:

@@ -259,6 +259,10 @@ class RunRecord(_HashRecord):
     # the last selection's figures (``app.driver.collector.Selection``), so that a driver
     # resumed after selecting and before the update ended still reports them for that step
     last_selection: dict = field(default_factory=dict)
+    # optimizer steps done at the last evaluation reported (-1: none), so that a driver
+    # resumed after reporting one (the final, before ``status`` became finished) does not
+    # run and report it again
+    evaluated_step: int = -1
 
 
 @dataclass

@@ -114,6 +114,77 @@ def test_an_evaluation_rollout_is_sampled_at_its_own_temperature(redis_client, g
         assert call.temperature == expected
 
 
+def _gated_cfg(tmp_path, *overrides: str):
+    """Scripted agents; the held-out ones wait on the gate ``evaluation``."""
+    from app.state.connection import resolve_redis_url
+
+    env = json.loads(os.environ["CARRYOVER_OVERRIDES"])
+    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
+    train_file.write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(4)))
+    val_file.write_text("".join(json.dumps({"text": f"v{i}", "gate": "evaluation"}) + "\n"
+                                for i in range(2)))
+    return load_config(None, [
+        *env, f"data.train_files={train_file}", f"data.val_files={val_file}",
+        "trainer.test_freq=1", "trainer.val_before_train=false",
+        "controller.agent=tests.agents:scripted",
+        f"agent.redis_url={resolve_redis_url(load_config(None, env))}",
+        "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
+        "agentlightning.async_rollout.async_train_batch_size=3",
+        f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
+        "logging.console=false", f"trainer.weights_dir={tmp_path / 'weights'}",
+        f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}", *overrides])
+
+
+def _eval_runs(redis_client, run_id: str) -> list[str]:
+    return [k.removeprefix(keys.run("")) for k in
+            redis_client.scan_iter(keys.run(f"{run_id}-val*"))
+            if ":" not in k.removeprefix(keys.run(""))]
+
+
+def test_an_evaluation_running_when_the_driver_died_is_taken_up_on_resume(
+        redis_client, gateway_service, celery_workers, tmp_path, monkeypatch):
+    """Its rollouts went on without a driver: the resumed one reports it (it was neither
+    reported nor cancelled, and its records never expired)."""
+    from app.driver.evaluation import Evaluator
+
+    class Killed(BaseException):
+        pass
+
+    started = Evaluator.start
+
+    def start_then_die(self, steps_done, version):
+        pending = started(self, steps_done, version)
+        if steps_done == 1:
+            raise Killed
+        return pending
+
+    cfg = _gated_cfg(tmp_path, "trainer.total_steps=2")
+    run_id = f"eval-adopted-{tmp_path.name[-8:]}"
+    monkeypatch.setattr(Evaluator, "start", start_then_die)
+    cancel = Evaluator.cancel
+    monkeypatch.setattr(Evaluator, "cancel", lambda self: None)  # killed: no finally runs
+    try:
+        with pytest.raises(Killed):
+            train(cfg, run_id=run_id)
+        monkeypatch.setattr(Evaluator, "start", started)
+        monkeypatch.setattr(Evaluator, "cancel", cancel)
+        (left,) = _eval_runs(redis_client, run_id)
+        assert redis_client.hget(keys.run(left), "status") == "running"
+        redis_client.set("test:gate:evaluation", 1)
+        evals: list[dict] = []
+        result = train(cfg, resume=run_id, on_eval=lambda s, m: evals.append(m))
+    finally:
+        redis_client.set("test:gate:evaluation", 1)
+    assert result["steps"] == 2
+    assert [m["val/sent_at_step"] for m in evals] == [1.0, 2.0], evals
+    assert all(m["val/n_rollouts"] == 2 for m in evals)
+    runs = _eval_runs(redis_client, run_id)
+    assert len(runs) == 2 and left in runs
+    assert all(redis_client.hget(keys.run(e), "status") == "finished" for e in runs)
+    wait_rollouts_idle(redis_client)
+    redis_client.delete("test:gate:evaluation")
+
+
 def test_a_run_that_stops_early_cancels_its_running_evaluation(
         redis_client, gateway_service, celery_workers, tmp_path):
     from app.state.connection import resolve_redis_url
@@ -153,3 +224,31 @@ def test_a_run_that_stops_early_cancels_its_running_evaluation(
         assert redis_client.hget(keys.group(f"{eval_id}-g{seq}"), "status") == "cancelled"
     wait_rollouts_idle(redis_client)  # the gated agents saw the gate open before it goes
     redis_client.delete("test:gate:evaluation")
+
+
+def test_a_driver_lost_after_the_final_report_does_not_evaluate_again(
+        redis_client, gateway_service, celery_workers, tmp_path):
+    """The driver dies after reporting the final evaluation and before the run is marked
+    finished: the resumed run finishes without running or reporting that evaluation again."""
+    class Lost(Exception):
+        pass
+
+    def die_after_final(steps_done: int, metrics: dict) -> None:
+        if steps_done == 1:
+            raise Lost
+
+    cfg = _cfg(tmp_path, "trainer.total_steps=1", "trainer.test_freq=1",
+               "trainer.val_before_train=false")
+    run_id = f"eval-once-{tmp_path.name[-8:]}"
+    with pytest.raises(Lost):
+        train(cfg, run_id=run_id, on_eval=die_after_final)
+    assert redis_client.hget(keys.run(run_id), "status") == "running"
+    evals: list[int] = []
+    result = train(cfg, resume=run_id, on_eval=lambda s, m: evals.append(s))
+    assert result["steps"] == 1 and evals == []
+    assert redis_client.hget(keys.run(run_id), "status") == "finished"
+    reports = [json.loads(e) for e in redis_client.lrange(keys.run_metrics(run_id), 0, -1)]
+    assert [e["step"] for e in reports if "val/reward_mean" in e] == [1], reports
+    sent = [k for k in redis_client.scan_iter(keys.run(f"{run_id}-val*"))
+            if ":" not in k.removeprefix(keys.run(""))]
+    assert len(sent) == 1 and "-val1-" in sent[0], sent  # one final evaluation was sent

@@ -37,6 +37,16 @@ def test_a_finished_run_is_not_resumed(redis_client, caplog):
     assert "run finished-run already finished (5 steps)" in caplog.text
 
 
+def test_an_unknown_or_half_written_run_is_one_clear_line(redis_client, caplog):
+    """A mistyped id (or a run whose driver died between its record's two writes) ended in
+    a MissingState traceback."""
+    assert main(["train", "--resume", "no-such-run"]) == 1
+    assert "--resume no-such-run: no such run in the Redis at" in caplog.text
+    redis_client.hset(keys.run("half-run"), "run_id", "half-run")  # no config yet
+    assert main(["train", "--resume", "half-run"]) == 1
+    assert "--resume half-run: no such run" in caplog.text
+
+
 def test_only_what_the_caller_set_is_compared():
     cfg = service_config()
     stored = OmegaConf.merge(cfg, {"trainer": {"total_steps": 7}})  # a run started with 7

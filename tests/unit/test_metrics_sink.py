@@ -62,3 +62,20 @@ def test_a_metrics_file_that_cannot_be_written_does_not_stop_training(sink, capl
     s.jsonl_path.mkdir()  # any OSError on the write: here, a directory in the way
     s.log(0, {"reward/mean": 0.5})
     assert "step 0's metrics not written" in caplog.text
+
+
+def test_the_last_entry_kept_in_redis_is_written_once_at_resume(sink):
+    """The driver died after keeping a step's metrics in Redis and before writing its line:
+    the resumed run writes it; a line already there (non-finite values as null) is not
+    written again."""
+    first = sink()
+    first.log(0, {"reward/mean": 0.5, "actor/grad_norm": float("nan")})
+    kept_0 = json.dumps({"step": 0, "reward/mean": 0.5, "actor/grad_norm": float("nan")})
+    kept_1 = json.dumps({"step": 1, "reward/mean": 0.75})
+    assert not sink().catch_up(kept_0) and not sink().catch_up(None)
+    resumed = sink()
+    assert resumed.catch_up(kept_1)
+    assert not sink().catch_up(kept_1)
+    assert lines(resumed.jsonl_path) == [
+        {"step": 0, "reward/mean": 0.5, "actor/grad_norm": None},
+        {"step": 1, "reward/mean": 0.75}]
