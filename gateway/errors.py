@@ -2,7 +2,8 @@
 
 Body shape (what the official ``openai`` client parses):
 ``{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}``; on the Messages
-route, Anthropic's (``{"type": "error", "error": {"type": ..., "message": ...}}``).
+route, and to the ``anthropic`` client on any route, Anthropic's
+(``{"type": "error", "error": {"type": ..., "message": ...}}``).
 
 A retryable error says so (``x-should-retry: true``, which the openai and anthropic SDKs
 obey before their status rules), and so does a 4xx that is not (``false``): they would
@@ -56,10 +57,17 @@ def retryable(message: str, retry_after: float, code: str = "paused") -> Gateway
     return GatewayError(503, message, type_="server_error", code=code, retry_after=retry_after)
 
 
+def anthropic_client() -> bool:
+    """The request is an Anthropic one: the Messages route, or any route asked by the
+    ``anthropic`` client (which sends ``anthropic-version`` on every request)."""
+    return request.path.endswith("/v1/messages") or "/v1/messages/" in request.path \
+        or "anthropic-version" in request.headers
+
+
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(GatewayError)
     def _gateway_error(exc: GatewayError):
-        if request.path.endswith("/v1/messages") or "/v1/messages/" in request.path:
+        if anthropic_client():
             from gateway.protocols.anthropic import error_body
 
             resp = jsonify(error_body(exc))

@@ -277,6 +277,29 @@ def test_anthropic_errors_have_anthropics_shape(gw, new_rollout):
                               messages=[{"role": "user", "content": "hi"}])
 
 
+def test_each_sdk_lists_and_retrieves_the_served_model_in_its_own_shape(gw, new_rollout):
+    """``models.list`` and ``models.retrieve`` of both SDKs (an agent checking its model
+    first); the ``anthropic`` client reads a page of ``type: model`` entries, and errors
+    in its shape."""
+    import anthropic
+    import openai
+
+    rid, token, base = new_rollout(gw)
+    oa = openai.OpenAI(base_url=base, api_key=token, max_retries=0)
+    assert [m.id for m in oa.models.list().data] == [NAME]
+    assert oa.models.retrieve(NAME).id == NAME
+    with pytest.raises(openai.NotFoundError):
+        oa.models.retrieve("other")
+    an = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key=token, max_retries=0)
+    page = an.models.list()
+    assert [(m.id, m.type) for m in page.data] == [(NAME, "model")] and not page.has_more
+    assert an.models.retrieve(NAME).display_name == NAME
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        an.models.retrieve("other")
+    assert missing.value.body["type"] == "error"
+    assert missing.value.body["error"]["type"] == "not_found_error"
+
+
 def test_a_group_per_sdk_trains_one_step(gw, smollm2_server, celery_workers, tmp_path):
     """examples/tools/agent.py, one group of 2 rollouts per SDK, through the driver, the
     rollout workers and verl's engine: one update on every protocol's captures."""
