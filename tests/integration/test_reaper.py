@@ -60,3 +60,31 @@ def test_no_reap_for_one_ttl_after_a_failed_beat(workers, clock, redis_client, m
     assert watcher.tick(11) == 12
     assert not redis_client.sismember(keys.rollout_workers(), other.worker_id)
     assert not redis_client.exists(keys.worker_deliveries(other.worker_id))
+
+
+def test_no_reap_for_one_ttl_after_a_beat_that_waited_out_an_outage(workers, clock,
+                                                                      redis_client,
+                                                                      monkeypatch):
+    """The client rides an outage out inside the command (its reconnect budget), so the
+    beat succeeds, late: every other worker's key may have expired meanwhile, as ours did."""
+    watcher, other = workers
+    watcher.tick(0)  # a beat in good times
+    other.register()
+    redis_client.hset(keys.worker_deliveries(other.worker_id), "tag-1", "task-1")
+    real_beat = watcher.beat
+
+    def blocked_beat():
+        clock[0] += 2 * TTL_S  # the command waited for Redis to come back
+        real_beat()
+
+    monkeypatch.setattr(watcher, "beat", blocked_beat)
+    redis_client.delete(keys.worker_alive(other.worker_id))  # expired in the outage
+    assert watcher.tick(3) == 4  # a reap's turn, right after the late beat: none
+    monkeypatch.setattr(watcher, "beat", real_beat)
+    assert redis_client.hget(keys.worker_deliveries(other.worker_id), "tag-1") == "task-1"
+    clock[0] += 1.0
+    assert watcher.tick(7) == 8  # still within a TTL of it: none
+    assert redis_client.sismember(keys.rollout_workers(), other.worker_id)
+    clock[0] += TTL_S  # the other stayed silent a whole TTL since: reaped
+    assert watcher.tick(11) == 12
+    assert not redis_client.sismember(keys.rollout_workers(), other.worker_id)

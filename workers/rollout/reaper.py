@@ -45,6 +45,7 @@ class Reaper:
         self._thread: threading.Thread | None = None
         # no reaping before this (time.monotonic()): set one TTL past a failed beat
         self._unsure_until = 0.0
+        self._beat_at: float | None = None  # the last beat that succeeded
 
     # --- this worker ----------------------------------------------------------------
 
@@ -137,11 +138,17 @@ class Reaper:
     def tick(self, beats: int) -> int:
         """One beat (and every 4th a reap, every 40th a prune); -> the beats done.
 
-        After a beat that failed (Redis away), no reap for one TTL: the other workers' alive
-        keys may have expired in the outage too, and each needs a beat of its own to show it
-        lives; reaped before that, their tasks would run twice."""
+        After a beat that failed (Redis away), or one that came more than a TTL after the
+        last (the client waited the outage out inside the command, or this process stalled),
+        no reap for one TTL: the other workers' alive keys may have expired in the outage
+        too, and each needs a beat of its own to show it lives; reaped before that, their
+        tasks would run twice."""
         try:
             self.beat()
+            now = time.monotonic()
+            if self._beat_at is not None and now - self._beat_at > self.ttl_ms / 1000:
+                self._unsure_until = now + self.ttl_ms / 1000
+            self._beat_at = now
             beats += 1
             if beats % 4 == 0 and time.monotonic() >= self._unsure_until:
                 self.reap()
