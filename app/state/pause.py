@@ -68,6 +68,9 @@ local cancelled = redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1
 local length = 1
 if not cancelled and #ARGV > 3 then
   length = redis.call('RPUSH', KEYS[4], unpack(ARGV, 4))
+  -- a week, as the rollout's record: a call that ends after its group's keys were given
+  -- their TTL (a cancel in the middle of a rollout's first call) makes the list anew
+  if redis.call('TTL', KEYS[4]) == -1 then redis.call('EXPIRE', KEYS[4], 604800) end
   if ARGV[2] ~= '' then
     redis.call('HSET', KEYS[5], ARGV[2], length .. ':' .. ARGV[3])
     -- a week from its first turn; a shorter TTL set since (a cancelled group's) stays

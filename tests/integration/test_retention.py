@@ -42,3 +42,22 @@ def test_a_groups_training_claim_lives_a_week(redis_client):
     assert _claim_groups(r, [gid], 3) == [gid]   # the step's retry
     assert _claim_groups(r, [gid], 4) == []      # never trained twice
     assert retention.GUARD_TTL_S - 60 < r.ttl(keys.group_trained(gid)) <= retention.GUARD_TTL_S
+
+
+def test_a_call_that_ends_after_its_group_was_released_still_expires(redis_client):
+    """A group cancelled (or dropped) while a sibling's first call is still generating: its
+    keys are given their TTL before the calls list exists, and the call recorded after made
+    one that lived for ever."""
+    from app.state.pause import Admission
+
+    r = redis_client
+    gid, rid = "ret-late-g", "ret-late-g.0.a"
+    r.hset(keys.rollout(rid), "status", "running")
+    r.rpush(keys.group_rollouts(gid), rid)
+    gateway = Admission(r)
+    status, lease, _ = gateway.admit(rid)
+    assert status == 1
+    retention.expire_untrained(r, gid)  # the cancel, while the call is in flight
+    assert not r.exists(keys.rollout_calls(rid))
+    assert gateway.record_and_release(lease, ["{}"])
+    assert 0 < r.ttl(keys.rollout_calls(rid)) <= retention.GUARD_TTL_S
