@@ -26,6 +26,9 @@ from app.state.runs import MissingState, read_group, run_config
 log = logging.getLogger(__name__)
 
 
+# the completion outcomes no step trains: their data expires (retention.expire_untrained)
+UNTRAINED = ("dropped", "filtered")
+
 # The early flag goes only on a record that still exists: a plain HSET on one that expired
 # since it was read would bring it back as a one-field hash without a TTL, kept for good.
 _FLAG_EARLY = """
@@ -85,6 +88,9 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
         return _gone(group_id)
     if answer == "duplicate":
         log.info("group %s: completion already recorded (duplicate callback)", group_id)
+        # the first callback may have died before shortening a never-trained group's life
+        if client.hget(keys.group(group_id), GroupRecord.field("status")) in UNTRAINED:
+            retention.expire_untrained(client, group_id)
     elif answer == "dropped":
         retention.expire_untrained(client, group_id)
         log.warning("group %s dropped and its prompt re-queued: %d sibling(s) failed (%s)",

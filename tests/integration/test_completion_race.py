@@ -95,3 +95,32 @@ def test_a_callback_whose_run_record_expired_finds_nothing_to_do(redis_client, t
     redis_client.delete(keys.run("expired3"))
     assert completion.finish_group(redis_client, gid) == "gone"
     assert redis_client.zscore(keys.run_ready("expired3"), gid) is None
+
+
+def test_a_callback_killed_after_dropping_its_group_is_redone_by_the_redelivery(
+        redis_client, tmp_path, monkeypatch):
+    """The groups worker dies between the completion script (the group dropped) and the
+    TTLs it then sets: the redelivered callback, a duplicate, sets them, or the group's
+    record (the whole sample) and results lived for ever."""
+    from app.state import retention
+
+    _, gid = setup_group(redis_client, tmp_path, "killed-cb")
+    redis_client.hset(keys.group_results(gid), "1", SiblingResult(
+        1, f"{gid}.1.x", "failed", None, 1, 0.1, error="agent crashed").to_json())
+
+    class Killed(BaseException):
+        pass
+
+    expire = retention.expire_untrained
+    monkeypatch.setattr(retention, "expire_untrained",
+                        lambda *a: (_ for _ in ()).throw(Killed()))
+    try:
+        completion.finish_group(redis_client, gid)
+    except Killed:
+        pass
+    monkeypatch.setattr(retention, "expire_untrained", expire)
+    assert redis_client.hget(keys.group(gid), "status") == "dropped"
+    assert redis_client.ttl(keys.group(gid)) == -1
+    assert completion.finish_group(redis_client, gid) == "duplicate"
+    assert 0 < redis_client.ttl(keys.group(gid)) <= retention.UNTRAINED_TTL_S
+    assert 0 < redis_client.ttl(keys.group_results(gid)) <= retention.UNTRAINED_TTL_S

@@ -61,3 +61,30 @@ def test_a_call_that_ends_after_its_group_was_released_still_expires(redis_clien
     assert not r.exists(keys.rollout_calls(rid))
     assert gateway.record_and_release(lease, ["{}"])
     assert 0 < r.ttl(keys.rollout_calls(rid)) <= retention.GUARD_TTL_S
+
+
+def test_a_step_stored_by_a_trainer_killed_before_releasing_is_released_when_sent_again(
+        redis_client, tmp_path):
+    """The trainer stored the step's result and died before releasing what its groups
+    captured: the step sent again answers from the stored result and releases them."""
+    from omegaconf import OmegaConf
+
+    from app.config import load_config
+    from app.driver.collector import Collector
+    from workers.trainer import service
+
+    r = redis_client
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "a"}\n')
+    cfg = load_config(None, [f"data.train_files={data}", "trainer.trained_data_ttl_s=120"])
+    run = "ret-killed-trainer"
+    Collector.create_run(r, run, OmegaConf.to_container(cfg), "async")
+    gid, rid = f"{run}-g0", f"{run}-g0.0.a"
+    r.rpush(keys.group_rollouts(gid), rid)
+    r.rpush(keys.rollout_calls(rid), "{}")
+    r.hset(keys.group(gid), "status", "selected")
+    r.rpush(keys.run_step_groups(run, 0), gid)
+    r.set(keys.run_step_result(run, 0), json.dumps({"actor/pg_loss": 0.5}))  # then killed
+    assert service.train_step(r, run, 0) == {"actor/pg_loss": 0.5}
+    assert not r.exists(keys.rollout_calls(rid))
+    assert 0 < r.ttl(keys.group(gid)) <= 120

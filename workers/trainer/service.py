@@ -201,6 +201,12 @@ def train_step(client: redis.Redis, run_id: str, step: int) -> Metrics:
     if done is not None:
         log.info("step %d of run %s already trained (redelivery); returning its metrics",
                  step, run_id)
+        # the worker that stored it may have died before releasing what the groups captured
+        # (idempotent: what was released is gone, the rest gets its TTL again)
+        groups = client.lrange(keys.run_step_groups(run_id, step), 0, -1)
+        if groups:
+            keep_s = float(run_config(client, run_id).trainer.trained_data_ttl_s)
+            retention.release_trained(client, groups, keep_s)
         return dict(json.loads(done))
     cfg, settings = _task_start(client, run_id)
     with Beats(client, keys.trainer_heartbeat(run_id, str(step)), settings.heartbeat_s) as beats:
