@@ -216,8 +216,8 @@ class _ClosedMeanwhile:
     """A worker taken for dead: while its agent runs, a later delivery of the task closes its
     rollout (and may have stored its own result); the agent then ends as if all went well."""
 
-    def __init__(self, client, stored=None) -> None:
-        self.client, self.stored = client, stored
+    def __init__(self, client, stored=None, fails: bool = False) -> None:
+        self.client, self.stored, self.fails = client, stored, fails
 
     def adopt(self):
         return None
@@ -226,26 +226,33 @@ class _ClosedMeanwhile:
         assert _close_attempt(self.client, llm.rollout_id, "failed")
         if self.stored is not None:
             carry.store_sibling_result(self.client, RUN, self.stored[0], 0, self.stored[1])
+        if self.fails:  # an agent that exits non-zero on its refused calls
+            raise episode.AgentError("agent exited with 1: 409 rollout_closed")
         return 1.0  # the fallback reward of an agent whose calls were refused
 
 
+@pytest.mark.parametrize("fails", [False, True], ids=["returns", "fails"])
 @pytest.mark.parametrize("later_result", [False, True], ids=["pending", "stored"])
 def test_an_attempt_closed_by_a_later_delivery_does_not_stand_as_ok(redis_client, group,
-                                                                     monkeypatch, later_result):
+                                                                     monkeypatch, later_result,
+                                                                     fails):
+    """Neither retried (a second agent beside the later delivery's) nor stored (it could
+    complete the group with a failure before the later delivery's result)."""
     from app.state.records import SiblingResult
 
     make_group(redis_client, group)
     later = SiblingResult(0, f"{group}.0.later", "ok", 0.25, 1, 1.0)
     monkeypatch.setattr(episode, "make_controller", lambda *a, **k: _ClosedMeanwhile(
-        redis_client, (group, later.to_json()) if later_result else None))
+        redis_client, (group, later.to_json()) if later_result else None, fails))
     result = run_sibling(redis_client, group, 0)
+    assert len(redis_client.lrange(keys.group_rollouts(group), 0, -1)) == 1  # one attempt
+    stored = episode.existing_result(redis_client, group, 0)
     if later_result:  # the later delivery's result stands, not overwritten
         assert (result.rollout_id, result.reward) == (later.rollout_id, 0.25)
-    else:  # a failure until the later delivery stores its own
+        assert stored is not None and stored.rollout_id == later.rollout_id
+    else:  # the later delivery, still running, stores its own
         assert result.status == "failed" and "closed by a later delivery" in result.error
-    stored = episode.existing_result(redis_client, group, 0)
-    assert stored is not None and stored.status == result.status
-    assert stored.rollout_id == result.rollout_id
+        assert stored is None
 
 
 def test_a_process_agent_its_dead_worker_left_running_is_stopped_by_the_next_delivery(

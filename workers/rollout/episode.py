@@ -91,16 +91,21 @@ def _close_earlier_attempts(client: redis.Redis, group_id: str, index: int,
     return closed
 
 
+CLOSED_ELSEWHERE = "closed by a later delivery of its task"
+
+
 def _closed_elsewhere(client: redis.Redis, group_id: str, index: int, rollout_id: str,
                       attempt: int) -> SiblingResult:
     """An attempt whose rollout a later delivery of this task closed (this worker was taken
-    for dead): its agent met refused calls, so its reward does not describe its calls. The
-    later delivery's result stands; until it comes, this one is a failure."""
+    for dead): its agent met refused calls, so its reward does not describe its calls, and
+    it is not tried again. The later delivery's result stands: this one is a failure that
+    is not stored (stored, it could complete the group before that delivery's result, and
+    drop it or train the cut-off calls), and the delivery that runs on stores its own."""
     log.warning("rollout %s was closed by a later delivery of its task (this worker was taken "
                 "for dead); that delivery's result stands", rollout_id)
     return existing_result(client, group_id, index) or SiblingResult(
         index=index, rollout_id=rollout_id, status="failed", reward=None, attempts=attempt,
-        seconds=0.0, error="closed by a later delivery of its task")
+        seconds=0.0, error=CLOSED_ELSEWHERE)
 
 
 def _posted(client: redis.Redis, rollout_id: str) -> float | None:
@@ -146,6 +151,8 @@ def run_sibling(client: redis.Redis, group_id: str, index: int) -> SiblingResult
         log.exception("sibling %s/%d crashed outside the agent", group_id, index)
         result = SiblingResult(index=index, rollout_id="", status="failed", reward=None,
                                attempts=0, seconds=0.0, error=f"{exc.__class__.__name__}: {exc}")
+    if result.error == CLOSED_ELSEWHERE:
+        return result  # the later delivery stores the sibling's result
     result.finished_at = time.time()
     store_result(client, group_id, result)
     return result
@@ -251,7 +258,9 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
                                      reward=reward, attempts=attempt,
                                      seconds=time.monotonic() - started,
                                      paused_seconds=clock.paused)
-            _close_attempt(client, rollout_id, "failed")
+            if not _close_attempt(client, rollout_id, "failed"):
+                # refused because a later delivery closed it: that delivery runs the sibling
+                return _closed_elsewhere(client, group_id, index, rollout_id, attempt)
             error = str(exc)
             log.warning("rollout %s attempt %d/%d failed: %s%s", rollout_id, attempt,
                         ctl_cfg.max_attempts, exc,
