@@ -162,6 +162,29 @@ def test_children_an_agent_leaves_behind_are_killed_when_it_exits(tmp_path):
     assert _left_in_group(int(pgid_file.read_text())) == []
 
 
+def test_a_process_that_escaped_the_group_leaves_no_reader_behind(tmp_path):
+    """A daemon the agent started in a session of its own keeps the agent's stdout and
+    stderr open: killing the group does not reach it. The pipe readers stop and close
+    their fds instead of staying blocked for the daemon's life (2 threads and 2 fds per
+    such attempt, in a worker that runs for weeks)."""
+    import threading
+
+    marker = f"escaped-{tmp_path.name}"
+    fds_before = len(os.listdir("/proc/self/fd"))
+    threads_before = threading.active_count()
+    try:
+        assert run_process(f"setsid sh -c 'sleep 60; echo {marker}' & sleep 1; echo 1") == 1.0
+        deadline = time.monotonic() + 5
+        while threading.active_count() > threads_before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() == threads_before
+        assert len(os.listdir("/proc/self/fd")) <= fds_before
+    finally:
+        for proc in psutil.process_iter(["cmdline"]):
+            if marker in " ".join(proc.info["cmdline"] or []):
+                proc.kill()
+
+
 def _in_thread(fn, limit_s: float):
     """fn()'s result or exception, failing the test if it has not returned in ``limit_s``."""
     import threading

@@ -22,6 +22,7 @@ import importlib
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -94,25 +95,39 @@ OUTPUT_TAIL_BYTES = 64 * 1024
 class _Tail:
     """Reads a pipe to its end in a thread, keeping only its last ``limit`` bytes."""
 
+    POLL_S = 0.2  # how soon the reader sees it was told to stop
+
     def __init__(self, stream: Any, limit: int = OUTPUT_TAIL_BYTES) -> None:
         self.stream, self.limit = stream, limit
         self.buf = bytearray()
+        self._stop = threading.Event()
         self.thread = threading.Thread(target=self._read, daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
         fd = self.stream.fileno()
-        while chunk := os.read(fd, 65536):
-            self.buf += chunk
-            if len(self.buf) > 2 * self.limit:
-                del self.buf[:-self.limit]
+        poller = select.poll()  # not select(): a busy worker's fds pass FD_SETSIZE
+        poller.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(self.POLL_S * 1000):
+                    continue
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    return
+                self.buf += chunk
+                if len(self.buf) > 2 * self.limit:
+                    del self.buf[:-self.limit]
+        finally:
+            self.stream.close()
 
     def text(self, by: float) -> str:
-        """What was read by ``by`` (a ``time.monotonic()`` deadline: a process that escaped
-        the group may hold the pipe open for ever)."""
+        """What was read by ``by`` (a ``time.monotonic()`` deadline). A process that escaped
+        the group (``setsid``, a daemon) may hold the pipe open for ever: the reader is then
+        told to stop, and ends within ``POLL_S`` instead of staying blocked with its fd."""
         self.thread.join(max(0.0, by - time.monotonic()))
-        if not self.thread.is_alive():  # else the reader still uses the fd: left to the GC
-            self.stream.close()
+        self._stop.set()
+        self.thread.join(2 * self.POLL_S)
         return bytes(self.buf[-self.limit:]).decode("utf-8", "replace")
 
 
