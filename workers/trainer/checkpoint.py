@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import pickle
 import random
@@ -29,6 +30,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def rng_state() -> dict[str, Any]:
@@ -181,25 +184,27 @@ class CheckpointError(RuntimeError):
     pass
 
 
+def _timed(write: Callable[[], object]) -> float:
+    t = time.monotonic()
+    write()
+    return time.monotonic() - t
+
+
 class BackgroundSaves:
     """At most one checkpoint write at a time, in a thread. ``wait`` before the engine is
-    used again (an update, a load, closing it): it returns the seconds waited and raises
-    ``CheckpointError`` if the write failed."""
+    used again (an update, a load, closing it): it returns the seconds waited. A write that
+    failed is made once more there, in the foreground, while the engine still holds what it
+    was to save (a transient failure, a network file system's blip or a disk freed since,
+    costs no checkpoint); ``CheckpointError`` if that fails too."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
-        self._pending: tuple[int, Future[float]] | None = None
+        self._pending: tuple[int, Future[float], Callable[[], object]] | None = None
         self.last_write_s: float | None = None  # how long the last finished write took
 
     def start(self, step: int, write: Callable[[], object]) -> None:
         self.wait()
-
-        def timed() -> float:
-            t = time.monotonic()
-            write()
-            return time.monotonic() - t
-
-        self._pending = (step, self._pool.submit(timed))
+        self._pending = (step, self._pool.submit(_timed, write), write)
 
     def close(self) -> None:
         """Wait for the write in progress, then stop the thread."""
@@ -215,12 +220,18 @@ class BackgroundSaves:
     def wait(self) -> float:
         if self._pending is None:
             return 0.0
-        step, future = self._pending
+        step, future, write = self._pending
         self._pending = None
         t = time.monotonic()
         try:
             self.last_write_s = future.result()
-        except Exception as exc:
-            raise CheckpointError(f"the checkpoint after step {step}, written in the "
-                                  f"background, failed: {exc.__class__.__name__}: {exc}") from exc
+        except Exception as first:
+            log.warning("the checkpoint after step %d, written in the background, failed "
+                        "(%s: %s); writing it again", step, first.__class__.__name__, first)
+            try:
+                self.last_write_s = _timed(write)
+            except Exception as exc:
+                raise CheckpointError(
+                    f"the checkpoint after step {step} failed twice (in the background, "
+                    f"then again): {exc.__class__.__name__}: {exc}") from exc
         return time.monotonic() - t
