@@ -381,12 +381,15 @@ class Collector:
     def active_count(self) -> int:
         return self.r.zcard(keys.run_active(self.run_id))
 
-    def set_step(self, step: int, metrics_entry: str | None = None) -> None:
-        """Record ``step`` updates done, with the last one's metrics entry in the same
-        transaction: a driver killed between the two would resume past a step whose
-        metrics were never kept."""
+    def set_step(self, step: int, metrics_entry: str | None = None,
+                 counted: dict[str, int] | None = None) -> None:
+        """Record ``step`` updates done, with the last one's metrics entry and the counters
+        it counted up to, in the same transaction: a driver killed between them would
+        resume past a step whose metrics were never kept."""
         pipe = self.r.pipeline()
         pipe.hset(keys.run(self.run_id), RunRecord.field("step"), step)
         if metrics_entry is not None:
             pipe.rpush(keys.run_metrics(self.run_id), metrics_entry)
+        if counted is not None:
+            pipe.hset(keys.run(self.run_id), RunRecord.field("counted"), json.dumps(counted))
         pipe.execute()

@@ -199,7 +199,9 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
         if evaluator.pending is None:
             evaluator.start(0, int(client.get(keys.policy_version()) or 0))
         report_eval(0, evaluator.wait(on_wait=restore_servers))
-    last_counters = collector.counters()
+    # the counters as the last step's metrics counted them: what happened since (a resumed
+    # run's groups dropped while no driver ran) goes into the next step's
+    last_counters = read_run(client, run_id).counted or collector.counters()
     n = collector.n
     is_async = bool(cfg.agentlightning.async_rollout.enabled)
     refill_during_update = cfg.agentlightning.async_rollout.refill == "during_update"
@@ -327,7 +329,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
             step += 1
             still_driving()  # the step's counter and metrics are written by the lease's holder
             last_entry = {"step": step - 1, **metrics}
-            collector.set_step(step, json.dumps(last_entry))
+            collector.set_step(step, json.dumps(last_entry), counters)
             chosen = None
             sink.log(step - 1, metrics)
             if on_step:

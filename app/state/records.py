@@ -263,6 +263,9 @@ class RunRecord(_HashRecord):
     # resumed after reporting one (the final, before ``status`` became finished) does not
     # run and report it again
     evaluated_step: int = -1
+    # the counters above (n_dropped ...) as the last step's metrics counted them: a resumed
+    # driver counts from there, so what happened while no driver ran is in the next step's
+    counted: dict = field(default_factory=dict)
 
 
 @dataclass

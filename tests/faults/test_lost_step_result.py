@@ -58,9 +58,14 @@ def test_a_driver_killed_right_after_recording_a_step_keeps_its_metrics(
         train(run_cfg, run_id=run_id)
     monkeypatch.setattr(Collector, "set_step", recorded)
     assert stack.hget(keys.run(run_id), "step") == "1"
+    # a group dropped while no driver ran (its chord callback counts it)
+    stack.hincrby(keys.run(run_id), "n_dropped", 1)
     result = train(run_cfg, resume=run_id)
     assert result["steps"] == 2
     kept = [json.loads(e) for e in stack.lrange(keys.run_metrics(run_id), 0, -1)]
     assert [e["step"] for e in kept if "timing/step_seconds" in e] == [0, 1], kept
+    # every drop is in some step's metrics
+    assert sum(e.get("training/async/n_dropped_groups", 0) for e in kept) \
+        == int(stack.hget(keys.run(run_id), "n_dropped"))
     lines = [json.loads(x) for x in open(result["jsonl"])]
     assert [e["step"] for e in lines if "timing/step_seconds" in e] == [0, 1], lines
