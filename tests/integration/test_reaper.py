@@ -35,6 +35,14 @@ def workers(redis_client):
         redis_client.srem(keys.rollout_workers(), w.worker_id)
 
 
+def beat_through(watcher, clock, seconds: float, beats: int) -> int:
+    """The watcher's beats every quarter TTL, as its thread makes them, for ``seconds``."""
+    for _ in range(round(seconds / (TTL_S / 4))):
+        clock[0] += TTL_S / 4
+        beats = watcher.tick(beats)
+    return beats
+
+
 def test_no_reap_for_one_ttl_after_a_failed_beat(workers, clock, redis_client, monkeypatch):
     watcher, other = workers
     other.register()
@@ -51,13 +59,12 @@ def test_no_reap_for_one_ttl_after_a_failed_beat(workers, clock, redis_client, m
     assert redis_client.sismember(keys.rollout_workers(), other.worker_id)
     assert redis_client.hget(keys.worker_deliveries(other.worker_id), "tag-1") == "task-1"
     # the other worker beat again within the TTL, as a live one does: not requeued
-    clock[0] += TTL_S
     other.beat()
-    assert watcher.tick(7) == 8
+    beats = beat_through(watcher, clock, TTL_S, 4)
     assert redis_client.sismember(keys.rollout_workers(), other.worker_id)
     # a worker that stays silent past the TTL is reaped
     redis_client.delete(keys.worker_alive(other.worker_id))
-    assert watcher.tick(11) == 12
+    beat_through(watcher, clock, TTL_S, beats)
     assert not redis_client.sismember(keys.rollout_workers(), other.worker_id)
     assert not redis_client.exists(keys.worker_deliveries(other.worker_id))
 
@@ -74,7 +81,9 @@ def test_no_reap_for_one_ttl_after_a_beat_that_waited_out_an_outage(workers, clo
     real_beat = watcher.beat
 
     def blocked_beat():
-        clock[0] += 2 * TTL_S  # the command waited for Redis to come back
+        # the command waited for Redis to come back: 0.6 TTL, enough for a worker whose
+        # last beat was a beat interval (0.25 TTL) older than ours to expire
+        clock[0] += 0.6 * TTL_S
         real_beat()
 
     monkeypatch.setattr(watcher, "beat", blocked_beat)
@@ -82,9 +91,7 @@ def test_no_reap_for_one_ttl_after_a_beat_that_waited_out_an_outage(workers, clo
     assert watcher.tick(3) == 4  # a reap's turn, right after the late beat: none
     monkeypatch.setattr(watcher, "beat", real_beat)
     assert redis_client.hget(keys.worker_deliveries(other.worker_id), "tag-1") == "task-1"
-    clock[0] += 1.0
-    assert watcher.tick(7) == 8  # still within a TTL of it: none
+    beats = beat_through(watcher, clock, 0.75 * TTL_S, 4)  # within a TTL of it: none
     assert redis_client.sismember(keys.rollout_workers(), other.worker_id)
-    clock[0] += TTL_S  # the other stayed silent a whole TTL since: reaped
-    assert watcher.tick(11) == 12
+    beat_through(watcher, clock, TTL_S, beats)  # the other stayed silent a TTL since: reaped
     assert not redis_client.sismember(keys.rollout_workers(), other.worker_id)

@@ -138,15 +138,16 @@ class Reaper:
     def tick(self, beats: int) -> int:
         """One beat (and every 4th a reap, every 40th a prune); -> the beats done.
 
-        After a beat that failed (Redis away), or one that came more than a TTL after the
-        last (the client waited the outage out inside the command, or this process stalled),
-        no reap for one TTL: the other workers' alive keys may have expired in the outage
-        too, and each needs a beat of its own to show it lives; reaped before that, their
+        After a beat that failed (Redis away), or one that came more than half a TTL after
+        the last (the client waited the outage out inside the command, or this process
+        stalled), no reap for one TTL: the other workers' alive keys may have expired in the
+        outage too (a worker's last beat may be a beat interval, a quarter TTL, older than
+        ours), and each needs a beat of its own to show it lives; reaped before that, their
         tasks would run twice."""
         try:
             self.beat()
             now = time.monotonic()
-            if self._beat_at is not None and now - self._beat_at > self.ttl_ms / 1000:
+            if self._beat_at is not None and now - self._beat_at > self.ttl_ms / 2000:
                 self._unsure_until = now + self.ttl_ms / 1000
             self._beat_at = now
             beats += 1
