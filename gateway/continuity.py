@@ -106,7 +106,9 @@ class Continuity:
         message) as the call being recorded; None for an answer that did not end with the
         end-of-turn token (the template would add one the model did not sample)."""
         if not response_ids or response_ids[-1] != self.eos_id or body.get("n", 1) != 1 \
-                or "messages" not in body:
+                or "messages" not in body or template_kwargs(body):
+            # a turn rendered with template inputs (a reasoning effort) is not the prompt a
+            # later call without them would get
             return None
         conversation = [*body["messages"], {"role": "assistant", **answer}]
         return digest(conversation, body.get("tools")), tag(response_ids)

@@ -182,6 +182,11 @@ def test_a_reasoning_effort_is_rendered_and_counted_as_the_server_renders_it(tok
     body, _, _ = first_turn(tok, redis_client, "r-effort")
     nxt = {**second_turn(body), "reasoning_effort": "high"}
     assert Continuity(tok, redis_client).prompt_ids("r-effort", nxt) is None
+    # nor is a turn rendered with it kept for a later call without it
+    assert Continuity(tok, redis_client).turn(
+        {**body, "reasoning_effort": "high"}, {"content": "7"}, [5, tok.eos_token_id]) is None
+    assert Continuity(tok, redis_client).turn(
+        body, {"content": "7"}, [5, tok.eos_token_id]) is not None
     effort = copy.copy(tok)
     effort.chat_template = ("{% if reasoning_effort %}Reasoning: {{ reasoning_effort * 40 }}"
                             "{% endif %}{% for m in messages %}{{ m.content }}{% endfor %}")
