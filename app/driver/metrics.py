@@ -81,7 +81,9 @@ class MetricsSink:
         if last_entry is None:
             return False
         entry = json.loads(last_entry)
-        if {k: _clean(v) for k, v in entry.items()} == _last_line(self.jsonl_path):
+        # among the last few, not only the last: an outage's repair may have kept a step's
+        # entry again in Redis after an evaluation's line that came later in the file
+        if {k: _clean(v) for k, v in entry.items()} in _last_lines(self.jsonl_path, 8):
             return False
         step = entry.pop("step")
         log.info("metrics of step %d were kept in Redis, not in %s: written now", step,
@@ -101,17 +103,17 @@ class MetricsSink:
         return getattr(self.wandb_run, "dir", None) if self.wandb_run else None
 
 
-def _last_line(path: Path) -> dict[str, Any] | None:
-    """The file's last record, as :meth:`MetricsSink.log` wrote it (non-finite values
-    as null), else None."""
+def _last_lines(path: Path, n: int) -> list[dict[str, Any]]:
+    """The file's last ``n`` records, as :meth:`MetricsSink.log` wrote them (non-finite
+    values as null)."""
     try:
         with path.open("rb") as f:
             size = f.seek(0, os.SEEK_END)
             f.seek(max(0, size - (1 << 20)))
-            lines = f.read().splitlines()
+            lines = f.read().splitlines()[1 if size > (1 << 20) else 0:]  # whole lines only
     except OSError:
-        return None
-    return json.loads(lines[-1]) if lines else None
+        return []
+    return [json.loads(line) for line in lines[-n:]]
 
 
 def _end_cleanly(path: Path) -> None:

@@ -103,17 +103,19 @@ def reassert_selection(client: redis.Redis, run_id: str, step: int, chosen: list
 
 def repair(client: redis.Redis, collector: Any, run_id: str, outage: tuple[float, float],
            step: int, chosen: list[str] | None,
-           last_metrics: dict[str, Any] | None) -> dict[str, int]:
+           last_metrics: dict[str, Any] | None,
+           counted: dict[str, int] | None = None) -> dict[str, int]:
     """Redo what the outage may have lost of the driver's writes (the module docstring);
     ``step`` is the step in progress, ``chosen`` its selection if made, ``last_metrics``
-    the previous step's metrics entry. Returns what was redone, and logs it."""
+    the previous step's metrics entry and ``counted`` the counters it counted up to (kept
+    with the step counter). Returns what was redone, and logs it."""
     began, ended = outage
     redone = {"completed_again": collector.reconcile(), "resent": collector.resend_unsent(),
               "selection": 0, "step_counter": 0, "metrics_entry": 0}
     if chosen is not None and reassert_selection(client, run_id, step, chosen, collector.n):
         redone["selection"] = 1
     if int(client.hget(keys.run(run_id), RunRecord.field("step")) or 0) < step:
-        collector.set_step(step)
+        collector.set_step(step, counted=counted)
         redone["step_counter"] = 1
     if last_metrics is not None:
         entries = client.lrange(keys.run_metrics(run_id), -3, -1)

@@ -79,3 +79,14 @@ def test_the_last_entry_kept_in_redis_is_written_once_at_resume(sink):
     assert lines(resumed.jsonl_path) == [
         {"step": 0, "reward/mean": 0.5, "actor/grad_norm": None},
         {"step": 1, "reward/mean": 0.75}]
+
+
+def test_an_entry_kept_again_after_a_later_line_is_not_written_twice(sink):
+    """An outage's repair keeps a step's entry in Redis again, after an evaluation's line
+    that the file already has after it: that step is not written a second time."""
+    first = sink()
+    first.log(3, {"reward/mean": 0.5})
+    first.log(3, {"val/reward_mean": 0.25})
+    resumed = sink()
+    assert not resumed.catch_up(json.dumps({"step": 3, "reward/mean": 0.5}))
+    assert len(lines(resumed.jsonl_path)) == 2
