@@ -177,11 +177,13 @@ def test_a_process_that_escaped_the_group_leaves_no_reader_behind(tmp_path):
         deadline = time.monotonic() + 5
         while threading.active_count() > threads_before and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert threading.active_count() == threads_before
+        assert threading.active_count() <= threads_before
         assert len(os.listdir("/proc/self/fd")) <= fds_before
     finally:
         for proc in psutil.process_iter(["cmdline"]):
             if marker in " ".join(proc.info["cmdline"] or []):
+                for child in proc.children(recursive=True):  # its sleep
+                    child.kill()
                 proc.kill()
 
 
