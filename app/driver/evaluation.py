@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 import secrets
 import statistics
 import time
@@ -129,11 +130,13 @@ class Evaluator:
         slots and never expire. At most one runs at a time: an older one is cancelled.
         ``version``: the policy version now, for a report none of whose calls were
         captured."""
-        prefix = keys.run(f"{self.run_id}-val")
+        # this run's evaluations only (not a run named <run_id>-valid's), whatever the id holds
+        mine = re.compile(re.escape(self.run_id) + r"-val(\d+)-[0-9a-f]+")
+        pattern = re.sub(r"([*?\[\]\\])", r"\\\1", keys.run(f"{self.run_id}-val")) + "*"
         found: list[RunRecord] = []
-        for key in self.r.scan_iter(prefix + "*"):
+        for key in self.r.scan_iter(pattern):
             eval_id = key.removeprefix(keys.run(""))
-            if ":" in eval_id:  # one of its sets, not its record
+            if not mine.fullmatch(eval_id):  # one of its sets, or another run's
                 continue
             try:
                 rec = read_run(self.r, eval_id)
@@ -150,7 +153,7 @@ class Evaluator:
             n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
             collector = Collector(self.r, rec.run_id, run_config(self.r, rec.run_id), n=n_val)
             collector.resend_unsent()
-            sent_at = int(rec.run_id[len(self.run_id) + len("-val"):].split("-")[0])
+            sent_at = int(mine.fullmatch(rec.run_id).group(1))  # type: ignore[union-attr]
             # how long it has run, on this process's clock
             started = time.monotonic() - max(time.time() - rec.created_at, 0.0)
             self.pending = PendingEval(rec.run_id, sent_at, version, started,

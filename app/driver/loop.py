@@ -218,7 +218,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
     def after_outage() -> None:
         outage = watch.take()
         if outage is not None:
-            repair(client, collector, run_id, outage, step, chosen, last_entry)
+            repair(client, collector, run_id, outage, step, chosen, last_entry, last_counters)
 
     try:
         while step < total:
@@ -353,9 +353,11 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
         collector.cancel_all()
         if step >= total and evaluator.freq > 0 and evaluator.enabled \
                 and read_run(client, run_id).evaluated_step < step:
-            # the final policy is always measured (verl's last validation), once
-            report_eval(step - 1, evaluator.wait(on_wait=restore_servers))
-            evaluator.start(step, int(client.get(keys.policy_version()) or 0))
+            # the final policy is always measured (verl's last validation), once: a resumed
+            # driver may have taken the final evaluation up already
+            if evaluator.pending is None or evaluator.pending.step < step:
+                report_eval(step - 1, evaluator.wait(on_wait=restore_servers))
+                evaluator.start(step, int(client.get(keys.policy_version()) or 0))
             report_eval(step, evaluator.wait(on_wait=restore_servers))
         client.hset(keys.run(run_id), "status", "finished")
     except Starved as exc:

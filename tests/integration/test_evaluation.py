@@ -86,9 +86,7 @@ def test_evaluations_run_beside_training_and_are_never_trained(
     # every step trained exactly its training groups, none of the evaluation's
     assert all(m["batch/groups"] == 2 and m["batch/rollouts"] == 4 for m in steps)
     # evaluation runs are finished, their captured calls released, the rest expiring
-    eval_ids = sorted(k.removeprefix(keys.run("")) for k in
-                      redis_client.scan_iter(keys.run(f"{result['run_id']}-val*"))
-                      if ":" not in k.removeprefix(keys.run("")))
+    eval_ids = sorted(_eval_runs(redis_client, result["run_id"]))
     assert [e.split("-val")[1].split("-")[0] for e in eval_ids] == ["0", "2", "3"]
     for eval_id in eval_ids:
         assert redis_client.hget(keys.run(eval_id), "mode") == "eval"
@@ -112,6 +110,22 @@ def test_an_evaluation_rollout_is_sampled_at_its_own_temperature(redis_client, g
                                        messages=[{"role": "user", "content": "reverse abc"}])
         call = CapturedCall.from_json(redis_client.lindex(keys.rollout_calls(rid), 0))
         assert call.temperature == expected
+
+
+def test_only_the_runs_own_evaluations_are_taken_up(redis_client, tmp_path):
+    """A run named like one of its evaluations' prefix (``<run>-valid``) is another run's."""
+    from app.driver.collector import Collector
+    from app.driver.evaluation import Evaluator, eval_config
+
+    cfg = _cfg(tmp_path)
+    run = f"adopt-{tmp_path.name[-8:]}"
+    plain = eval_config(cfg, 3)
+    for other in (f"{run}-valid", f"{run}-val[2]-ab12"):
+        Collector.create_run(redis_client, other, plain, "eval")
+    assert Evaluator(redis_client, run, cfg).adopt(0) is None
+    Collector.create_run(redis_client, f"{run}-val3-ab12", plain, "eval")
+    pending = Evaluator(redis_client, run, cfg).adopt(0)
+    assert pending is not None and (pending.eval_id, pending.step) == (f"{run}-val3-ab12", 3)
 
 
 def _gated_cfg(tmp_path, *overrides: str):
@@ -141,70 +155,59 @@ def _eval_runs(redis_client, run_id: str) -> list[str]:
             if ":" not in k.removeprefix(keys.run(""))]
 
 
+@pytest.mark.parametrize("final", [False, True], ids=["periodic", "final"])
 def test_an_evaluation_running_when_the_driver_died_is_taken_up_on_resume(
-        redis_client, gateway_service, celery_workers, tmp_path, monkeypatch):
+        redis_client, gateway_service, celery_workers, tmp_path, monkeypatch, final):
     """Its rollouts went on without a driver: the resumed one reports it (it was neither
-    reported nor cancelled, and its records never expired)."""
+    reported nor cancelled, and its records never expired), once (a final one taken up is
+    not sent again)."""
     from app.driver.evaluation import Evaluator
 
     class Killed(BaseException):
         pass
 
-    started = Evaluator.start
+    started, cancel = Evaluator.start, Evaluator.cancel
+    killed_at = 2 if final else 1
 
     def start_then_die(self, steps_done, version):
         pending = started(self, steps_done, version)
-        if steps_done == 1:
+        if steps_done == killed_at:
             raise Killed
         return pending
 
     cfg = _gated_cfg(tmp_path, "trainer.total_steps=2")
     run_id = f"eval-adopted-{tmp_path.name[-8:]}"
     monkeypatch.setattr(Evaluator, "start", start_then_die)
-    cancel = Evaluator.cancel
     monkeypatch.setattr(Evaluator, "cancel", lambda self: None)  # killed: no finally runs
     try:
+        if final:  # the periodic evaluation ends before the final one starts
+            redis_client.set("test:gate:evaluation", 1)
         with pytest.raises(Killed):
             train(cfg, run_id=run_id)
         monkeypatch.setattr(Evaluator, "start", started)
         monkeypatch.setattr(Evaluator, "cancel", cancel)
-        (left,) = _eval_runs(redis_client, run_id)
-        assert redis_client.hget(keys.run(left), "status") == "running"
+        left = [e for e in _eval_runs(redis_client, run_id)
+                if redis_client.hget(keys.run(e), "status") == "running"]
+        assert len(left) == 1 and f"-val{killed_at}-" in left[0], left
         redis_client.set("test:gate:evaluation", 1)
         evals: list[dict] = []
         result = train(cfg, resume=run_id, on_eval=lambda s, m: evals.append(m))
+        assert result["steps"] == 2
+        assert [m["val/sent_at_step"] for m in evals] == ([2.0] if final else [1.0, 2.0])
+        assert all(m["val/n_rollouts"] == 2 for m in evals)
+        runs = _eval_runs(redis_client, run_id)
+        assert len(runs) == 2 and left[0] in runs
+        assert all(redis_client.hget(keys.run(e), "status") == "finished" for e in runs)
     finally:
         redis_client.set("test:gate:evaluation", 1)
-    assert result["steps"] == 2
-    assert [m["val/sent_at_step"] for m in evals] == [1.0, 2.0], evals
-    assert all(m["val/n_rollouts"] == 2 for m in evals)
-    runs = _eval_runs(redis_client, run_id)
-    assert len(runs) == 2 and left in runs
-    assert all(redis_client.hget(keys.run(e), "status") == "finished" for e in runs)
-    wait_rollouts_idle(redis_client)
-    redis_client.delete("test:gate:evaluation")
+        wait_rollouts_idle(redis_client)
+        redis_client.delete("test:gate:evaluation")
 
 
 def test_a_run_that_stops_early_cancels_its_running_evaluation(
         redis_client, gateway_service, celery_workers, tmp_path):
-    from app.state.connection import resolve_redis_url
-
-    env = json.loads(os.environ["CARRYOVER_OVERRIDES"])
-    train_file, val_file = tmp_path / "train.jsonl", tmp_path / "val.jsonl"
-    train_file.write_text("".join(json.dumps({"text": f"t{i}"}) + "\n" for i in range(4)))
     # held-out agents wait on a gate the test opens only after the run stopped
-    val_file.write_text("".join(json.dumps({"text": f"v{i}", "gate": "evaluation"}) + "\n"
-                                for i in range(2)))
-    cfg = load_config(None, [
-        *env, f"data.train_files={train_file}", f"data.val_files={val_file}",
-        "trainer.test_freq=1", "trainer.val_before_train=false", "trainer.total_steps=3",
-        "controller.agent=tests.agents:scripted",
-        f"agent.redis_url={resolve_redis_url(load_config(None, env))}",
-        "data.train_batch_size=2", "actor_rollout_ref.rollout.n=2",
-        "agentlightning.async_rollout.async_train_batch_size=3",
-        f"logging.dir={tmp_path / 'runs'}", "logging.wandb_mode=disabled",
-        "logging.console=false", f"trainer.weights_dir={tmp_path / 'weights'}",
-        f"trainer.checkpoint_dir={tmp_path / 'checkpoints'}"])
+    cfg = _gated_cfg(tmp_path, "trainer.total_steps=3")
     evals: list[dict] = []
     try:
         result = train(cfg, should_stop=lambda step, m: step == 1,
@@ -213,9 +216,7 @@ def test_a_run_that_stops_early_cancels_its_running_evaluation(
         redis_client.set("test:gate:evaluation", 1)
     assert result["steps"] == 2 and evals == []
     # sent after the first update; the one due after the second was skipped (still running)
-    eval_ids = [k.removeprefix(keys.run("")) for k in
-                redis_client.scan_iter(keys.run(f"{result['run_id']}-val*"))
-                if ":" not in k.removeprefix(keys.run(""))]
+    eval_ids = _eval_runs(redis_client, result["run_id"])
     assert len(eval_ids) == 1 and "-val1-" in eval_ids[0]
     eval_id = eval_ids[0]
     assert redis_client.hget(keys.run(eval_id), "status") == "finished"
@@ -249,6 +250,5 @@ def test_a_driver_lost_after_the_final_report_does_not_evaluate_again(
     assert redis_client.hget(keys.run(run_id), "status") == "finished"
     reports = [json.loads(e) for e in redis_client.lrange(keys.run_metrics(run_id), 0, -1)]
     assert [e["step"] for e in reports if "val/reward_mean" in e] == [1], reports
-    sent = [k for k in redis_client.scan_iter(keys.run(f"{run_id}-val*"))
-            if ":" not in k.removeprefix(keys.run(""))]
+    sent = _eval_runs(redis_client, run_id)
     assert len(sent) == 1 and "-val1-" in sent[0], sent  # one final evaluation was sent
