@@ -345,13 +345,18 @@ class Collector:
         # complete groups hold all n results, each counted while the group was active
         pipe.hincrby(keys.run(self.run_id), carry.FIELD, -len(chosen) * self.n)
         pipe.execute()
+        return self._figures(step, list(chosen), prev_carry_over_rollouts, wait_seconds)
+
+    def _figures(self, step: int, chosen: list[str], prev_carry_over_rollouts: int,
+                 wait_seconds: float) -> Selection:
+        """The selection's figures, read after it, and recorded with the run."""
         dispatch_steps = [int(s) for s in (self.r.hget(keys.group(g), "dispatch_step")
                                            for g in chosen)]
         unfinished, finished, complete = carry.carried(self.r, self.run_id, self.n)
-        oldest = self.r.zrange(active_key, 0, 0)
+        oldest = self.r.zrange(keys.run_active(self.run_id), 0, 0)
         age_max = (step - int(self.r.hget(keys.group(oldest[0]), "dispatch_step"))
                    if oldest else 0)
-        selection = Selection(step=step, group_ids=list(chosen),
+        selection = Selection(step=step, group_ids=chosen,
                               prev_carry_over_rollouts=prev_carry_over_rollouts,
                               new_carry_over_rollouts=unfinished,
                               carry_over_finished_rollouts=finished,
@@ -366,12 +371,19 @@ class Collector:
 
     def selected(self, step: int) -> Selection | None:
         """The selection of ``step`` as it was made (a driver resumed after selecting, before
-        the update ended); None if it was not recorded (a crash right after the selection)."""
+        the update ended). One whose figures were not recorded (the driver died right after
+        the selection) has them read now, as near as they can be (the carry-over may have
+        moved on since); None if ``step`` selected nothing yet."""
         raw = self.r.hget(keys.run(self.run_id), RunRecord.field("last_selection"))
         recorded = json.loads(raw) if raw else {}
-        if recorded.get("step") != step:  # none yet ({}), or an earlier step's
+        if recorded.get("step") == step:
+            return Selection(**recorded)
+        chosen = self.r.lrange(keys.run_step_groups(self.run_id, step), 0, -1)
+        if not chosen:
             return None
-        return Selection(**recorded)
+        log.warning("step %d: its selection's figures were not recorded (the driver died "
+                    "right after it); read again now", step)
+        return self._figures(step, chosen, self.carried_in(), 0.0)
 
     def carried_in(self) -> int:
         """Unfinished rollouts the last selection carried over (0 for a new run)."""

@@ -41,3 +41,40 @@ def test_counts_follow_results_cancels_and_late_siblings(redis_client):
     assert carry.carried(r, RUN, N) == (4, 4, 4)
     assert r.hget(keys.run(RUN), "n_cancelled") == "1"
     assert r.lrange(keys.run_requeue(RUN), 0, -1) == ["1"]
+
+
+def test_a_selection_whose_figures_were_not_recorded_has_them_read_at_resume(redis_client,
+                                                                            tmp_path):
+    """The driver died between the selection's transaction and the record of its figures:
+    the resumed step reported none of the carry-over metrics, and the next step's
+    ``n_prev_carry_over_rollouts`` was the step before's."""
+    from omegaconf import OmegaConf
+
+    from app.config import load_config
+    from app.driver.collector import Collector
+
+    r = redis_client
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"text": "s{i}"}}\n' for i in range(4)))
+    cfg = load_config(None, [f"data.train_files={data}", "actor_rollout_ref.rollout.n=2",
+                             "data.train_batch_size=1",
+                             "agentlightning.async_rollout.async_train_batch_size=2"])
+    run = "carry-resumed-selection"
+    Collector.create_run(r, run, OmegaConf.to_container(cfg), "async")
+    collector = Collector(r, run, cfg)
+    for i, dispatched in enumerate((1, 2)):
+        gid = f"{run}-g{i}"
+        r.hset(keys.group(gid), mapping={"run_id": run, "status": "active",
+                                         "dispatch_step": dispatched})
+        r.zadd(keys.run_active(run), {gid: i})
+    for i in range(2):
+        carry.store_sibling_result(r, run, f"{run}-g0", i, SiblingResult(
+            i, f"{run}-g0.{i}", "ok", 1.0, 1, 0.1).to_json())
+    r.zadd(keys.run_ready(run), {f"{run}-g0": 0})
+    assert collector.selected(3) is None  # nothing selected for step 3 yet
+    made = collector.select(3, prev_carry_over_rollouts=5, wait_seconds=1.0)
+    r.hdel(keys.run(run), "last_selection", "carry_unfinished")  # died before recording them
+    again = collector.selected(3)
+    assert again is not None and again.group_ids == made.group_ids == [f"{run}-g0"]
+    assert again.consumed_ages == [2] and again.new_carry_over_rollouts == 2
+    assert again.carry_over_age_max == 1
