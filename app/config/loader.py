@@ -62,6 +62,19 @@ class _Loader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+def _timestamp_as_text(loader: yaml.SafeLoader, node: yaml.Node) -> str:
+    # a config holds no dates (OmegaConf refuses them, with a traceback): 2024-01-01 stays
+    # text, for the key's own rule to judge, as on the command line
+    return loader.construct_scalar(node)  # type: ignore[arg-type]
+
+
+def _no_binary(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+    raise yaml.constructor.ConstructorError(None, None, "!!binary values are not supported",
+                                            node.start_mark)
+
+
+_Loader.add_constructor("tag:yaml.org,2002:timestamp", _timestamp_as_text)
+_Loader.add_constructor("tag:yaml.org,2002:binary", _no_binary)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -130,9 +143,12 @@ def _unknown_key_problems(given: dict[str, Any], known: Iterable[str], source: s
 def _read_yaml(path: Path, label: str = "--config") -> dict[str, Any]:
     """``label``: how the user gave the file (the option, or ``$CARRYOVER_CONFIG``)."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([f"{label} {path}: cannot read file ({exc.strerror})"]) from None
+    except UnicodeDecodeError as exc:
+        at = path.read_bytes().count(b"\n", 0, exc.start) + 1
+        raise ConfigError([f"{label} {path}: line {at}: not UTF-8 text"]) from None
     try:
         data = yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as exc:

@@ -102,7 +102,7 @@ def boolean(v: Any) -> str | None:
 
 
 def string(v: Any) -> str | None:
-    if isinstance(v, str) and v:
+    if isinstance(v, str) and v.strip():
         return None
     if isinstance(v, (int, float)):  # bool too: true, 123 and 1e3 are read as YAML scalars
         return f"must be a non-empty string (quote it to keep it text: '{_fmt(v)}')"
@@ -114,8 +114,22 @@ def port(v: Any) -> str | None:
 
 
 def url(v: Any) -> str | None:
-    ok = isinstance(v, str) and re.match(r"^(https?|rediss?|unix)://\S+$", v)
-    return None if ok else "must be a URL like http://host:port"
+    """An HTTP server's base URL (the gateway's, an inference server's): the routes are
+    added to it, so one that already ends in /v1 (an OpenAI base URL) would get a second."""
+    from urllib.parse import urlsplit
+
+    if not isinstance(v, str) or not re.match(r"^https?://\S+$", v):
+        return "must be a URL like http://host:port"
+    try:
+        parts = urlsplit(v)
+        parts.port  # noqa: B018 - raises on a port that is no number, or out of range
+    except ValueError as exc:
+        return f"must be a URL like http://host:port ({exc})"
+    if not parts.hostname:
+        return "must be a URL like http://host:port (no host)"
+    if parts.path.rstrip("/").endswith("/v1"):
+        return "must be the server's root, without /v1 (the routes are added to it)"
+    return None
 
 
 def redis_url(v: Any) -> str | None:
@@ -125,7 +139,9 @@ def redis_url(v: Any) -> str | None:
 
 def one_of(*choices: Any) -> Check:
     def check(v: Any) -> str | None:
-        if v in choices:
+        # by type too: 1 == True and 0 == False, which would let a 1 pass as true here and
+        # then miss every rule that tests ``is True``
+        if any(v == c and type(v) is type(c) for c in choices):
             return None
         shown = ", ".join(_fmt(c) for c in choices)
         return f"must be one of {shown}"
@@ -191,8 +207,8 @@ def _rejection_thresholds(options: str, spec: Any) -> str | None:
 def url_list(v: Any) -> str | None:
     if not isinstance(v, list) or not v:
         return "must be a non-empty list of URLs"
-    bad = [u for u in v if url(u)]
-    return f"has entries that are not URLs: {bad}" if bad else None
+    bad = [f"{u!r} {url(u)}" for u in v if url(u)]
+    return f"has entries that are not servers' URLs: {'; '.join(bad)}" if bad else None
 
 
 def mapping(v: Any) -> str | None:

@@ -234,3 +234,37 @@ def test_a_demo_flag_and_the_override_it_sets_are_not_both_taken(flags, override
         setattr(args, name, value)
     with pytest.raises(ConfigError, match=f"{flag} and {override.partition('=')[0]}"):
         _overrides(args, sync=bool(flags.get("sync")))
+
+
+def test_a_date_stays_text_and_binary_or_non_utf8_files_are_one_line(tmp_path):
+    """A date anywhere (a file, a flow value on the command line) went to OmegaConf, which
+    refuses it with a traceback; bytes crashed later, writing the run's config as JSON."""
+    cfg = load_config(write(tmp_path, "agent:\n  start: 2024-01-01\n"), ["agent.x={d: 2024-01-02}"])
+    assert cfg.agent.start == "2024-01-01" and cfg.agent.x.d == "2024-01-02"
+    assert "2024-01-01" in problems(overrides=["inference.urls=[2024-01-01]"])[0]
+    (binary := tmp_path / "b.yaml").write_text("agent:\n  y: !!binary aGVsbG8=\n")
+    assert problems(binary) == [f"--config {binary}: line 2: not valid YAML (!!binary values "
+                                "are not supported)"]
+    (latin := tmp_path / "l.yaml").write_bytes(b"agent:\n  name: \xe9t\xe9\n")
+    assert problems(latin) == [f"--config {latin}: line 2: not UTF-8 text"]
+
+
+@pytest.mark.parametrize("urls, says", [
+    ("[http://127.0.0.1:8100/v1]", "without /v1"),
+    ("[redis://127.0.0.1:6379]", "must be a URL like http://host:port"),
+    ("['http://[::1:8100']", "Invalid IPv6 URL"),
+    ("[http://127.0.0.1:abc]", "could not be cast"),
+    ("[http://127.0.0.1:99999]", "out of range"),
+])
+def test_a_server_url_the_routes_cannot_be_added_to_is_refused(urls, says):
+    (line,) = problems(overrides=[f"inference.urls={urls}"])
+    assert line.startswith("inference.urls: ") and says in line, line
+
+
+def test_one_and_blank_are_not_true_and_a_name():
+    """``one_of`` compared with ==, so 1 passed as true (and then missed the rules that
+    test ``is True``); a string of spaces passed as a name."""
+    assert problems(overrides=["inference.sleep_mode=1"]) == [
+        "inference.sleep_mode: value 1 must be one of 'auto', true, false"]
+    assert problems(overrides=["controller.kubernetes.namespace=' '"])[0].startswith(
+        "controller.kubernetes.namespace: value ' ' must be a non-empty string")
