@@ -30,6 +30,15 @@ DTYPES = ("float32", "bfloat16", "float16", "auto")
 PULL_POLICIES = ("Always", "IfNotPresent", "Never")
 # A Kubernetes label value: at most 63 characters, alphanumerics with - _ . inside.
 K8S_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9])?$"
+# a label key: a name as above (not empty), after an optional DNS-subdomain prefix and /
+K8S_LABEL_KEY = (r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
+                 r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+K8S_NAMESPACE = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"  # a DNS-1123 label
+# what a Kubernetes agent's Job gets from carryover (workers/rollout/kubernetes.py):
+# controller.kubernetes.env may not name these
+AGENT_JOB_ENV = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "OPENAI_MODEL", "CARRYOVER_ROLLOUT_ID",
+                 "CARRYOVER_REWARD_URL", "CARRYOVER_MAX_WAIT_S", "CARRYOVER_SAMPLE",
+                 "CARRYOVER_AGENT_SETTINGS")
 KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 # verl's DAPO metric names; a rollout has one reward, so the seq_* names are the score
 FILTER_METRICS = ("score", "acc", "seq_reward", "seq_final_reward")
@@ -229,8 +238,31 @@ def k8s_env_mapping(v: Any) -> str | None:
     bad = [k for k, x in v.items() if not isinstance(x, str) and not (
         isinstance(x, dict) and set(x) == {"secret", "key"}
         and all(isinstance(s, str) and s for s in x.values()))]
-    return (f"must map to strings or {{secret: name, key: key}}; not: {bad}" if bad
-            else None)
+    if bad:
+        return f"must map to strings or {{secret: name, key: key}}; not: {bad}"
+    taken = sorted(set(v) & set(AGENT_JOB_ENV))
+    return (f"names {taken}, which carryover sets for the agent (it would be overwritten): "
+            "give it another name" if taken else None)
+
+
+def k8s_namespace(v: Any) -> str | None:
+    problem = string(v)
+    if problem is None and not re.match(K8S_NAMESPACE, v):
+        return "must be a Kubernetes namespace name (lower-case letters, digits and -)"
+    return problem
+
+
+def k8s_resources(v: Any) -> str | None:
+    """``{limits: {cpu: 1, memory: 2Gi}, requests: {...}}``, as a container spec has it."""
+    if not isinstance(v, dict):
+        return "must be a mapping like {limits: {cpu: 1, memory: 2Gi}, requests: {...}}"
+    unknown = sorted(set(v) - {"limits", "requests"})
+    if unknown:
+        return f"has unknown keys {unknown} (limits, requests)"
+    bad = [k for k, x in v.items() if not isinstance(x, dict) or not all(
+        isinstance(q, str | int | float) and not isinstance(q, bool) for q in x.values())]
+    return (f"has {bad} not mapping each resource to a quantity (cpu: 1, memory: 2Gi)"
+            if bad else None)
 
 
 def k8s_label_mapping(v: Any) -> str | None:
@@ -238,7 +270,10 @@ def k8s_label_mapping(v: Any) -> str | None:
     if problem:
         return problem
     bad = [f"{k}={x}" for k, x in v.items() if not re.match(K8S_LABEL_VALUE, x)]
-    return f"has label values Kubernetes refuses: {bad}" if bad else None
+    if bad:
+        return f"has label values Kubernetes refuses: {bad}"
+    bad = [k for k in v if not re.match(K8S_LABEL_KEY, str(k))]
+    return f"has label keys Kubernetes refuses: {bad}" if bad else None
 
 
 def test_freq(v: Any) -> str | None:
@@ -388,12 +423,12 @@ RULES: dict[str, Check] = {
     "controller.overflow_reward": finite_num,
     "gateway.context_check": boolean,
     "gateway.token_continuity": boolean,
-    "controller.kubernetes.namespace": string,
+    "controller.kubernetes.namespace": k8s_namespace,
     "controller.kubernetes.image": string,
     "controller.kubernetes.image_pull_policy": one_of(*PULL_POLICIES),
     "controller.kubernetes.service_account": optional(string),
     "controller.kubernetes.automount_service_account_token": boolean,
-    "controller.kubernetes.resources": mapping,
+    "controller.kubernetes.resources": k8s_resources,
     "controller.kubernetes.node_selector": string_mapping,
     "controller.kubernetes.labels": k8s_label_mapping,
     "controller.kubernetes.env": k8s_env_mapping,

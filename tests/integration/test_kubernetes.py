@@ -168,6 +168,10 @@ def test_an_agent_secret_comes_from_a_kubernetes_secret(tmp_path, standin):
     env = ApiClient().sanitize_for_serialization(job)["spec"]["template"]["spec"][
         "containers"][0]["env"]
     by_name = {e["name"]: e for e in env}
+    # what the config refuses to name is what carryover sets
+    from app.config.validate import AGENT_JOB_ENV
+
+    assert set(by_name) - {"PLAIN", "TOOL_KEY"} == set(AGENT_JOB_ENV)
     assert by_name["PLAIN"] == {"name": "PLAIN", "value": "x"}
     assert by_name["TOOL_KEY"] == {"name": "TOOL_KEY", "valueFrom": {
         "secretKeyRef": {"name": "agent-keys", "key": "tool"}}}
@@ -179,6 +183,26 @@ def test_an_env_value_neither_text_nor_a_secret_is_refused(value):
 
     with pytest.raises(ConfigError, match="controller.kubernetes.env"):
         load_config(None, [f"controller.kubernetes.env={{TOOL_KEY: {value}}}"])
+
+
+@pytest.mark.parametrize("override, says", [
+    ("controller.kubernetes.env={OPENAI_BASE_URL: http://x}", "which carryover sets"),
+    ("controller.kubernetes.env={CARRYOVER_SAMPLE: {secret: s, key: k}}",
+     "which carryover sets"),
+    ("controller.kubernetes.resources={limit: {cpu: 1}}", "unknown keys ['limit']"),
+    ("controller.kubernetes.resources={limits: 3}", "not mapping each resource"),
+    ("controller.kubernetes.namespace=My_Agents", "Kubernetes namespace name"),
+    ("controller.kubernetes.labels={'bad key!': x}", "label keys Kubernetes refuses"),
+])
+def test_job_settings_kubernetes_would_refuse_are_config_errors(override, says):
+    """Each was found only when a rollout built its Job (every attempt failing, or a
+    TypeError), or an env value was silently overwritten by carryover's own."""
+    from app.config import ConfigError
+
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    (line,) = err.value.problems
+    assert line.startswith(override.split("=")[0] + ":") and says in line, line
 
 
 def test_the_api_client_keeps_a_connection_per_waiting_rollout(tmp_path, standin):
