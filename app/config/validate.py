@@ -102,6 +102,11 @@ def int_at_least(low: int) -> Check:
     return check
 
 
+def share(v: Any) -> str | None:
+    """A share of something that must be given some: above 0, at most 1."""
+    return None if _is_num(v) and 0 < v <= 1 else "must be a number above 0, at most 1"
+
+
 def fraction(v: Any) -> str | None:
     return None if _is_num(v) and 0 <= v <= 1 else "must be a number from 0 to 1"
 
@@ -387,7 +392,7 @@ RULES: dict[str, Check] = {
     "inference.startup_timeout_s": positive_num,
     "inference.cpu_threads": non_negative_int,
     "inference.device": one_of(*DEVICES),
-    "inference.gpu_memory_utilization": fraction,
+    "inference.gpu_memory_utilization": share,
     "inference.tensor_parallel_size": positive_int,
     "inference.data_parallel_size": positive_int,
     "inference.enforce_eager": optional(boolean),
@@ -398,14 +403,14 @@ RULES: dict[str, Check] = {
     "actor_rollout_ref.model.target_modules": lora_targets,
     "inference.weight_sync": one_of(*get_args(WeightSync)),
     "inference.transfer_engine": one_of("auto", *get_args(TransferEngine)),
-    "inference.transfer_bucket_mb": positive_num,
+    "inference.transfer_bucket_mb": at_least(0.01),  # 0 bytes once made an int
     "inference.transfer_checksums": boolean,
     "gateway.host": string,
     "gateway.port": port,
     "gateway.url": url,
     "gateway.workers": positive_int,
     "gateway.admin_token": optional(string),
-    "gateway.lease_ttl_s": positive_num,
+    "gateway.lease_ttl_s": at_least(1),  # kept alive every third of it; in whole ms
     "gateway.drain_timeout_s": non_negative_num,
     "gateway.hold": boolean,
     "gateway.hold_timeout_s": positive_num,

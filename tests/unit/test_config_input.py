@@ -268,3 +268,13 @@ def test_one_and_blank_are_not_true_and_a_name():
         "inference.sleep_mode: value 1 must be one of 'auto', true, false"]
     assert problems(overrides=["controller.kubernetes.namespace=' '"])[0].startswith(
         "controller.kubernetes.namespace: value ' ' must be a non-empty string")
+
+
+@pytest.mark.parametrize("override, says", [
+    ("inference.gpu_memory_utilization=0", "above 0, at most 1"),
+    ("inference.transfer_bucket_mb=1e-9", ">= 0.01"),  # a bucket of 0 bytes as an int
+    ("gateway.lease_ttl_s=1e-300", ">= 1"),            # leases of 0 ms
+])
+def test_degenerate_sizes_are_refused(override, says):
+    (line,) = problems(overrides=[override])
+    assert line.startswith(override.split("=")[0] + ":") and says in line, line
