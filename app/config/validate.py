@@ -403,7 +403,7 @@ RULES: dict[str, Check] = {
     "actor_rollout_ref.model.target_modules": lora_targets,
     "inference.weight_sync": one_of(*get_args(WeightSync)),
     "inference.transfer_engine": one_of("auto", *get_args(TransferEngine)),
-    "inference.transfer_bucket_mb": at_least(0.01),  # 0 bytes once made an int
+    "inference.transfer_bucket_mb": at_least(0.001),  # 1 KiB; 0 bytes once made an int
     "inference.transfer_checksums": boolean,
     "gateway.host": string,
     "gateway.port": port,

@@ -272,7 +272,7 @@ def test_one_and_blank_are_not_true_and_a_name():
 
 @pytest.mark.parametrize("override, says", [
     ("inference.gpu_memory_utilization=0", "above 0, at most 1"),
-    ("inference.transfer_bucket_mb=1e-9", ">= 0.01"),  # a bucket of 0 bytes as an int
+    ("inference.transfer_bucket_mb=1e-9", ">= 0.001"),  # a bucket of 0 bytes as an int
     ("gateway.lease_ttl_s=1e-300", ">= 1"),            # leases of 0 ms
 ])
 def test_degenerate_sizes_are_refused(override, says):
