@@ -19,7 +19,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gateway.rendering import TemplateInput, template_kwargs
+from gateway.rendering import TemplateInput, extra_template_inputs
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ class ContextCheck:
         rendered text (byte-level BPE, characters, SentencePiece with byte fallback), so a
         chat whose contents plus the template's measured overhead have fewer bytes than
         the room left fits. Tools and other template inputs are always counted."""
-        if body.get("tools") or template_kwargs(body):
+        if body.get("tools") or extra_template_inputs(body):
             return False
         size = self.fixed_bytes + 16
         for m in body["messages"]:
@@ -99,7 +99,7 @@ class ContextCheck:
                 self.template_input(body["messages"]), tools=body.get("tools"),
                 add_generation_prompt=bool(body.get("add_generation_prompt", True)),
                 continue_final_message=bool(body.get("continue_final_message", False)),
-                tokenize=True, return_dict=False, **template_kwargs(body))
+                tokenize=True, return_dict=False, **extra_template_inputs(body))
             if isinstance(ids, dict):  # a tokenizer that returns its encoding
                 ids = ids["input_ids"]
             return len(ids)

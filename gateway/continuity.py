@@ -29,7 +29,7 @@ from typing import Any
 import orjson
 
 from app.state import keys
-from gateway.rendering import TemplateInput, template_kwargs
+from gateway.rendering import TemplateInput, extra_template_inputs
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class Continuity:
         message) as the call being recorded; None for an answer that did not end with the
         end-of-turn token (the template would add one the model did not sample)."""
         if not response_ids or response_ids[-1] != self.eos_id or body.get("n", 1) != 1 \
-                or "messages" not in body or template_kwargs(body):
+                or "messages" not in body or extra_template_inputs(body):
             # a turn rendered with template inputs (a reasoning effort) is not the prompt a
             # later call without them would get
             return None
@@ -119,7 +119,7 @@ class Continuity:
         msgs = body.get("messages") or []
         ends = [i for i, m in enumerate(msgs) if m.get("role") == "assistant"]
         if not ends or self.eos_id is None or body.get("n", 1) != 1 \
-                or body.get("continue_final_message") or template_kwargs(body):
+                or body.get("continue_final_message") or extra_template_inputs(body):
             return None
         tools = body.get("tools")
         ends = ends[::-1]  # the longest kept conversation first

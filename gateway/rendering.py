@@ -152,7 +152,7 @@ class TemplateInput:
         return out
 
 
-def template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+def extra_template_inputs(body: dict[str, Any]) -> dict[str, Any]:
     """The extra inputs vLLM gives the chat template for the chat body ``body``: its
     ``chat_template_kwargs``, and a ``reasoning_effort`` (with ``enable_thinking`` set from it
     unless given, for templates where thinking is opt-in)."""

@@ -133,19 +133,20 @@ class Evaluator:
         # this run's evaluations only (not a run named <run_id>-valid's), whatever the id holds
         mine = re.compile(re.escape(self.run_id) + r"-val(\d+)-[0-9a-f]+")
         pattern = re.sub(r"([*?\[\]\\])", r"\\\1", keys.run(f"{self.run_id}-val")) + "*"
-        found: list[RunRecord] = []
+        found: list[tuple[RunRecord, int]] = []  # with the updates done when it was sent
         for key in self.r.scan_iter(pattern):
             eval_id = key.removeprefix(keys.run(""))
-            if not mine.fullmatch(eval_id):  # one of its sets, or another run's
+            match = mine.fullmatch(eval_id)
+            if not match:  # one of its sets, or another run's
                 continue
             try:
                 rec = read_run(self.r, eval_id)
             except MissingState:  # expired since the scan
                 continue
             if rec.mode == EVAL_MODE and rec.status == "running":
-                found.append(rec)
-        found.sort(key=lambda rec: rec.created_at)
-        for rec in found:
+                found.append((rec, int(match.group(1))))
+        found.sort(key=lambda item: item[0].created_at)
+        for rec, sent_at in found:
             if self.pending is not None:
                 log.warning("evaluation %s: an older one still running; cancelled",
                             self.pending.eval_id)
@@ -153,7 +154,6 @@ class Evaluator:
             n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
             collector = Collector(self.r, rec.run_id, run_config(self.r, rec.run_id), n=n_val)
             collector.resend_unsent()
-            sent_at = int(mine.fullmatch(rec.run_id).group(1))  # type: ignore[union-attr]
             # how long it has run, on this process's clock
             started = time.monotonic() - max(time.time() - rec.created_at, 0.0)
             self.pending = PendingEval(rec.run_id, sent_at, version, started,

@@ -161,7 +161,8 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
     run_dir = run_dir_for(cfg, run_id)
     sink = MetricsSink(run_dir, run_id, cfg, console=bool(cfg.logging.console))
     total = int(cfg.trainer.total_steps)
-    step = read_run(client, run_id).step
+    record = read_run(client, run_id)  # what a resumed run kept: its step, evaluation, counts
+    step = record.step
     if resume:
         sink.catch_up(client.lindex(keys.run_metrics(run_id), -1))
     else:
@@ -192,8 +193,8 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
         elif cfg.logging.console:
             print(val_line(steps_done, val), flush=True)
 
-    evaluated = read_run(client, run_id).evaluated_step  # -1 unless a resumed run reported one
-    if step == 0 and evaluator.before_training() and evaluated < 0:
+    # evaluated_step: -1 unless a resumed run reported one
+    if step == 0 and evaluator.before_training() and record.evaluated_step < 0:
         # the initial policy alone: waited for before any training rollout is sent (a
         # resumed run's may be running still, taken up)
         if evaluator.pending is None:
@@ -201,7 +202,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
         report_eval(0, evaluator.wait(on_wait=restore_servers))
     # the counters as the last step's metrics counted them: what happened since (a resumed
     # run's groups dropped while no driver ran) goes into the next step's
-    last_counters = read_run(client, run_id).counted or collector.counters()
+    last_counters = record.counted or collector.counters()
     n = collector.n
     is_async = bool(cfg.agentlightning.async_rollout.enabled)
     refill_during_update = cfg.agentlightning.async_rollout.refill == "during_update"

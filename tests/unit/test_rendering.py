@@ -96,15 +96,15 @@ def test_tool_call_arguments_are_given_as_an_object():
     assert msgs[0]["tool_calls"] == []
 
 
-def test_template_kwargs_are_vllms_for_a_reasoning_effort():
-    from gateway.rendering import template_kwargs
+def test_extra_template_inputs_are_vllms_for_a_reasoning_effort():
+    from gateway.rendering import extra_template_inputs
 
-    assert template_kwargs({"messages": []}) == {}
-    assert template_kwargs({"reasoning_effort": "low"}) == {
+    assert extra_template_inputs({"messages": []}) == {}
+    assert extra_template_inputs({"reasoning_effort": "low"}) == {
         "reasoning_effort": "low", "enable_thinking": True}
-    assert template_kwargs({"reasoning_effort": "none"}) == {
+    assert extra_template_inputs({"reasoning_effort": "none"}) == {
         "reasoning_effort": "none", "enable_thinking": False}
     # the agent's own enable_thinking stands
-    assert template_kwargs({"reasoning_effort": "low",
+    assert extra_template_inputs({"reasoning_effort": "low",
                             "chat_template_kwargs": {"enable_thinking": False, "x": 1}}) == {
         "reasoning_effort": "low", "enable_thinking": False, "x": 1}

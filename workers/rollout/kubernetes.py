@@ -125,11 +125,8 @@ def build_job(kcfg: Any, *, command: str, llm: LLMEndpoint, gateway_url: str, sa
            "CARRYOVER_MAX_WAIT_S": str(llm.max_wait_s),
            "CARRYOVER_SAMPLE": sample_json,
            "CARRYOVER_AGENT_SETTINGS": json.dumps(settings)}
+    # names carryover sets are refused in controller.kubernetes.env when the config loads
     secrets = _secret_refs(kcfg.env or {})
-    taken = sorted(set(secrets) & set(env))
-    if taken:
-        raise AgentError(f"controller.kubernetes.env: {taken} are set by carryover for the "
-                         "agent; give the Secret's value another name")
     labels = job_labels(run_id, group_id, index, attempt, dict(kcfg.labels or {}))
     container = k8s.V1Container(
         name="agent", image=kcfg.image, image_pull_policy=kcfg.image_pull_policy,
@@ -170,12 +167,9 @@ def _secret_refs(env: Any) -> dict[str, dict[str, str]]:
 
 
 def _resources(spec: Any) -> dict[str, Any]:
-    spec = dict(spec or {})
-    unknown = set(spec) - {"limits", "requests"}
-    if unknown:
-        raise AgentError(f"controller.kubernetes.resources: unknown keys {sorted(unknown)} "
-                         "(expected limits, requests)")
-    return {k: {rk: str(rv) for rk, rv in dict(v).items()} for k, v in spec.items()}
+    """``controller.kubernetes.resources`` (its shape checked when the config loads) with
+    each quantity as the string the API takes."""
+    return {k: {rk: str(rv) for rk, rv in dict(v).items()} for k, v in dict(spec or {}).items()}
 
 
 def outcome(job: Any) -> tuple[str, str] | None:
