@@ -7,7 +7,6 @@ read-only.
 
 from __future__ import annotations
 
-import datetime
 import difflib
 import re
 from collections.abc import Iterable, Sequence
@@ -68,6 +67,28 @@ def _timestamp_as_text(loader: yaml.SafeLoader, node: yaml.Node) -> str:
     return loader.construct_scalar(node)  # type: ignore[arg-type]
 
 
+# YAML 1.1 (PyYAML, and so OmegaConf) also reads 0100 as 64 (octal), 1:30 as 90 (base
+# 60), 0x10 as 16 and yes/off as booleans. A config means none of those: in a file, a flow
+# value or on the command line they stay text, for the key's own rule to judge.
+_DECIMAL_INT = re.compile(r"^[-+]?(0|[1-9][0-9_]*)$")
+_BOOL = ("true", "false")
+
+
+def _decimal_int(loader: yaml.SafeLoader, node: yaml.Node) -> int | str:
+    text = loader.construct_scalar(node)  # type: ignore[arg-type]
+    return loader.construct_yaml_int(node) if _DECIMAL_INT.match(text) else text
+
+
+def _float_not_base_60(loader: yaml.SafeLoader, node: yaml.Node) -> float | str:
+    text = loader.construct_scalar(node)  # type: ignore[arg-type]
+    return text if ":" in text else loader.construct_yaml_float(node)
+
+
+def _true_or_false(loader: yaml.SafeLoader, node: yaml.Node) -> bool | str:
+    text = loader.construct_scalar(node)  # type: ignore[arg-type]
+    return loader.construct_yaml_bool(node) if text.lower() in _BOOL else text
+
+
 def _no_binary(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
     raise yaml.constructor.ConstructorError(None, None, "!!binary values are not supported",
                                             node.start_mark)
@@ -75,6 +96,9 @@ def _no_binary(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
 
 _Loader.add_constructor("tag:yaml.org,2002:timestamp", _timestamp_as_text)
 _Loader.add_constructor("tag:yaml.org,2002:binary", _no_binary)
+_Loader.add_constructor("tag:yaml.org,2002:int", _decimal_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _float_not_base_60)
+_Loader.add_constructor("tag:yaml.org,2002:bool", _true_or_false)
 _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
@@ -163,30 +187,15 @@ def _read_yaml(path: Path, label: str = "--config") -> dict[str, Any]:
     return data
 
 
-# What a command line means by a number or a boolean, as verl's Hydra overrides read them:
-# YAML 1.1 would also read 0100 as 64 (octal), 1:30 as 90 (base 60), off as false and
-# 2024-01-01 as a date. Those stay text, for the key's own rule to judge.
-_DECIMAL_INT = re.compile(r"^[-+]?(0|[1-9][0-9_]*)$")
-_BOOL = ("true", "false")
-
-
 def _override_value(raw: str) -> Any:
-    text = raw.strip()
-    if not text:
+    """A command line's value, read as verl's Hydra overrides read it (numbers, true/false,
+    null, flow lists and maps); what is not valid YAML stays text."""
+    if not raw.strip():
         return None
     try:
-        value = yaml.load(raw, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+        return yaml.load(raw, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError:
         return raw
-    if isinstance(value, bool):
-        return value if text.lower() in _BOOL else raw
-    if isinstance(value, int):
-        return value if _DECIMAL_INT.match(text) else raw
-    if isinstance(value, float) and ":" in text:
-        return raw
-    if isinstance(value, (datetime.date, datetime.datetime)):
-        return raw
-    return value
 
 
 def _parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -209,8 +218,20 @@ def _parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str
                 break
             node = child
         else:
-            node[parts[-1]] = value
+            last = parts[-1]
+            if isinstance(value, dict) and isinstance(node.get(last), dict):
+                _merge_into(node[last], value)  # a later section adds to an earlier key's
+            else:
+                node[last] = value
     return nested, problems
+
+
+def _merge_into(into: dict[str, Any], later: dict[str, Any]) -> None:
+    for key, value in later.items():
+        if isinstance(value, dict) and isinstance(into.get(key), dict):
+            _merge_into(into[key], value)
+        else:
+            into[key] = value
 
 
 def load_config(

@@ -278,3 +278,26 @@ def test_one_and_blank_are_not_true_and_a_name():
 def test_degenerate_sizes_are_refused(override, says):
     (line,) = problems(overrides=[override])
     assert line.startswith(override.split("=")[0] + ":") and says in line, line
+
+
+def test_yaml_1_1_numbers_and_booleans_in_a_file_stay_text(tmp_path):
+    """PyYAML read 010 in a file as 8, 1:30 as 90 and yes as true, where the command line
+    kept them as text: a file now reads them as the command line does."""
+    cfg = load_config(write(tmp_path, "agent:\n  a: 1:30\n  b: yes\n  c: 0x10\n  d: 010\n"
+                                      "  e: 1_000\n  f: True\n  g: 1.5\n  h: {i: off}\n"))
+    assert OmegaConf.to_container(cfg.agent) == {"a": "1:30", "b": "yes", "c": "0x10",
+                                                 "d": "010", "e": 1000, "f": True, "g": 1.5,
+                                                 "h": {"i": "off"}}
+    (line,) = problems(write(tmp_path, "trainer:\n  total_steps: 010\n"))
+    assert line == "trainer.total_steps: value '010' must be a positive integer"
+    assert load_config(None, ["agent.x={n: 010, m: on}"]).agent.x == {"n": "010", "m": "on"}
+
+
+def test_a_later_override_of_a_section_adds_to_the_earlier_ones():
+    """``trainer={save_freq: 2}`` after ``trainer.total_steps=3`` replaced the section the
+    earlier override had built, and the run took 100 steps, the default."""
+    cfg = load_config(None, ["trainer.total_steps=3", "trainer={save_freq: 2}",
+                             "agent.x.y=1", "agent={x: {z: 2}}"])
+    assert cfg.trainer.total_steps == 3 and cfg.trainer.save_freq == 2
+    assert OmegaConf.to_container(cfg.agent) == {"x": {"y": 1, "z": 2}}
+    assert load_config(None, ["agent.x={y: 1}", "agent.x=5"]).agent.x == 5
