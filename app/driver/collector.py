@@ -136,9 +136,15 @@ class Collector:
 
     def top_up(self, policy_version: int, dispatch_step: int | None = None) -> int:
         """Dispatch new groups until ``active_target`` are active; returns how many.
-        ``dispatch_step``: the step the groups are dispatched for (default: the run's step)."""
+        ``dispatch_step``: the step the groups are dispatched for (default: the run's step,
+        or the next one once its update is done)."""
         active = self.r.zcard(keys.run_active(self.run_id))
         run = self.run()
+        if dispatch_step is None:
+            # the run's step; the next one where its update is done but not yet recorded
+            # (a driver that died in between): the groups start on that update's weights
+            dispatch_step = run.step + bool(
+                self.r.exists(keys.run_step_result(self.run_id, run.step)))
         sent = 0
         while active + sent < self.active_target:
             index, requeued = self._next_sample_index(run)
@@ -147,8 +153,7 @@ class Collector:
             gid = f"{self.run_id}-g{seq}"
             rec = GroupRecord(group_id=gid, run_id=self.run_id, sample_index=index,
                               sample=self.samples[index], n=self.n, seq=seq,
-                              dispatch_step=run.step if dispatch_step is None
-                              else dispatch_step, dispatch_version=policy_version,
+                              dispatch_step=dispatch_step, dispatch_version=policy_version,
                               dispatched_at=time.time())
             pipe = self.r.pipeline(transaction=True)
             if requeued:  # the head read above: one driver per run, and others only append

@@ -78,3 +78,35 @@ def test_a_selection_whose_figures_were_not_recorded_has_them_read_at_resume(red
     assert again is not None and again.group_ids == made.group_ids == [f"{run}-g0"]
     assert again.consumed_ages == [2] and again.new_carry_over_rollouts == 2
     assert again.carry_over_age_max == 1
+
+
+def test_groups_sent_after_an_unrecorded_update_count_their_age_from_its_weights(
+        redis_client, tmp_path):
+    """A driver that died after the trainer stored step 2's result and before the step was
+    recorded resumes at step 2, and its first top-up starts groups on the new weights: their
+    age counts from step 3, not 2, or they are cancelled as stale a step early."""
+    from omegaconf import OmegaConf
+
+    from app.config import load_config
+    from app.driver.collector import Collector
+
+    r = redis_client
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(f'{{"text": "s{i}"}}\n' for i in range(4)))
+    cfg = load_config(None, [f"data.train_files={data}", "actor_rollout_ref.rollout.n=2",
+                             "data.train_batch_size=1",
+                             "agentlightning.async_rollout.async_train_batch_size=2"])
+    run = "carry-unrecorded-update"
+    Collector.create_run(r, run, OmegaConf.to_container(cfg), "async")
+    collector = Collector(r, run, cfg)
+    collector._send = lambda gid: None  # no workers here: the record is what is checked
+    collector.set_step(2)
+    assert collector.top_up(5) == 2
+    assert {r.hget(keys.group(f"{run}-g{i}"), "dispatch_step") for i in (0, 1)} == {"2"}
+    r.zrem(keys.run_active(run), f"{run}-g1")
+    r.set(keys.run_step_result(run, 2), "{}")  # step 2's update done, not yet recorded
+    assert collector.top_up(6) == 1
+    assert r.hget(keys.group(f"{run}-g2"), "dispatch_step") == "3"
+    r.zrem(keys.run_active(run), f"{run}-g2")
+    assert collector.top_up(6, dispatch_step=2) == 1  # an explicit step is kept as given
+    assert r.hget(keys.group(f"{run}-g3"), "dispatch_step") == "2"
