@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 import requests
@@ -344,6 +345,8 @@ def test_the_anthropic_and_responses_clients_ride_through_a_pause(gw, new_rollou
     import time
 
     import anthropic
+    import httpx
+    import httpx2
     import requests
     from openai import OpenAI
 
@@ -360,22 +363,32 @@ def test_the_anthropic_and_responses_clients_ride_through_a_pause(gw, new_rollou
         assert raw.json()["error"]["type"] == "overloaded_error"
         assert "Retry-After" in raw.headers
         results: dict = {}
+        refused = {"anthropic": 0, "responses": 0}
+
+        def counting(sdk: str, http: Any) -> Any:  # each SDK's own httpx package
+            def count(response: Any) -> None:
+                refused[sdk] += response.status_code == 503
+            return http.Client(event_hooks={"response": [count]})
 
         def via_anthropic() -> None:
             client = anthropic.Anthropic(base_url=base.removesuffix("/v1"), api_key=token,
-                                         max_retries=20)
+                                         max_retries=20, http_client=counting("anthropic", httpx2))
             results["anthropic"] = client.messages.create(
                 model=NAME, max_tokens=4, messages=[{"role": "user", "content": "hi"}])
 
         def via_responses() -> None:
-            client = OpenAI(base_url=base, api_key=token, max_retries=20)
+            client = OpenAI(base_url=base, api_key=token, max_retries=20,
+                            http_client=counting("responses", httpx))
             results["responses"] = client.responses.create(model=NAME, input="hi",
                                                            max_output_tokens=4)
 
         threads = [threading.Thread(target=via_anthropic), threading.Thread(target=via_responses)]
         for t in threads:
             t.start()
-        time.sleep(2.0)
+        deadline = time.monotonic() + 30
+        while not all(refused.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert all(refused.values()), refused  # each SDK was refused, and retries
         assert not results  # nothing gets through while paused
     finally:
         pause.resume()

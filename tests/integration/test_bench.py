@@ -72,7 +72,10 @@ def test_weight_sync_bench_json(tmp_path, session_stack, vllm_service, redis_cli
     assert r["benchmark"] == "weight_sync" and r["cycles"] == 2
     assert set(r["median_seconds"]) == {"pause_drain", "update", "save", "reload", "probe",
                                         "resume", "cycle"}
-    assert all(v >= 0 for v in r["median_seconds"].values())
+    med = r["median_seconds"]
+    # each cycle timed its phases in turn (medians of each, so the sum only roughly)
+    assert all(med[k] > 0 for k in ("update", "save", "reload", "probe", "cycle"))
+    assert med["cycle"] >= max(med["update"], med["reload"])
     assert set(r["reference_median_seconds"]) == set(r["median_seconds"])
     assert r["update_tokens_per_s"]["engine"] > 0 and r["update_tokens_per_s"]["reference"] > 0
 
@@ -86,7 +89,10 @@ def test_async_vs_sync_bench_json(tmp_path, session_stack):
     for x in r["results"]:
         assert x["steps_timed"] == 3 and x["warmup_steps"] >= 1
         assert x["trained_rollouts_per_s"] > 0 and x["steps_per_min"] > 0
-        assert 0 < x["fraction_of_ideal"] <= 1.0  # no schedule beats the ideal
+        # the attached stack's slots make the ideal far above what quick mode's few groups
+        # can reach: a mode above it is an error, tested in test_bench_ideal
+        assert x["fraction_of_ideal"] == pytest.approx(
+            x["trained_rollouts_per_s"] / x["ideal_rollouts_per_s"]) and x["fraction_of_ideal"] > 0
         g = x["groups"]  # every dispatched group accounted for
         assert g["dispatched"] == g["trained"] + g["cancelled"] + g["dropped"] + g["in_flight"]
         assert 0 <= x["slot_utilisation"] <= 1.0 + 1e-6 and x["waste_slot_s"] >= 0

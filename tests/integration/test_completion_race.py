@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from omegaconf import OmegaConf
 
 from app.config import load_config
@@ -114,10 +115,8 @@ def test_a_callback_killed_after_dropping_its_group_is_redone_by_the_redelivery(
     expire = retention.expire_untrained
     monkeypatch.setattr(retention, "expire_untrained",
                         lambda *a: (_ for _ in ()).throw(Killed()))
-    try:
+    with pytest.raises(Killed):  # killed after the drop, before its TTLs
         completion.finish_group(redis_client, gid)
-    except Killed:
-        pass
     monkeypatch.setattr(retention, "expire_untrained", expire)
     assert redis_client.hget(keys.group(gid), "status") == "dropped"
     assert redis_client.ttl(keys.group(gid)) == -1

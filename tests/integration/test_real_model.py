@@ -129,13 +129,14 @@ def test_three_steps_of_the_real_model_through_every_part(smol, tmp_path):
         assert "timing/trainer_save_seconds" not in m and m["timing/trainer_transfer_seconds"]
         assert m["weight_sync/bytes_moved"] >= 2 * 134_515_008 and m["weight_sync/buckets"] > 4
         assert m["weight_sync/checksummed_tensors"] > 0 and m["weight_sync/changed_tensors"] > 0
+    # A second turn re-sends the conversation: it shares the first call's row when the
+    # chat template renders the first answer back as the tokens sampled (BPE can sample a
+    # word in pieces that re-tokenize as one: then the call takes a row of its own).
     for m in steps:
-        # A second turn re-sends the conversation: it shares the first call's row when the
-        # chat template renders the first answer back as the tokens sampled (BPE can sample
-        # a word in pieces that re-tokenize as one: then the call takes a row of its own).
-        later, packed = m["batch/later_turn_calls"], m["batch/packed_calls"]
-        assert packed <= later
-        if later >= 4:
-            assert packed >= later / 2, (later, packed)
+        assert m["batch/packed_calls"] <= m["batch/later_turn_calls"]
+    later = sum(m["batch/later_turn_calls"] for m in steps)
+    packed = sum(m["batch/packed_calls"] for m in steps)
+    if later >= 4:  # second turns come only after a wrong first answer
+        assert packed >= later / 2, (later, packed)
     assert [e["val/sent_at_step"] for e in evals] == [0.0, 2.0, 3.0]
     assert all(e["val/n_rollouts"] == 2 for e in evals)

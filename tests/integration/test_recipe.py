@@ -99,8 +99,9 @@ def test_a_prompt_that_always_fails_is_quarantined_and_the_run_finishes(stack, t
     epochs = int(stack.hget(keys.run(run_id), "epoch"))
     assert epochs >= 2  # the run went round the data after the quarantine
     assert sum(r[ASYNC + "n_quarantined_prompts"] for r in rows) == 1
-    log = (REPO_LOG_DIR() / "groups.log").read_text(errors="replace")
-    assert "prompt 0 quarantined" in log and "scripted failure of s0" in log
+    log = (REPO_LOG_DIR() / "groups.log").read_text(errors="replace").splitlines()
+    assert any("prompt 0 quarantined" in line and f"group {run_id}-g" in line
+               and "scripted failure of s0" in line for line in log)  # this run's line
 
 
 def test_a_rollout_that_failed_before_its_first_call_is_in_the_baseline(stack, tmp_path):  # noqa: F811
@@ -141,9 +142,9 @@ def test_only_the_equal_reward_prompt_is_filtered_in_every_epoch(stack, tmp_path
 
 
 def test_age_cap_wait_trains_the_overdue_group_and_reports_the_wait(stack, tmp_path):  # noqa: F811
-    # g0 is held until step 1 is done, then takes 2 s more: at step 2 it is 2 steps old,
+    # g0 is held until step 1 is done, then takes 3 s more: at step 2 it is 2 steps old,
     # past the cap of 1, so step 2 waits for it instead of cancelling it
-    samples = [{"gate": "slow", "sleep": 2}] + [{} for _ in range(8)]
+    samples = [{"gate": "slow", "sleep": 3}] + [{} for _ in range(8)]
     cfg = make_cfg(tmp_path, samples, "data.train_batch_size=1",
                    "agentlightning.async_rollout.async_train_batch_size=2",
                    "agentlightning.async_rollout.max_carry_over_age_steps=1",
@@ -155,7 +156,8 @@ def test_age_cap_wait_trains_the_overdue_group_and_reports_the_wait(stack, tmp_p
     assert stack.lrange(keys.run_step_groups(run_id, 2), 0, -1) == [f"{run_id}-g0"]
     assert rows[2][ASYNC + "consumed_age_max_steps"] == 2
     waits = [r["timing/wait_for_overdue_seconds"] for r in rows]
-    assert waits[0] == waits[1] == 0.0 and 0.5 < waits[2] <= rows[2]["timing/wait_for_data_seconds"]
+    # (how much of g0's 3 s is left when step 2 begins depends on the machine's speed)
+    assert waits[0] == waits[1] == 0.0 and 0 < waits[2] <= rows[2]["timing/wait_for_data_seconds"]
 
 
 @pytest.mark.parametrize("policy", ["end", "fail"])

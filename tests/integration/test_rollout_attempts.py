@@ -4,6 +4,7 @@ open, how a controller's own crash is retried, and what a cancelled group leaves
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 import uuid
@@ -276,7 +277,8 @@ def test_a_process_agent_its_dead_worker_left_running_is_stopped_by_the_next_del
         # a record whose start time does not match is another process's pid: left alone
         redis_client.hset(keys.rollout(rid), "agent_started", "1")
         ProcessController("sleep 60", {}, redis_client).stop(rid)
-        assert proc.poll() is None
+        with pytest.raises(subprocess.TimeoutExpired):  # poll() alone misses a kill in flight
+            proc.wait(1.0)
         redis_client.hset(keys.rollout(rid), "agent_started", record["agent_started"])
         result = run_sibling(redis_client, group, 0)  # the redelivery: closes and stops it
         assert proc.wait(10) == -signal.SIGKILL

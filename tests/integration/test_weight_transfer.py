@@ -67,43 +67,45 @@ def test_a_transfer_loads_what_a_reload_from_disk_loads(smol_trainer, smollm2_se
     tol = float(cfg.trainer.probe_tolerance)
     ids = weights.probe_ids(SMOLLM2)
     # the server starts from the trainer's weights as they are (from disk)
-    old = weights.publish_version(tmp_path, 1, 3,
-                                  lambda d: trainer.export_weights(d, "bfloat16"))
-    weights.reload_weights(url, old, version=1)
-    before = trainer.probe_log_probs(ids)
-    digests_before = weights.weight_checksums(url)
-    update(trainer, 2)
-    after = trainer.probe_log_probs(ids)
-    assert weights.mean_gap(before, after) > tol
+    try:
+        old = weights.publish_version(tmp_path, 1, 3,
+                                      lambda d: trainer.export_weights(d, "bfloat16"))
+        weights.reload_weights(url, old, version=1)
+        before = trainer.probe_log_probs(ids)
+        digests_before = weights.weight_checksums(url)
+        update(trainer, 2)
+        after = trainer.probe_log_probs(ids)
+        assert weights.mean_gap(before, after) > tol
 
-    bucket = 16 << 20
-    sent = trainer.transfer_weights([url], "bfloat16", bucket, 120, inference_api_key(cfg))
-    assert sent.loaded == [url] and not sent.failed and not sent.unreachable
-    assert not glob.glob("/dev/shm/carryover-transfer-*")  # no bucket left behind
-    weights.after_load(url, 60, version=2)
-    # every tensor went (the tied head included), in buckets no larger than the setting
-    # or the largest tensor (the 49,152 x 576 embeddings), several of them
-    params = 134_515_008 + 49_152 * 576
-    assert params * 2 <= sent.bytes_moved < params * 2 + 64 * 300
-    assert sent.largest_bucket <= max(bucket, 49_152 * 576 * 2)
-    assert sent.buckets >= sent.bytes_moved // max(bucket, 49_152 * 576 * 2)
-    # the server holds the new weights: the probe (closer to the new than to the old) and
-    # the checksums (changed, and the same on every replica) say so
-    m = weights.verify_sync(url, SMOLLM2_NAME, after, before, tol, ids)
-    assert m["weight_sync/probe_gap_to_previous"] > tol
-    by_transfer = weights.weight_checksums(url)
-    c = weights.check_checksums(url, by_transfer, digests_before, must_change=True)
-    assert c["weight_sync/changed_tensors"] > 0
-    probe_by_transfer = weights.engine_probe_logprobs(url, SMOLLM2_NAME, ids)
+        bucket = 16 << 20
+        sent = trainer.transfer_weights([url], "bfloat16", bucket, 120, inference_api_key(cfg))
+        assert sent.loaded == [url] and not sent.failed and not sent.unreachable
+        assert not glob.glob("/dev/shm/carryover-transfer-*")  # no bucket left behind
+        weights.after_load(url, 60, version=2)
+        # every tensor went (the tied head included), in buckets no larger than the setting
+        # or the largest tensor (the 49,152 x 576 embeddings), several of them
+        params = 134_515_008 + 49_152 * 576
+        assert params * 2 <= sent.bytes_moved < params * 2 + 64 * 300
+        assert sent.largest_bucket <= max(bucket, 49_152 * 576 * 2)
+        assert sent.buckets >= sent.bytes_moved // max(bucket, 49_152 * 576 * 2)
+        # the server holds the new weights: the probe (closer to the new than to the old) and
+        # the checksums (changed, and the same on every replica) say so
+        m = weights.verify_sync(url, SMOLLM2_NAME, after, before, tol, ids)
+        assert m["weight_sync/probe_gap_to_previous"] > tol
+        by_transfer = weights.weight_checksums(url)
+        c = weights.check_checksums(url, by_transfer, digests_before, must_change=True)
+        assert c["weight_sync/changed_tensors"] > 0
+        probe_by_transfer = weights.engine_probe_logprobs(url, SMOLLM2_NAME, ids)
 
-    # the same weights from disk: the same scores, the same digests
-    new = weights.publish_version(tmp_path, 3, 3,
-                                  lambda d: trainer.export_weights(d, "bfloat16"))
-    weights.reload_weights(url, new, version=3)
-    assert weights.mean_gap(weights.engine_probe_logprobs(url, SMOLLM2_NAME, ids),
-                            probe_by_transfer) < 1e-6
-    assert weights.weight_checksums(url) == by_transfer
-    weights.reload_weights(url, SMOLLM2)  # the shared server back on the model's weights
+        # the same weights from disk: the same scores, the same digests
+        new = weights.publish_version(tmp_path, 3, 3,
+                                      lambda d: trainer.export_weights(d, "bfloat16"))
+        weights.reload_weights(url, new, version=3)
+        assert weights.mean_gap(weights.engine_probe_logprobs(url, SMOLLM2_NAME, ids),
+                                probe_by_transfer) < 1e-6
+        assert weights.weight_checksums(url) == by_transfer
+    finally:
+        weights.reload_weights(url, SMOLLM2)  # the shared server back on the model's weights
 
 
 def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_again(
@@ -217,3 +219,32 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
     finally:
         trainer.close()
         redis_client.delete(keys.policy_published(), keys.upstreams_stale())
+
+
+def test_a_sync_after_one_the_server_failed_loads_what_it_sends(smollm2_server, tmp_path):
+    """An update that raises inside vLLM (here a tensor the model has no parameter for)
+    ends the server's session there; the trainer's close then meets no session. A layer
+    the failed sync had begun stays part-loaded in vLLM's layer-wise reload, and the next
+    sync must still load every tensor it sends into it."""
+    from safetensors.torch import load_file
+
+    cfg = load_config("config/arith.yaml", ["trainer.device=cpu"])
+    key, url = inference_api_key(cfg), smollm2_server
+    ids = weights.probe_ids(SMOLLM2)
+    state = load_file(str(SMOLLM2 / "model.safetensors"))
+    try:
+        weights.reload_weights(url, SMOLLM2)
+        base = weights.engine_probe_logprobs(url, SMOLLM2_NAME, ids)
+        q = "model.layers.0.self_attn.q_proj.weight"
+        broken = ShmSender([url], 1, 60, key)  # a bucket per tensor
+        broken.send([(q, state[q] * 2), ("model.layers.0.no_such.weight", state[q])],
+                    torch.bfloat16)
+        assert list(broken.result.failed) == [url] and not broken.result.loaded
+        sent = ShmSender([url], 16 << 20, 120, key).send(state.items(), torch.bfloat16)
+        assert sent.loaded == [url], sent.failed
+        weights.after_load(url, 60)
+        # the model's own weights again: scored as after a reload of them from disk
+        assert weights.mean_gap(weights.engine_probe_logprobs(url, SMOLLM2_NAME, ids),
+                                base) < 1e-6
+    finally:
+        weights.reload_weights(url, SMOLLM2)  # the shared server back on the model's weights

@@ -21,8 +21,7 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    if not (SMOLLM2 / "tokenizer.json").exists():
-        pytest.skip("scripts/setup.sh builds the model")
+    assert (SMOLLM2 / "tokenizer.json").exists(), "scripts/setup.sh builds the model"
     return served_tokenizer(SMOLLM2), served_tokenizer(SMOLLM2, TEMPLATE)
 
 

@@ -119,40 +119,34 @@ def test_a_continuations_chunks_count_as_the_whole_call():
     assert chunk["choices"][0]["logprobs"]["text_offset"] == [0]  # the input left as it was
 
 
-class _Redis:
-    """The two reads the gateway makes of the pause (keys as app.state.keys names them)."""
-
-    def __init__(self, values: dict[str, str]) -> None:
-        self.values = values
-
-    def mget(self, *names: str) -> list[str | None]:
-        return [self.values.get(n) for n in names]
-
-    def exists(self, name: str) -> int:
-        return int(name in self.values)
-
-
-def test_only_the_pause_that_marked_itself_carries_calls_on():
+def test_only_the_pause_that_marked_itself_carries_calls_on(redis_client):
     from app.state import keys
 
-    paused, mark = keys.paused(), keys.pause_carries_on()
-    assert cont.carries_on(_Redis({paused: "t1", mark: "t1"}))
-    assert not cont.carries_on(_Redis({paused: "t2", mark: "t1"}))  # taken over since
-    assert not cont.carries_on(_Redis({paused: "t1"}))   # an operator's pause
-    assert not cont.carries_on(_Redis({mark: "t1"}))     # the pause is over
+    r, paused, mark = redis_client, keys.paused(), keys.pause_carries_on()
+    r.mset({paused: "t1", mark: "t1"})
+    assert cont.carries_on(r)
+    r.set(paused, "t2")
+    assert not cont.carries_on(r)  # taken over since
+    r.set(paused, "t1")
+    r.delete(mark)
+    assert not cont.carries_on(r)  # an operator's pause
+    r.set(mark, "t1")
+    r.delete(paused)
+    assert not cont.carries_on(r)  # the pause is over
 
 
-def test_waiting_for_the_resume_ends_with_the_pause_or_the_lease():
+def test_waiting_for_the_resume_ends_with_the_pause_or_the_lease(redis_client):
     import threading
 
     from app.state import keys
     from gateway.leases import UpstreamCancelled
 
-    cont.wait_for_resume(_Redis({}), threading.Event(), 1.0)  # not paused: at once
+    cont.wait_for_resume(redis_client, threading.Event(), 1.0)  # not paused: at once
+    redis_client.set(keys.paused(), "t")
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(UpstreamCancelled):
-        cont.wait_for_resume(_Redis({keys.paused(): "t"}), cancel, 1.0, poll_s=0.01)
+        cont.wait_for_resume(redis_client, cancel, 1.0, poll_s=0.01)
     with pytest.raises(TimeoutError):
-        cont.wait_for_resume(_Redis({keys.paused(): "t"}), threading.Event(), 0.05,
-                             poll_s=0.01)
+        cont.wait_for_resume(redis_client, threading.Event(), 0.05, poll_s=0.01)
+    redis_client.delete(keys.paused())

@@ -20,8 +20,7 @@ CALL = {"id": "call-1", "type": "function",
 
 @pytest.fixture(scope="module")
 def tok():
-    if not (SMOLLM2 / "tokenizer.json").exists():
-        pytest.skip("scripts/setup.sh builds the model")
+    assert (SMOLLM2 / "tokenizer.json").exists(), "scripts/setup.sh builds the model"
     return served_tokenizer(SMOLLM2, TEMPLATE)
 
 

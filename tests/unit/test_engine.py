@@ -144,9 +144,9 @@ def test_padded_rows_change_nothing(one_rank):
     padded = engine()
     vb = to_verl_batch(samples(), 0).padded_to(16)
     assert len(vb) == 16 and vb.real == 13 and vb.response_mask[13:].sum() == 0
-    m = padded.update(vb, 0)
-    assert m["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-6)
-    assert max_diff(weights, padded.full_weights()) < 1e-7
+    # the same step up to float rounding: a padded batch's matmuls block differently on
+    # another CPU (a padded row in the loss's token count would move the norm by 13/16)
+    assert_same_step((metrics, weights), (padded.update(vb, 0), padded.full_weights()))
 
 
 def forward_shapes(trainer: EngineTrainer) -> list[tuple[int, int]]:
