@@ -106,6 +106,7 @@ class Receiver:
                 return 400, "no weight update in progress"
             self.updates += 1
             if self.updates == self.fail_at:
+                self.open = False  # as vLLM's worker: a failed update ends the session
                 return 500, "load failed (stand-in)"
             info = IPCWeightTransferUpdateInfo(**body["update_info"])
             if not self.packed or not isinstance(info.ipc_handles, dict):
@@ -122,6 +123,9 @@ class Receiver:
                     self.received[gpu][name] = tensor.to("cpu", copy=True)
                 del buffer  # this export released: the next bucket comes as a fresh one
         elif route == "/finish_weight_update":
+            if not self.open:
+                return 500, ("finish_weight_update called without a matching "
+                             "start_weight_update.")
             self.open = False
             for gpu, tensors in self.received.items():
                 if tensors:

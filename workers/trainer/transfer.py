@@ -44,6 +44,8 @@ from app.services.transfer_wire import FOLDER_PREFIX, ShmBucket, aligned
 log = logging.getLogger(__name__)
 
 SHM = Path("/dev/shm")
+# vLLM's refusal of a finish with no session open (a failed bucket ended it)
+NO_SESSION = "finish_weight_update called without a matching start_weight_update"
 T = TypeVar("T")
 
 
@@ -132,7 +134,20 @@ class _Sessions:
     def close(self, url: str) -> None:
         try:
             self.post(url, "/finish_weight_update", {})
-        except (requests.RequestException, _Refused) as exc:
+        except _Refused as exc:
+            if NO_SESSION not in str(exc):
+                log.warning("could not close the weight-update session of %s: %s", url, exc)
+                return
+            # vLLM ends the session itself when a bucket fails in it, and leaves the layers
+            # that bucket had begun part-loaded: the next session would not re-arm them
+            # and fail on them. An empty session finalizes them (on weights the server
+            # does not serve: it is stale until a whole sync reaches it).
+            try:
+                self.post(url, "/start_weight_update", None)
+                self.post(url, "/finish_weight_update", {})
+            except (requests.RequestException, _Refused) as again:
+                log.warning("could not clear the failed weight update of %s: %s", url, again)
+        except requests.RequestException as exc:
             log.warning("could not close the weight-update session of %s: %s", url, exc)
 
     def post(self, url: str, route: str, body: dict[str, object] | None) -> None:
@@ -142,6 +157,10 @@ class _Sessions:
             raise _Refused(f"{route} did not answer within {self.timeout:.0f} s "
                            "(trainer.reload_timeout_s)") from exc
         if resp.status_code != 200:
+            if resp.status_code >= 500:
+                # a route that raised ends its connection once it has answered: the next
+                # request on it would meet a reset
+                self.http.close()
             raise _Refused(f"{route} answered {resp.status_code}: {resp.text[:300]}")
 
 
