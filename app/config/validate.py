@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Any, get_args
 
-from app.config.settings import DrainMode, TransferEngine, WeightSync
+from app.config.settings import DrainMode, TransferEngine, WeightSync, ipc_layout_problem
 from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES, ROLLOUT_RS_OPTIONS
 
 # Sections whose content is handed to user code unchecked.
@@ -643,11 +643,23 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
     if ok("inference.weight_sync", "inference.urls") \
             and _get(cfg, "inference.weight_sync") == "transfer":
         problems += _transfer_rules(cfg)
+    ipc_on_cpu = False
     for side in ("inference.device", "trainer.device"):
         if ok("inference.transfer_engine", side) \
                 and _get(cfg, "inference.transfer_engine") == "ipc" and _get(cfg, side) == "cpu":
+            ipc_on_cpu = True
             problems.append("inference.transfer_engine: value 'ipc' hands GPU memory over "
                             f"(CUDA IPC), and {side} is cpu: use shm or auto")
+    layout = ("inference.urls", "inference.tensor_parallel_size", "inference.data_parallel_size",
+              "trainer.launcher", "trainer.ranks", "trainer.nnodes", "trainer.n_gpus_per_node")
+    if ok("inference.transfer_engine", *layout) and not ipc_on_cpu \
+            and _get(cfg, "inference.transfer_engine") == "ipc":
+        from omegaconf import OmegaConf
+
+        problem = ipc_layout_problem(OmegaConf.create(cfg), "cuda")
+        if problem:
+            problems.append(f"inference.transfer_engine: value 'ipc' {problem}: use shm or "
+                            "auto")
     if ok("actor_rollout_ref.model.lora_rank") and _get(cfg, "actor_rollout_ref.model.lora_rank"):
         problems += _lora_rules(cfg, ok)
     max_tokens = _get(cfg, "actor_rollout_ref.rollout.max_tokens")

@@ -8,9 +8,10 @@ import pytest
 
 from app.config import load_config
 from app.config.loader import REPO_ROOT
+from app.config.settings import launcher
 from tests.unit.test_engine import assert_same_step, step_of
 from workers.trainer import service
-from workers.trainer.engine import EngineTrainer, launcher
+from workers.trainer.engine import EngineTrainer
 from workers.trainer.settings import TrainerSettings
 
 pytestmark = pytest.mark.slow

@@ -335,3 +335,29 @@ def test_rows_without_a_trained_token_are_not_run():
                                                  rel=1e-5)
     trainer.close()
     whole.close()
+
+
+def test_the_ranks_wait_in_a_collective_as_long_as_a_transfer_may_make_them(tmp_path):
+    """The other ranks sit in the weight gather while rank 0 waits up to
+    trainer.reload_timeout_s for each server: their group's timeout covers every server's
+    wait (NCCL's default, 10 min, was the default reload timeout itself)."""
+    import subprocess
+    import sys
+
+    from workers.trainer.engine_config import collective_timeout_s
+
+    cfg = load_config(None, ["inference.urls=[http://127.0.0.1:8100,http://127.0.0.1:8101,"
+                             "http://127.0.0.1:8102]", "trainer.reload_timeout_s=1200"])
+    assert collective_timeout_s(cfg) == 3 * 1200 + 600
+    assert collective_timeout_s(load_config(None, [])) == 1800  # never below gloo's own
+    # a process of its own: this one may hold a group already
+    code = ("import torch\n"
+            "from torch.distributed import distributed_c10d as c\n"
+            "from workers.trainer.ranks import free_port, init_process_group\n"
+            "init_process_group(0, 1, free_port(), 'cpu', 4200.0)\n"
+            "b = c._get_default_group()._get_backend(torch.device('cpu'))\n"
+            "print(b.options._timeout.total_seconds())\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert float(out.stdout.split()[-1]) == 4200.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from app.config import ConfigError, load_config
@@ -174,3 +176,26 @@ def test_the_gateway_names_the_adapter_of_the_calls_version():
         "tiny-qwen2", "tiny-qwen2-v1", "tiny-qwen2-v7"]  # 0: nothing published yet
     full = GatewaySettings.from_config(load_config(None, []))
     assert full.served_model(7) == "tiny-qwen2"
+
+
+def test_ipc_is_taken_only_where_the_trainers_gpus_are_the_servers():
+    """Every trainer rank exports each bucket on its GPU, and an export no server worker
+    opens is GPU memory lost (torch frees it once its reader releases it): a second server
+    out of a sync, or a trainer GPU no server uses, leaked each sync. auto takes shm
+    there, and ipc named is a config error naming the layout."""
+    from app.config.settings import transfer_engine
+
+    gpu = ["inference.weight_sync=transfer", "inference.device=cuda", "trainer.device=cuda"]
+    two = "inference.urls=[http://127.0.0.1:8100,http://127.0.0.1:8101]"
+    assert transfer_engine(load_config(None, gpu), "cuda") == "ipc"
+    # 8 ranks under Ray over one server of 2 x 4 GPUs: the same GPUs
+    eight = [*gpu, "trainer.n_gpus_per_node=8", "inference.tensor_parallel_size=2",
+             "inference.data_parallel_size=4"]
+    assert transfer_engine(load_config(None, eight), "cuda") == "ipc"
+    for layout, says in ((two, "inference.urls names 2"),
+                         ("trainer.ranks=2", "the trainer has 2 rank(s), the server 1 GPU(s)"),
+                         ("trainer.n_gpus_per_node=8", "the trainer has 8 rank(s)")):
+        assert transfer_engine(load_config(None, [*gpu, layout]), "cuda") == "shm", layout
+        with pytest.raises(ConfigError, match="inference.transfer_engine: value 'ipc' .*"
+                                              + re.escape(says)):
+            load_config(None, [*gpu, layout, "inference.transfer_engine=ipc"])

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.config.settings import launcher
 from workers.trainer.algorithms import (
     compute_advantages,
     constrained_is_metrics,
@@ -46,16 +47,6 @@ from workers.trainer.transfer import TransferResult
 from workers.trainer.verl_batch import VerlBatch, to_verl_batch
 
 log = logging.getLogger(__name__)
-
-
-def launcher(cfg: Any, device: str) -> str:
-    """``trainer.launcher``; ``auto`` = verl's Ray worker group when the update spans more
-    than one accelerator, else ranks on this host."""
-    tr = cfg.trainer
-    if tr.launcher != "auto":
-        return str(tr.launcher)
-    gpus = int(tr.nnodes) * int(tr.n_gpus_per_node)
-    return "ray" if device == "cuda" and gpus > 1 else "local"
 
 
 def _rank_group(cfg: Any, spec: EngineSpec) -> LocalRanks | SpawnedRanks | RayRanks:

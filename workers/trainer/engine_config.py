@@ -57,6 +57,8 @@ class EngineSpec:
     kl_loss_type: str
     # algorithm.rollout_correction in verl's bypass mode, which the loss applies itself
     bypass: dict[str, Any] | None = None
+    # how long a rank may wait in a collective (collective_timeout_s)
+    collective_timeout_s: float = 1800.0
     # LoRA (verl's names, actor_rollout_ref.model): rank 0 trains every weight
     lora_rank: int = 0
     lora_alpha: int = 16
@@ -99,8 +101,18 @@ def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
         kl_loss_coef=float(actor.kl_loss_coef),
         kl_loss_type=str(actor.kl_loss_type),
         bypass=bypass_settings(cfg),
+        collective_timeout_s=collective_timeout_s(cfg),
         **lora_settings(cfg),
     )
+
+
+def collective_timeout_s(cfg: Any) -> float:
+    """The ranks' process-group timeout. In a weight transfer the other ranks wait in the
+    gather while rank 0 sends a bucket to every server, each given
+    ``trainer.reload_timeout_s`` to answer: NCCL's default (10 min, the default reload
+    timeout itself) would end the group first. Never below gloo's default, 30 min."""
+    servers = max(1, len(cfg.inference.urls or []))
+    return max(1800.0, servers * float(cfg.trainer.reload_timeout_s) + 600.0)
 
 
 def bypass_settings(cfg: Any) -> dict[str, Any] | None:

@@ -40,10 +40,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_process_group(rank: int, world: int, port: int | None, device: str) -> None:
+def init_process_group(rank: int, world: int, port: int | None, device: str,
+                       timeout_s: float = 1800.0) -> None:
     """torch.distributed before verl touches it: verl skips its own init when a group
     exists (on CPU it would build the backend string "cpu:gloo,cpu:gloo", which torch
-    rejects). ``port`` None: the rendezvous is already in the environment (Ray workers)."""
+    rejects). ``port`` None: the rendezvous is already in the environment (Ray workers).
+    ``timeout_s``: ``EngineSpec.collective_timeout_s``."""
+    import datetime
+
     import torch.distributed as dist
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world))
@@ -61,7 +65,8 @@ def init_process_group(rank: int, world: int, port: int | None, device: str) -> 
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         # verl's own convention: gloo for CPU-side collectives, NCCL for the accelerator
         backend = "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        dist.init_process_group(backend, rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _plain(value: Any) -> Any:
@@ -296,7 +301,7 @@ class LocalRanks:
     size = 1
 
     def __init__(self, spec: EngineSpec) -> None:
-        init_process_group(0, 1, free_port(), spec.device)
+        init_process_group(0, 1, free_port(), spec.device, spec.collective_timeout_s)
         self.engine = RankEngine(spec)
 
     def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
@@ -321,7 +326,7 @@ def _free_accelerator() -> None:
 
 def _rank_main(rank: int, world: int, port: int, spec: EngineSpec, conn: Any) -> None:
     try:
-        init_process_group(rank, world, port, spec.device)
+        init_process_group(rank, world, port, spec.device, spec.collective_timeout_s)
         engine = RankEngine(spec)
         conn.send(("ok", None))
     except BaseException:
@@ -452,7 +457,7 @@ def _ray_rank_class() -> type:
         def __init__(self, spec: EngineSpec) -> None:
             super().__init__()
             init_process_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), None,
-                               spec.device)
+                               spec.device, spec.collective_timeout_s)
             self.engine = RankEngine(spec)
 
         def run(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
