@@ -53,6 +53,24 @@ def test_bf16_probe_leaves_the_fp32_weights_unrounded():
     assert next(trainer.model.parameters()).dtype == torch.float32
 
 
-def test_auto_dtype_is_the_checkpoints():
-    assert weights.engine_dtype("auto", MODEL) == torch.float32  # the demo model is fp32
-    assert weights.engine_dtype("bfloat16", MODEL) == torch.bfloat16
+def test_auto_dtype_is_the_one_vllm_serves(tmp_path):
+    """vLLM serves a float32 checkpoint with dtype auto in bfloat16 here: the weights
+    went in float32, twice the bytes, buckets and shared memory the server needed."""
+    import json
+    import shutil
+    import subprocess
+
+    half = tmp_path / "half"  # a checkpoint that says float16 keeps it
+    half.mkdir()
+    shutil.copy(MODEL / "config.json", half / "config.json")
+    hf = json.loads((half / "config.json").read_text())
+    (half / "config.json").write_text(json.dumps({**hf, "dtype": "float16"}))
+    code = ("import sys\nfrom vllm.config import ModelConfig\n"
+            "for m in sys.argv[1:]:\n    print(ModelConfig(model=m, dtype='auto').dtype)\n")
+    out = subprocess.run([str(REPO_ROOT / ".venv-vllm/bin/python"), "-c", code, str(MODEL),
+                          str(half)], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    served = out.stdout.split()[-2:]
+    assert served == ["torch.bfloat16", "torch.float16"]  # the tiny model is fp32
+    assert [str(weights.engine_dtype("auto", m)) for m in (MODEL, half)] == served
+    assert weights.engine_dtype("float32", MODEL) == torch.float32

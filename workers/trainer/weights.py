@@ -408,8 +408,11 @@ def check_checksums(url: str, digests: dict[str, str], previous: dict[str, str] 
 
 
 def engine_dtype(name: str, model_path: str | Path | None = None) -> torch.dtype:
-    """The dtype the inference server computes in; ``auto`` is the checkpoint's dtype, as in
-    vLLM (float32 when the checkpoint does not say)."""
+    """The dtype the inference server computes in. ``auto`` is vLLM's: the checkpoint's
+    dtype, except that a float32 checkpoint (or one that names none) is served in the
+    platform's preferred dtype, bfloat16 on x86 and ARM CPUs and on Ampere or later GPUs
+    (``_resolve_auto_dtype`` in vllm/config/model.py; an older GPU takes float16: name
+    ``inference.dtype`` there)."""
     if name == "auto":
         name = "float32"
         if model_path is not None:
@@ -419,6 +422,8 @@ def engine_dtype(name: str, model_path: str | Path | None = None) -> torch.dtype
             if cfg_file.exists():
                 hf = json.loads(cfg_file.read_text())
                 name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+        if name == "float32":
+            name = "bfloat16"
     return {"float32": torch.float32, "bfloat16": torch.bfloat16,
             "float16": torch.float16}.get(name, torch.float32)
 
