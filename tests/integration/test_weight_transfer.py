@@ -248,3 +248,40 @@ def test_a_sync_after_one_the_server_failed_loads_what_it_sends(smollm2_server, 
                                 base) < 1e-6
     finally:
         weights.reload_weights(url, SMOLLM2)  # the shared server back on the model's weights
+
+
+def test_the_server_holds_no_bucket_past_its_update(smollm2_server):
+    """vLLM's layer-wise reload keeps the tensors of a layer not yet complete: on a CPU
+    server those were views into the bucket's mapping, so an unlinked bucket's pages stayed
+    in /dev/shm until its layer was done, beside the buckets after it. With a bucket per
+    tensor, no bucket sent before the last one is still mapped in the server."""
+    from safetensors.torch import load_file
+
+    cfg = load_config("config/arith.yaml", ["trainer.device=cpu"])
+    state = load_file(str(SMOLLM2 / "model.safetensors"))
+    mapped: list[int] = []
+
+    def buckets_mapped() -> int:
+        found = 0
+        for maps in glob.glob("/proc/[0-9]*/maps"):
+            try:
+                text = Path(maps).read_text()
+            except OSError:
+                continue
+            found += sum(f"carryover-transfer-{os.getpid()}-" in line and "(deleted)" in line
+                         for line in text.splitlines())
+        return found
+
+    def watched():
+        for i, item in enumerate(state.items()):
+            if 2 <= i <= 12:  # layer 0's tensors, each in a bucket of its own
+                mapped.append(buckets_mapped())
+            yield item
+
+    try:
+        sent = ShmSender([smollm2_server], 1, 120, inference_api_key(cfg)).send(
+            watched(), torch.bfloat16)
+        assert sent.loaded == [smollm2_server], sent.failed
+        assert mapped and max(mapped) == 0, mapped
+    finally:
+        weights.reload_weights(smollm2_server, SMOLLM2)

@@ -81,7 +81,7 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
         if size != update_info.nbytes:
             raise ValueError(f"bucket {path} holds {size} bytes, not the {update_info.nbytes} "
                              "announced (written by another transfer?)")
-        # MAP_PRIVATE: the views read the trainer's pages; load_weights copies them in
+        # MAP_PRIVATE: the views read the trainer's pages
         raw = torch.from_file(str(path), shared=False, size=size, dtype=torch.uint8)
         tensors = []
         for name, dtype_name, shape, offset in zip(
@@ -96,7 +96,11 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
             if offset < 0 or count < 0 or offset + count * dtype.itemsize > size:
                 raise ValueError(f"bucket {path}: {name} at {offset} runs past its end")
             view = raw[offset:offset + count * dtype.itemsize].view(dtype).view(shape)
-            tensors.append((name, view.to(self.device)))
+            # vLLM's layer-wise reload keeps the tensors of a layer not yet complete: a view
+            # (what .to() is on a CPU server) would keep this bucket's pages in /dev/shm,
+            # unlinked, until then, beside the buckets after it
+            tensors.append((name, view.clone() if self.device.type == "cpu"
+                            else view.to(self.device)))
         self.model.load_weights(tensors)
 
     def shutdown(self) -> None:
