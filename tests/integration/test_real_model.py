@@ -21,6 +21,7 @@ from tests.conftest import INFERENCE_AUTH, gateway_process
 from tests.conftest import SMOLLM2 as MODEL
 from tests.conftest import SMOLLM2_NAME as NAME
 from tests.conftest import SMOLLM2_SERVING as SERVING
+from tests.conftest import SMOLLM2_SESSION_SERVING as SESSION_SERVING
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +32,7 @@ def smol(tmp_root, smollm2_server, celery_workers):
     with gateway_process(
             tmp_root, "gateway-smollm2", [url], f"inference.served_model_name={NAME}",
             # the context check counts with the served model's tokenizer and length
-            f"actor_rollout_ref.model.path={MODEL}", *SERVING,
+            f"actor_rollout_ref.model.path={MODEL}", *SESSION_SERVING,
             "actor_rollout_ref.rollout.max_tokens=12") as (gateway, _):
         yield url, gateway
 

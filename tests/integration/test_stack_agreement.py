@@ -47,6 +47,25 @@ def test_a_run_that_differs_from_the_gateway_is_refused(hot_gateway):
         _require_gateway_agrees(run)
 
 
+def test_a_run_the_stacks_servers_cannot_load_is_refused(hot_gateway):
+    """The servers were started from the gateway's config: a run that sends its weights
+    another way, in another dtype, or as a LoRA adapter of a rank above theirs, failed at
+    its first weight load."""
+    from app.config.serving import gateway_view
+
+    gateway, upstream = hot_gateway
+    run = _cfg(gateway, upstream, "actor_rollout_ref.rollout.temperature=0.7",
+               "inference.weight_sync=transfer", "inference.dtype=bfloat16")
+    refused, _ = gateway_disagreements(run)
+    assert [line.split(":")[0] for line in refused] == [
+        "inference.weight_sync", "inference.dtype", "inference.transfer_engine"]
+    assert "serves with None, this run's config says 'shm'" in refused[2]
+    # the servers take an adapter up to their --max-lora-rank (the next of vLLM's values)
+    ranks = [gateway_view(load_config(None, [f"actor_rollout_ref.model.lora_rank={r}"]))[
+        "actor_rollout_ref.model.lora_rank"] for r in (0, 8, 16, 20)]
+    assert ranks == ["unset", "up to 8", "up to 16", "up to 32"]
+
+
 def test_a_run_that_agrees_goes_on(hot_gateway):
     gateway, upstream = hot_gateway
     run = _cfg(gateway, upstream, "actor_rollout_ref.rollout.temperature=0.70")
