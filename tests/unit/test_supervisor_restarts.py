@@ -70,12 +70,12 @@ def test_counting_a_restart_never_waits_for_redis(tmp_path, monkeypatch, cfg, re
         s.procs["rollout"].send_signal(signal.SIGKILL)
         s.procs["rollout"].wait()
         began = time.monotonic()
-        deadline = began + 10
+        deadline = began + 20
         while not s.restarts and time.monotonic() < deadline:
             s.watch()
             time.sleep(0.05)
         assert s.restarts == {"rollout": 1}
-        assert time.monotonic() - began < 5  # not the 30 s reconnect window
+        assert time.monotonic() - began < 15  # not the 30 s reconnect window
         assert s.uncounted == {"rollout": 1}
         s.cfg = cfg  # Redis answers again (the session's)
         s.watch()
