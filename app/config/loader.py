@@ -103,6 +103,10 @@ _Loader.add_implicit_resolver(
     "tag:yaml.org,2002:float",
     re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
     list("-+0123456789"))
+# and -.5 (YAML 1.1 reads .5 as a number, but a sign before the point as text)
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]\.[0-9][0-9_]*(?:[eE][-+]?[0-9]+)?$"), list("-+"))
 DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "default.yaml"
 
 

@@ -6,32 +6,39 @@ the two differ on one of these keys the run trains on what it did not ask for, s
 rollout temperature the gateway enforces but the trainer does not model, a LoRA adapter the
 gateway never sends calls to, another tokenizer or chat template for the token continuity.
 The stack's inference servers were started from the same config, so the view also holds
-what the trainer needs of them: how weights reach them (the transfer routes and their
-engine), their dtype, the largest LoRA rank they take and whether they sleep; otherwise
-every weight load of the run fails. The gateway reports its view in ``/admin/state``, and
-the driver refuses a run whose config says otherwise, naming each key.
+what a run's weight loads need of them: the transfer routes and their engine, the dtype, the
+largest LoRA rank they take. A run may ask less of them than they offer, not more. The
+gateway reports its view in ``/admin/state``, and the driver refuses a run whose config
+says otherwise, naming each key.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from omegaconf import OmegaConf
 
 from app.config.loader import repo_path
-from app.config.settings import MAX_LORA_RANKS, lora_rank, sleep_mode, transfer_engine
-from app.services.device import resolve as resolve_device
+from app.config.settings import MAX_LORA_RANKS, lora_rank, served_dtype
 
 # compared as they are, and paths as the gateway resolves them
 _PLAIN = ("inference.served_model_name", "inference.urls", "inference.max_model_len",
           "inference.tool_call_parser", "actor_rollout_ref.rollout.temperature",
           "actor_rollout_ref.rollout.max_tokens", "gateway.sampling",
-          "gateway.token_continuity", "gateway.context_check", "inference.weight_sync",
-          "inference.dtype")
+          "gateway.token_continuity", "gateway.context_check")
 _PATHS = ("actor_rollout_ref.model.path", "inference.chat_template")
 LORA = "actor_rollout_ref.model.lora_rank"
 # only what a call gets when its agent sets none: a difference is reported, not refused
 NOTED = ("actor_rollout_ref.rollout.max_tokens",)
+# what the servers were started with, (run's, stack's) -> whether the run's loads work there
+_SERVERS: dict[str, Callable[[Any, Any], bool]] = {
+    "inference.weight_sync": lambda run, stack: run != "transfer" or stack == "transfer",
+    "inference.transfer_engine": lambda run, stack: run is None or run == stack,
+    # (with no LoRA on the servers, the lora_rank key says so)
+    "inference.max_lora_rank": lambda run, stack: run <= stack or not stack,
+    "inference.dtype": lambda run, stack: run == stack,
+}
 
 
 def gateway_view(cfg: Any) -> dict[str, Any]:
@@ -44,14 +51,18 @@ def gateway_view(cfg: Any) -> dict[str, Any]:
     for key in _PATHS:
         value = OmegaConf.select(cfg, key)
         view[key] = str(repo_path(str(value))) if value else None
-    # the gateway asks whether; the servers take ranks up to their --max-lora-rank
     rank = lora_rank(cfg)
-    view[LORA] = f"up to {next(r for r in MAX_LORA_RANKS if r >= rank)}" if rank else "unset"
-    # as the servers' command resolves them
-    device = resolve_device(str(cfg.inference.device))
-    view["inference.transfer_engine"] = transfer_engine(cfg, device) \
-        if cfg.inference.weight_sync == "transfer" else None
-    view["inference.sleep_mode"] = sleep_mode(cfg, device)
+    view[LORA] = "set" if rank > 0 else "unset"  # the gateway only asks whether
+    inf = cfg.inference
+    transfer = inf.weight_sync == "transfer"
+    view["inference.weight_sync"] = str(inf.weight_sync)
+    # as written, not resolved: "auto" picks per host, and the two views may be made on two
+    view["inference.transfer_engine"] = str(inf.transfer_engine) if transfer else None
+    # the servers' --max-lora-rank (vLLM's next value at or above the rank)
+    view["inference.max_lora_rank"] = next(r for r in MAX_LORA_RANKS if r >= rank) \
+        if rank else 0
+    view["inference.dtype"] = served_dtype(str(inf.dtype),
+                                           repo_path(str(cfg.actor_rollout_ref.model.path)))
     return view
 
 
@@ -63,10 +74,14 @@ def disagreements(run: dict[str, Any], gateway: dict[str, Any]
     refused: list[str] = []
     noted: list[str] = []
     for key in run:
-        if key in gateway and _norm(run[key]) != _norm(gateway[key]):
-            (noted if key in NOTED else refused).append(
-                f"{key}: the running gateway serves with {gateway[key]!r}, this run's "
-                f"config says {run[key]!r}")
+        if key not in gateway:
+            continue
+        rule = _SERVERS.get(key)
+        if rule(run[key], gateway[key]) if rule else _norm(run[key]) == _norm(gateway[key]):
+            continue
+        (noted if key in NOTED else refused).append(
+            f"{key}: the running gateway serves with {gateway[key]!r}, this run's config "
+            f"says {run[key]!r}")
     return refused, noted
 
 

@@ -8,7 +8,9 @@ The gateway's own view is ``gateway.settings.GatewaySettings``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
 from app.config.errors import ConfigError
@@ -19,6 +21,22 @@ WeightSync = Literal["disk", "transfer"]
 TransferEngine = Literal["shm", "ipc"]
 # the values vLLM's --max-lora-rank takes
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def served_dtype(dtype: str, model_path: str | Path | None = None) -> str:
+    """The dtype an inference server computes in for ``inference.dtype``. ``auto`` is
+    vLLM's: the checkpoint's dtype, except that a float32 checkpoint (or one that names
+    none) is served in the platform's preferred dtype, bfloat16 on x86 and ARM CPUs and on
+    Ampere or later GPUs (``_resolve_auto_dtype`` in vllm/config/model.py; an older GPU
+    takes float16: name ``inference.dtype`` there)."""
+    if dtype != "auto":
+        return dtype
+    name = "float32"
+    config = Path(model_path) / "config.json" if model_path is not None else None
+    if config is not None and config.exists():
+        hf = json.loads(config.read_text())
+        name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
+    return "bfloat16" if name == "float32" else name
 
 
 def lora_rank(cfg: Any) -> int:
@@ -131,7 +149,9 @@ class InferenceSettings:
                    sleep_level=int(inf.sleep_level),
                    data_parallel_size=int(inf.data_parallel_size) if device == "cuda" else 1,
                    weight_sync=cast(WeightSync, str(inf.weight_sync)),
-                   transfer_engine=transfer_engine(cfg, device),
+                   # read only under weight_sync transfer (the server command's rule)
+                   transfer_engine=transfer_engine(cfg, device)
+                   if inf.weight_sync == "transfer" else "shm",
                    transfer_bucket_bytes=int(float(inf.transfer_bucket_mb) * (1 << 20)),
                    transfer_checksums=bool(inf.transfer_checksums),
                    lora=lora_rank(cfg) > 0)

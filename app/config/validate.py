@@ -652,7 +652,8 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
                             f"(CUDA IPC), and {side} is cpu: use shm or auto")
     layout = ("inference.urls", "inference.tensor_parallel_size", "inference.data_parallel_size",
               "trainer.launcher", "trainer.ranks", "trainer.nnodes", "trainer.n_gpus_per_node")
-    if ok("inference.transfer_engine", *layout) and not ipc_on_cpu \
+    if ok("inference.transfer_engine", "inference.weight_sync", *layout) and not ipc_on_cpu \
+            and _get(cfg, "inference.weight_sync") == "transfer" \
             and _get(cfg, "inference.transfer_engine") == "ipc":
         from omegaconf import OmegaConf
 

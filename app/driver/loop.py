@@ -265,7 +265,9 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                 # counts from the next step, as after_update's refill does
                 now = int(client.get(keys.policy_version()) or 0)
                 if now == v:
-                    collector.top_up(v, dispatch_step=s)
+                    # this step, or the next where its update is done already (a resumed
+                    # step's: its version was read after the update)
+                    collector.top_up(v)
                 else:
                     collector.top_up(now, dispatch_step=s + 1)
 

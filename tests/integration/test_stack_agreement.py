@@ -49,21 +49,34 @@ def test_a_run_that_differs_from_the_gateway_is_refused(hot_gateway):
 
 def test_a_run_the_stacks_servers_cannot_load_is_refused(hot_gateway):
     """The servers were started from the gateway's config: a run that sends its weights
-    another way, in another dtype, or as a LoRA adapter of a rank above theirs, failed at
-    its first weight load."""
-    from app.config.serving import gateway_view
+    by transfer to servers started without it, in another dtype, or as a LoRA adapter of a
+    rank above theirs failed at its first weight load. A run may ask less of them than they
+    offer."""
+    from app.config.serving import disagreements, gateway_view
 
     gateway, upstream = hot_gateway
     run = _cfg(gateway, upstream, "actor_rollout_ref.rollout.temperature=0.7",
                "inference.weight_sync=transfer", "inference.dtype=bfloat16")
     refused, _ = gateway_disagreements(run)
     assert [line.split(":")[0] for line in refused] == [
-        "inference.weight_sync", "inference.dtype", "inference.transfer_engine"]
-    assert "serves with None, this run's config says 'shm'" in refused[2]
-    # the servers take an adapter up to their --max-lora-rank (the next of vLLM's values)
-    ranks = [gateway_view(load_config(None, [f"actor_rollout_ref.model.lora_rank={r}"]))[
-        "actor_rollout_ref.model.lora_rank"] for r in (0, 8, 16, 20)]
-    assert ranks == ["unset", "up to 8", "up to 16", "up to 32"]
+        "inference.weight_sync", "inference.transfer_engine", "inference.dtype"]
+    assert "serves with 'float32', this run's config says 'bfloat16'" in refused[2]
+
+    def refused_keys(run: list[str], stack: list[str]) -> list[str]:
+        found, _ = disagreements(gateway_view(load_config(None, run)),
+                                 gateway_view(load_config(None, stack)))
+        return [line.split(":")[0] for line in found]
+
+    transfer, lora = "inference.weight_sync=transfer", "actor_rollout_ref.model.lora_rank="
+    assert refused_keys([], [transfer]) == []  # disk loads into any server
+    assert refused_keys([transfer, "inference.transfer_engine=shm"], [transfer]) == [
+        "inference.transfer_engine"]  # as written: auto may pick another on another host
+    # --max-lora-rank is vLLM's next value at or above the stack's rank: 16 for 10
+    assert refused_keys([lora + "16"], [lora + "10"]) == []
+    assert refused_keys([lora + "8"], [lora + "16"]) == []
+    assert refused_keys([lora + "20"], [lora + "16"]) == ["inference.max_lora_rank"]
+    # auto is the dtype vLLM serves the checkpoint in (the tiny model's float32: bfloat16)
+    assert refused_keys(["inference.dtype=auto"], ["inference.dtype=bfloat16"]) == []
 
 
 def test_a_run_that_agrees_goes_on(hot_gateway):

@@ -82,6 +82,7 @@ def test_an_escaped_interpolation_stays_text_through_a_stored_run():
     ("2024-01-01", "2024-01-01"), ("0x10", "0x10"),
     ("true", True), ("False", False), ("100", 100), ("-5", -5), ("1_000", 1000),
     ("1e-3", 1e-3), ("0.5", 0.5), ("null", None), ("[1, 2]", [1, 2]),
+    (".5", 0.5), ("-.5", -0.5), ("+.25e1", 2.5),
 ])
 def test_command_line_values_read_as_verls_overrides_read_them(raw, value):
     got = OmegaConf.to_container(load_config(None, [f"agent.v={raw}"]).agent)["v"]

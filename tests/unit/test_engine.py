@@ -339,8 +339,9 @@ def test_rows_without_a_trained_token_are_not_run():
 
 def test_the_ranks_wait_in_a_collective_as_long_as_a_transfer_may_make_them(tmp_path):
     """The other ranks sit in the weight gather while rank 0 waits up to
-    trainer.reload_timeout_s for each server: their group's timeout covers every server's
-    wait (NCCL's default, 10 min, was the default reload timeout itself)."""
+    trainer.reload_timeout_s for each server (up to three posts each): their group's
+    timeout covers every server's wait (NCCL's default, 10 min, was the default reload
+    timeout itself)."""
     import subprocess
     import sys
 
@@ -348,8 +349,9 @@ def test_the_ranks_wait_in_a_collective_as_long_as_a_transfer_may_make_them(tmp_
 
     cfg = load_config(None, ["inference.urls=[http://127.0.0.1:8100,http://127.0.0.1:8101,"
                              "http://127.0.0.1:8102]", "trainer.reload_timeout_s=1200"])
-    assert collective_timeout_s(cfg) == 3 * 1200 + 600
-    assert collective_timeout_s(load_config(None, [])) == 1800  # never below gloo's own
+    assert collective_timeout_s(cfg) == 3 * (3 * 1200 + 180) + 600
+    # never below gloo's own 30 min
+    assert collective_timeout_s(load_config(None, ["trainer.reload_timeout_s=180"])) == 1800
     # a process of its own: this one may hold a group already
     code = ("import torch\n"
             "from torch.distributed import distributed_c10d as c\n"

@@ -107,12 +107,14 @@ def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
 
 
 def collective_timeout_s(cfg: Any) -> float:
-    """The ranks' process-group timeout. In a weight transfer the other ranks wait in the
-    gather while rank 0 sends a bucket to every server, each given
-    ``trainer.reload_timeout_s`` to answer: NCCL's default (10 min, the default reload
-    timeout itself) would end the group first. Never below gloo's default, 30 min."""
+    """The ranks' process-group timeout. In a weight transfer the other ranks wait in a
+    collective while rank 0 takes each server in turn: at most three posts given
+    ``trainer.reload_timeout_s`` (the engine's init, a start refused by a session left open,
+    the start again, or a bucket's load) and three closes of a dropped server's session
+    (``transfer.CLOSE_TIMEOUT_S``). NCCL's default, 10 min, was the default reload timeout
+    itself. Never below gloo's default, 30 min."""
     servers = max(1, len(cfg.inference.urls or []))
-    return max(1800.0, servers * float(cfg.trainer.reload_timeout_s) + 600.0)
+    return max(1800.0, servers * (3 * float(cfg.trainer.reload_timeout_s) + 180.0) + 600.0)
 
 
 def bypass_settings(cfg: Any) -> dict[str, Any] | None:

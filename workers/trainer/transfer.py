@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 SHM = Path("/dev/shm")
 # vLLM's refusal of a finish with no session open (a failed bucket ended it)
 NO_SESSION = "finish_weight_update called without a matching start_weight_update"
+CLOSE_TIMEOUT_S = 60.0  # the longest wait to close a dropped server's session
 T = TypeVar("T")
 
 
@@ -132,8 +133,11 @@ class _Sessions:
         self.close(url)
 
     def close(self, url: str) -> None:
+        # a server already out of the sync: not worth the load's whole timeout (the other
+        # ranks wait in a collective meanwhile, engine_config.collective_timeout_s)
+        timeout = min(self.timeout, CLOSE_TIMEOUT_S)
         try:
-            self.post(url, "/finish_weight_update", {})
+            self.post(url, "/finish_weight_update", {}, timeout)
         except _Refused as exc:
             if NO_SESSION not in str(exc):
                 log.warning("could not close the weight-update session of %s: %s", url, exc)
@@ -143,19 +147,22 @@ class _Sessions:
             # and fail on them. An empty session finalizes them (on weights the server
             # does not serve: it is stale until a whole sync reaches it).
             try:
-                self.post(url, "/start_weight_update", None)
-                self.post(url, "/finish_weight_update", {})
+                self.post(url, "/start_weight_update", None, timeout)
+                self.post(url, "/finish_weight_update", {}, timeout)
             except (requests.RequestException, _Refused) as again:
                 log.warning("could not clear the failed weight update of %s: %s", url, again)
         except requests.RequestException as exc:
             log.warning("could not close the weight-update session of %s: %s", url, exc)
 
-    def post(self, url: str, route: str, body: dict[str, object] | None) -> None:
+    def post(self, url: str, route: str, body: dict[str, object] | None,
+             timeout: float | None = None) -> None:
+        timeout = self.timeout if timeout is None else timeout
         try:
-            resp = self.http.post(url + route, json=body, timeout=self.timeout)
+            resp = self.http.post(url + route, json=body, timeout=timeout)
         except requests.Timeout as exc:
-            raise _Refused(f"{route} did not answer within {self.timeout:.0f} s "
-                           "(trainer.reload_timeout_s)") from exc
+            raise _Refused(f"{route} did not answer within {timeout:.0f} s"
+                           + (" (trainer.reload_timeout_s)" if timeout == self.timeout
+                              else "")) from exc
         if resp.status_code != 200:
             if resp.status_code >= 500:
                 # a route that raised ends its connection once it has answered: the next

@@ -22,6 +22,8 @@ import requests
 import torch
 from safetensors.torch import save_file
 
+from app.config.settings import served_dtype
+
 log = logging.getLogger(__name__)
 
 # Pause and resume move no weights (seconds at most); sleep and wake move the model's memory
@@ -408,24 +410,9 @@ def check_checksums(url: str, digests: dict[str, str], previous: dict[str, str] 
 
 
 def engine_dtype(name: str, model_path: str | Path | None = None) -> torch.dtype:
-    """The dtype the inference server computes in. ``auto`` is vLLM's: the checkpoint's
-    dtype, except that a float32 checkpoint (or one that names none) is served in the
-    platform's preferred dtype, bfloat16 on x86 and ARM CPUs and on Ampere or later GPUs
-    (``_resolve_auto_dtype`` in vllm/config/model.py; an older GPU takes float16: name
-    ``inference.dtype`` there)."""
-    if name == "auto":
-        name = "float32"
-        if model_path is not None:
-            import json
-
-            cfg_file = Path(model_path) / "config.json"
-            if cfg_file.exists():
-                hf = json.loads(cfg_file.read_text())
-                name = str(hf.get("dtype") or hf.get("torch_dtype") or "float32")
-        if name == "float32":
-            name = "bfloat16"
+    """The dtype the inference server computes in (``served_dtype``), as torch names it."""
     return {"float32": torch.float32, "bfloat16": torch.bfloat16,
-            "float16": torch.float16}.get(name, torch.float32)
+            "float16": torch.float16}.get(served_dtype(name, model_path), torch.float32)
 
 
 def _why(route: str, resp: requests.Response | None, state_route: str, state: object) -> str:
