@@ -285,3 +285,28 @@ def test_the_server_holds_no_bucket_past_its_update(smollm2_server):
         assert mapped and max(mapped) == 0, mapped
     finally:
         weights.reload_weights(smollm2_server, SMOLLM2)
+
+
+def test_a_reload_after_one_that_failed_loads_the_weights(smollm2_server, tmp_path):
+    """A reload from disk that raises inside vLLM part-way (a tensor the model has no
+    parameter for, after one it has) leaves nothing behind: the next reload serves the
+    weights it reads."""
+    from safetensors.torch import load_file, save_file
+
+    ids = weights.probe_ids(SMOLLM2)
+    state = load_file(str(SMOLLM2 / "model.safetensors"))
+    q = "model.layers.0.self_attn.q_proj.weight"
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file({q: state[q] * 2, "model.layers.0.no_such.weight": state[q]},
+              str(bad / "model.safetensors"))
+    try:
+        weights.reload_weights(smollm2_server, SMOLLM2)
+        base = weights.engine_probe_logprobs(smollm2_server, SMOLLM2_NAME, ids)
+        with pytest.raises(weights.WeightSyncError):
+            weights.reload_weights(smollm2_server, bad)
+        weights.reload_weights(smollm2_server, SMOLLM2)
+        assert weights.mean_gap(weights.engine_probe_logprobs(
+            smollm2_server, SMOLLM2_NAME, ids), base) < 1e-6
+    finally:
+        weights.reload_weights(smollm2_server, SMOLLM2)

@@ -142,9 +142,9 @@ class _Sessions:
             if NO_SESSION not in str(exc):
                 log.warning("could not close the weight-update session of %s: %s", url, exc)
                 return
-            # vLLM ends the session itself when a bucket fails in it, and leaves the layers
-            # that bucket had begun part-loaded: the next session would not re-arm them
-            # and fail on them. An empty session finalizes them (on weights the server
+            # vLLM ends the weight update itself when a bucket fails in it, and leaves the
+            # layers that bucket had begun part-loaded: the next update would not re-arm
+            # them and fail on them. An empty update finalizes them (on weights the server
             # does not serve: it is stale until a whole sync reaches it).
             try:
                 self.post(url, "/start_weight_update", None, timeout)
