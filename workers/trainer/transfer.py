@@ -40,6 +40,7 @@ import requests
 import torch
 
 from app.services.transfer_wire import FOLDER_PREFIX, ShmBucket, aligned
+from workers.trainer.server_http import server_session
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,7 @@ class _Sessions:
     def __init__(self, urls: list[str], timeout: float, api_key: str | None) -> None:
         self.urls = [u.rstrip("/") for u in urls]
         self.timeout = timeout
-        self.http = requests.Session()
-        if api_key:
-            self.http.headers["Authorization"] = f"Bearer {api_key}"
+        self.http = server_session(api_key)
         self.result = TransferResult()
         self.live: list[str] = []
 
@@ -164,10 +163,6 @@ class _Sessions:
                            + (" (trainer.reload_timeout_s)" if timeout == self.timeout
                               else "")) from exc
         if resp.status_code != 200:
-            if resp.status_code >= 500:
-                # a route that raised ends its connection once it has answered: the next
-                # request on it would meet a reset
-                self.http.close()
             raise _Refused(f"{route} answered {resp.status_code}: {resp.text[:300]}")
 
 

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import save_file
 
 from app.config.settings import served_dtype
+from workers.trainer.server_http import server_session
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ PROBE_IDS = [1, 17, 15, 7, 14, 21, 3, 4, 5, 2, 21, 1, 3, 15, 15, 9, 15, 16, 3, 1
 
 # One session for every call to the servers: it carries their API key (``use_api_key``;
 # only /v1 asks for it, but a proxy in front may guard every route).
-_http = requests.Session()
+_http = server_session()
 
 
 def use_api_key(key: str) -> None:
