@@ -43,25 +43,29 @@ def test_counts_follow_results_cancels_and_late_siblings(redis_client):
     assert r.lrange(keys.run_requeue(RUN), 0, -1) == ["1"]
 
 
-def test_a_selection_whose_figures_were_not_recorded_has_them_read_at_resume(redis_client,
-                                                                            tmp_path):
-    """The driver died between the selection's transaction and the record of its figures:
-    the resumed step reported none of the carry-over metrics, and the next step's
-    ``n_prev_carry_over_rollouts`` was the step before's."""
+def new_run(r, run: str, tmp_path):
+    """A run of 4 prompts, groups of 2, one group a step, two active."""
     from omegaconf import OmegaConf
 
     from app.config import load_config
     from app.driver.collector import Collector
 
-    r = redis_client
     data = tmp_path / "d.jsonl"
     data.write_text("".join(f'{{"text": "s{i}"}}\n' for i in range(4)))
     cfg = load_config(None, [f"data.train_files={data}", "actor_rollout_ref.rollout.n=2",
                              "data.train_batch_size=1",
                              "agentlightning.async_rollout.async_train_batch_size=2"])
-    run = "carry-resumed-selection"
     Collector.create_run(r, run, OmegaConf.to_container(cfg), "async")
-    collector = Collector(r, run, cfg)
+    return Collector(r, run, cfg)
+
+
+def test_a_selection_whose_figures_were_not_recorded_has_them_read_at_resume(redis_client,
+                                                                            tmp_path):
+    """The driver died between the selection's transaction and the record of its figures:
+    the resumed step reported none of the carry-over metrics, and the next step's
+    ``n_prev_carry_over_rollouts`` was the step before's."""
+    r, run = redis_client, "carry-resumed-selection"
+    collector = new_run(r, run, tmp_path)
     for i, dispatched in enumerate((1, 2)):
         gid = f"{run}-g{i}"
         r.hset(keys.group(gid), mapping={"run_id": run, "status": "active",
@@ -85,20 +89,8 @@ def test_groups_sent_after_an_unrecorded_update_count_their_age_from_its_weights
     """A driver that died after the trainer stored step 2's result and before the step was
     recorded resumes at step 2, and its first top-up starts groups on the new weights: their
     age counts from step 3, not 2, or they are cancelled as stale a step early."""
-    from omegaconf import OmegaConf
-
-    from app.config import load_config
-    from app.driver.collector import Collector
-
-    r = redis_client
-    data = tmp_path / "d.jsonl"
-    data.write_text("".join(f'{{"text": "s{i}"}}\n' for i in range(4)))
-    cfg = load_config(None, [f"data.train_files={data}", "actor_rollout_ref.rollout.n=2",
-                             "data.train_batch_size=1",
-                             "agentlightning.async_rollout.async_train_batch_size=2"])
-    run = "carry-unrecorded-update"
-    Collector.create_run(r, run, OmegaConf.to_container(cfg), "async")
-    collector = Collector(r, run, cfg)
+    r, run = redis_client, "carry-unrecorded-update"
+    collector = new_run(r, run, tmp_path)
     collector._send = lambda gid: None  # no workers here: the record is what is checked
     collector.set_step(2)
     assert collector.top_up(5) == 2
