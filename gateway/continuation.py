@@ -66,6 +66,14 @@ def aborted(resp: dict[str, Any]) -> bool:
     return any(c.get("finish_reason") == ABORT for c in resp.get("choices") or [])
 
 
+def finished(resp: dict[str, Any]) -> bool:
+    """Every choice of a streamed answer came to its finish reason. vLLM sends no abort chunk
+    for a call that had sampled nothing when its engine was paused (it waited for a slot,
+    or was in chunked prefill): its stream ends after the first chunk, unfinished."""
+    choices = resp.get("choices") or []
+    return bool(choices) and all(c.get("finish_reason") for c in choices)
+
+
 def cut_in_call(resp: dict[str, Any], tool_call_parser: str | None) -> bool:
     """The partial answer stops inside a tool call's markup (its text has the call's start:
     the parser could not read it whole)."""

@@ -343,6 +343,20 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 if payload == "[DONE]":
                     if cut:
                         break
+                    if not continuation.finished(acc.response()):
+                        # ended with nothing sampled (continuation.finished): carried on
+                        # from its prompt's ids, as any cut call, where they came
+                        answer = acc.response()
+                        if continuation.carries_on(state.redis) \
+                                and continuation.prompt_and_response(answer)[0]:
+                            refused = _not_carried_on(state, rollout_id, body, answer)
+                            if refused is not None:
+                                yield out.error(refused)
+                                return
+                            cut = True
+                            break
+                        yield out.error(_unfinished(state, rollout_id, lease, cancel))
+                        return
                     ended = True
                     yield from _end_stream(state, acc, lease, meta, body, current, out)
                     continue
@@ -438,6 +452,18 @@ def _cut_off(state: GatewayState, rollout_id: str, upstream: str, lease: Lease, 
     log.warning("inference server %s cut the stream for %s (%s); nothing captured",
                 upstream, rollout_id, why)
     return retryable(f"inference server cut the answer off ({why})",
+                     state.settings.retry_after_s, code="upstream_unavailable")
+
+
+def _unfinished(state: GatewayState, rollout_id: str, lease: Lease, cancel: Any
+                ) -> GatewayError:
+    """A stream that ended before its answer did, not carried on: never recorded; the
+    agent retries it (a weight update's cancel, or the server's own abort)."""
+    if cancel.is_set() or _updating(state, lease.id):
+        return _cancelled_error(state)
+    log.warning("the stream for %s ended before its answer's end; nothing captured",
+                rollout_id)
+    return retryable("inference server ended the answer before its end",
                      state.settings.retry_after_s, code="upstream_unavailable")
 
 

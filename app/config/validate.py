@@ -387,6 +387,7 @@ RULES: dict[str, Check] = {
     "inference.served_model_name": string,
     "inference.dtype": one_of(*DTYPES),
     "inference.max_model_len": positive_int,
+    "inference.max_num_seqs": optional(positive_int),
     "inference.kv_cache_memory_bytes": positive_int,
     "inference.logprobs_mode": one_of(*LOGPROBS_MODES),
     "inference.startup_timeout_s": positive_num,

@@ -128,6 +128,8 @@ def inference_command(cfg: Any) -> Command:
         "--generation-config", "vllm",
         "--disable-uvicorn-access-log",
     ]
+    if inf.max_num_seqs:
+        argv += ["--max-num-seqs", str(inf.max_num_seqs)]
     if inf.chat_template:
         argv += ["--chat-template", str(repo_path(str(inf.chat_template)))]
     if inf.tool_call_parser:

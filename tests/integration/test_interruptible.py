@@ -307,3 +307,51 @@ def test_continue_carries_cut_calls_on_across_a_real_weight_load(
         after_old, after_new = _gap(engine[k:], under_old[k:]), _gap(engine[k:], under_new[k:])
         assert before_old < 1e-3 < 0.1 < before_new, (before_old, before_new)
         assert after_new < 1e-3 < 0.1 < after_old, (after_new, after_old)
+
+
+def test_a_streamed_call_cut_before_its_first_token_is_carried_on(redis_client, new_rollout,
+                                                                   cfg, tmp_root):
+    """A call still waiting in the engine (here for its one slot) when an update aborts it
+    has sampled nothing, and vLLM then sends no abort chunk: after its first (role) chunk
+    the stream just ends. That was taken for a whole answer: the agent got an empty turn
+    with no finish reason, and an empty call was recorded. It is carried on like any cut
+    call."""
+    import json
+
+    from tests.conftest import gateway_process, model_server
+
+    name = cfg.inference.served_model_name
+    with model_server(MODEL, name, tmp_root / "logs", "inference.max_num_seqs=1") as url, \
+            gateway_process(tmp_root, "gateway-one-slot", [url],
+                            "inference.max_num_seqs=1") as (gateway, _):
+        redis_client.set(keys.policy_version(), 3)
+        first: dict = {}
+        rid_1, tok_1, base_1 = new_rollout(gateway)
+        rid_2, tok_2, base_2 = new_rollout(gateway)
+        chat: dict = {}
+        threads = [threading.Thread(target=_streamed, args=(base_1, tok_1, cfg, first)),
+                   threading.Thread(target=_chat_streamed, args=(base_2, tok_2, cfg, chat))]
+        threads[0].start()
+        _wait(lambda: len(first.get("ids", ())) >= 10, 60, "the first call to be under way")
+        threads[1].start()
+
+        def waiting() -> bool:
+            text = requests.get(url + "/metrics", timeout=5).text
+            return any(line.startswith("vllm:num_requests_waiting") and
+                       float(line.rsplit(" ", 1)[1]) >= 1 for line in text.splitlines())
+
+        _wait(waiting, 60, "the chat call to wait for the slot")
+        adm, _, held = _hold(redis_client, url, "continue")  # aborts both
+        time.sleep(1.0)
+        assert threads[1].is_alive() and not chat["ids"]  # its agent still waits
+        held.release()
+        adm.resume()
+        for t in threads:
+            t.join(120)
+        for out in (first, chat):
+            assert out["status"] == 200 and not out.get("error"), out.get("error")
+            assert len(out["ids"]) == LONG
+            assert [f for f in out["finishes"] if f] == ["length"]
+        (raw,) = redis_client.lrange(keys.rollout_calls(rid_2), 0, -1)
+        assert CapturedCall.from_json(raw).response_ids == chat["ids"]
+        assert json.loads(raw)["endpoint"] == "chat.completions"
