@@ -196,9 +196,10 @@ def as_part_of_call(chunk: dict[str, Any], done: int, text_done: int = 0) -> dic
 def carries_on(redis_client: Any) -> bool:
     """The pause under way carries cut calls on (its trainer's drain is ``continue``): read
     when an answer comes back cut, so a gateway follows whatever mode the run uses. The mark
-    holds its pause's token: a pause taken over since (an operator's) does not carry on."""
+    holds its pause's token: a pause taken over since (an operator's) does not carry on. It
+    outlives its pause a lease TTL, for the answers read after the resume."""
     mark, pause = redis_client.mget(keys.pause_carries_on(), keys.paused())
-    return mark is not None and mark == pause
+    return mark is not None and (pause is None or mark == pause)
 
 
 def wait_for_resume(redis_client: Any, cancel: Any, timeout_s: float,

@@ -141,14 +141,20 @@ return redis.call('ZCARD', KEYS[1])
 """
 
 # KEYS: paused, pause_started, pause_history, pause_carries_on
-# ARGV: keep, token ('' = any pause: an operator)
+# ARGV: keep, token ('' = any pause: an operator), carry-on mark's linger ms
 # -> pause duration in ms (0 if not paused), -1 when the pause is another holder's: a stale
 # resume (a trainer whose pause expired and was taken over) must not end a newer pause.
+# The carry-on mark outlives its pause a lease TTL: a call the update cut whose answer a
+# gateway reads only after the resume (a step that failed right after its engines ended
+# the calls) is carried on too, never passed to its agent cut.
 RESUME = _NOW_MS + """
 local holder = redis.call('GET', KEYS[1])
 if ARGV[2] ~= '' and holder and holder ~= ARGV[2] then return -1 end
 local started = redis.call('GET', KEYS[2])
-redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
+redis.call('DEL', KEYS[1], KEYS[2])
+if redis.call('EXISTS', KEYS[4]) == 1 then
+  redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[3]))
+end
 if not started then return 0 end
 local dur = now - tonumber(started)
 redis.call('LPUSH', KEYS[3], dur)
@@ -390,5 +396,5 @@ class Pause:
         admin route) clears whatever pause there is."""
         ms = int(self._resume(keys=[keys.paused(), keys.pause_started(), keys.pause_history(),
                                     keys.pause_carries_on()],
-                              args=[keep_history, self.pause_token]))
+                              args=[keep_history, self.pause_token, max(self.ttl_ms, 1)]))
         return max(ms, 0) / 1000.0
