@@ -252,3 +252,78 @@ def test_a_driver_lost_after_the_final_report_does_not_evaluate_again(
     assert [e["step"] for e in reports if "val/reward_mean" in e] == [1], reports
     sent = _eval_runs(redis_client, run_id)
     assert len(sent) == 1 and "-val1-" in sent[0], sent  # one final evaluation was sent
+
+
+def test_an_evaluation_a_driver_died_sending_is_sent_whole_on_resume(redis_client, tmp_path,
+                                                                     monkeypatch):
+    """The dead driver sent 1 of the 3 held-out prompts: the resumed one sent none of the
+    rest and reported the 1 as the whole evaluation."""
+    from omegaconf import OmegaConf
+
+    from app.driver.collector import Collector
+    from app.driver.evaluation import EVAL_MODE, Evaluator, eval_config
+
+    sent: list[str] = []
+
+    def send(self, gid: str) -> None:  # no workers here: what is sent is what is checked
+        sent.append(gid)
+        self.r.hset(keys.group(gid), "sent", "1")
+
+    monkeypatch.setattr(Collector, "_send", send)
+    cfg = _cfg(tmp_path)
+    run = f"eval-part-sent-{tmp_path.name[-8:]}"
+    eval_id = f"{run}-val1-abcd"
+    plain = eval_config(cfg, 3)
+    Collector.create_run(redis_client, eval_id, plain, EVAL_MODE, 0.0)
+    dead = Collector(redis_client, eval_id, OmegaConf.create(plain), n=1)
+    dead.active_target = 1  # died after the first prompt's group
+    assert dead.top_up(5, dispatch_step=1) == 1
+    pending = Evaluator(redis_client, run, cfg).adopt(5)
+    assert pending is not None and pending.n_groups == 3
+    indexes = [redis_client.hget(keys.group(g), "sample_index") for g in sent]
+    assert sorted(indexes) == ["0", "1", "2"]
+    assert {redis_client.hget(keys.group(g), "dispatch_step") for g in sent} == {"1"}
+    # one sent whole and then dropped a group: nothing more is sent at resume
+    first = list(sent)
+    sent.clear()
+    redis_client.zrem(keys.run_active(eval_id), f"{eval_id}-g0")
+    redis_client.rpush(keys.run_requeue(eval_id), "0")
+    pending = Evaluator(redis_client, run, cfg).adopt(5)
+    assert pending is not None and pending.n_groups == 3 and sent == []
+    for gid in first:
+        redis_client.delete(keys.group(gid))
+
+
+def test_evaluation_rollouts_wait_behind_trainings_in_the_queue(redis_client, tmp_path):
+    """Both go to the rollout queue: a large held-out set, sent whole, held training's
+    refills behind it. An evaluation's are sent at kombu's lowest priority, and a worker
+    takes training's first (kombu's Redis transport pops its priority lists in order)."""
+    from omegaconf import OmegaConf
+
+    from app.driver.collector import Collector
+    from app.driver.evaluation import EVAL_MODE, EVAL_SEND_OPTIONS, eval_config
+
+    queue = f"co-test-priority-{tmp_path.name[-8:]}"  # one no worker reads
+    cfg = _cfg(tmp_path)
+    plain = eval_config(cfg, 3)
+    eval_id = f"prio-{tmp_path.name[-8:]}-val0-abcd"
+    Collector.create_run(redis_client, eval_id, plain, EVAL_MODE, 0.0)
+    evaluation = Collector(redis_client, eval_id, OmegaConf.create(plain), n=1)
+    evaluation.send_options = {**EVAL_SEND_OPTIONS, "queue": queue}
+    run = f"prio-{tmp_path.name[-8:]}"
+    Collector.create_run(redis_client, run, OmegaConf.to_container(cfg), "async")
+    training = Collector(redis_client, run, cfg)
+    training.send_options = {"queue": queue}
+    lists = [queue, *(f"{queue}\x06\x16{p}" for p in (3, 6, 9))]
+    try:
+        assert evaluation.top_up(5) == 3  # the held-out set first
+        sent = training.top_up(5)
+        assert sent == 3  # async_train_batch_size groups
+        popped = []
+        while item := redis_client.brpop(lists, timeout=1):
+            popped.append(json.loads(item[1])["headers"]["argsrepr"])
+        assert len(popped) == 3 * 2 + 3  # training's groups of 2, then evaluation's of 1
+        assert all(f"'{run}-g" in a for a in popped[:6]), popped
+        assert all(f"'{eval_id}-g" in a for a in popped[6:]), popped
+    finally:
+        redis_client.delete(*lists)
