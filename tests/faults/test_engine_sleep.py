@@ -118,10 +118,22 @@ def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
         behave(upstream, "ok")
 
 
-def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, real_trainer):
+def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, real_trainer,
+                                             monkeypatch):
     """A collocated step through verl's engine: the engine sleeps, the update, the export,
     then the weights wake alone, the load, the trainer gives its memory back on every rank,
-    and only then the KV cache wakes; each rank's memory is recorded at each point."""
+    and only then the KV cache wakes; each rank's memory is recorded at each point. The KV
+    cache wakes once the new version is set (vLLM resumes the engine as it wakes whole: it
+    woke first, and calls sampled on the new weights under the old version's label)."""
+    release = weights.Held.release
+    at_kv_wake: list[str | None] = []
+
+    def release_noting_the_version(self, *args, **kwargs):
+        if kwargs.get("tags") == ["kv_cache"]:
+            at_kv_wake.append(redis_client.get(keys.policy_version()))
+        return release(self, *args, **kwargs)
+
+    monkeypatch.setattr(weights.Held, "release", release_noting_the_version)
     requests.post(upstream + "/standin/sleep", json={"mode": "ok", "asleep": False,
                                                      "clear_events": True}, timeout=5)
     run_id = "wake-order"
@@ -143,6 +155,7 @@ def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, r
     # the server keeps the version it loaded (the upstream keeper reads it back)
     assert requests.get(upstream + "/weight_info", timeout=5).json()["weight_version"] == \
         str(m["policy/version"])
+    assert at_kv_wake == [str(m["policy/version"])]
 
 
 @pytest.mark.parametrize("placement", ["keep", "collocated"])

@@ -747,23 +747,24 @@ def _answers(url: str) -> bool:
 def switch_weights(client: redis.Redis, urls: list[str], path: Path | None, version: int,
                    held: weights.Held, wait_s: float, every_s: float,
                    asleep: weights.Held = weights.NOTHING_HELD,
-                   before_bump: Callable[[], None] = lambda: None,
+                   wake: Callable[[], None] = lambda: None,
                    load: Loader | None = None) -> list[str]:
     """Load the version (the export at ``path``, or through ``load``) into every reachable
-    server, run ``before_bump`` (a collocated step wakes the KV caches there), make
-    ``version`` the policy version, then resume the engines in ``held`` (checked). Returns
-    the servers loaded.
+    server, make ``version`` the policy version, run ``wake`` (a collocated step wakes the
+    KV caches there), then resume the engines in ``held`` (checked). Returns the servers
+    loaded.
 
-    The version is set while the engines are still paused, and they resume twice
-    ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new version by
-    the first token a frozen call samples on the new weights, and places the switch there.
-    An engine loaded here that this step did not pause but reports paused was left so by a
-    dead trainer: it is resumed with the others (paused, it would fail the probe)."""
+    The version is set while the engines are still paused (or asleep), and they run again
+    twice ``POLICY_VERSION_MAX_AGE_S`` later: every gateway process then reads the new
+    version by the first token a frozen call samples on the new weights, and places the
+    switch there. That holds for the wake too: vLLM resumes an engine's scheduler once it
+    is fully awake. An engine loaded here that this step did not pause but reports paused
+    was left so by a dead trainer: it is resumed with the others (paused, it would fail the
+    probe)."""
     if load is None:
         assert path is not None
         load = disk_loader(path, version, wait_s, held.frozen_calls)
     loaded = _reload_reachable(client, urls, load, version, wait_s, every_s, held, asleep)
-    before_bump()
     client.set(keys.policy_version(), version)
     published_here.published(version)  # put back if a Redis crash loses this write
     left = [u.rstrip("/") for u in loaded if u.rstrip("/") not in held.urls
@@ -771,8 +772,10 @@ def switch_weights(client: redis.Redis, urls: list[str], path: Path | None, vers
     if left:
         log.warning("%s: left paused by a dead trainer; resumed on version %d",
                     ", ".join(left), version)
-    if held.urls or left:
+    if held.urls or left or asleep.urls:
         time.sleep(2 * POLICY_VERSION_MAX_AGE_S)
+    wake()
+    if held.urls or left:
         orphans = weights.Held(weights.PAUSE, left)
         try:
             held.release()
