@@ -74,6 +74,14 @@ def finished(resp: dict[str, Any]) -> bool:
     return bool(choices) and all(c.get("finish_reason") for c in choices)
 
 
+def reasoned(resp: dict[str, Any]) -> bool:
+    """The partial answer carries a reasoning parser's text. A continuation's answer is
+    parsed without the prompt's part of the answer: a tail past the end of the reasoning
+    would come back as reasoning, the answer and any tool call in it lost."""
+    return any((c.get("message") or {}).get(k) for c in resp.get("choices") or []
+               for k in ("reasoning", "reasoning_content"))
+
+
 def cut_in_call(resp: dict[str, Any], tool_call_parser: str | None) -> bool:
     """The partial answer stops inside a tool call's markup (its text has the call's start:
     the parser could not read it whole)."""

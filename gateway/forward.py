@@ -232,6 +232,8 @@ def _not_carried_on(state: GatewayState, rollout_id: str, body: dict[str, Any],
     why = continuation.refusal(body, parser)
     if why is None and not continuation.one_choice(answer):
         why = "several choices"
+    if why is None and continuation.reasoned(answer):
+        why = "a reasoning parser's answer"
     # without tools the server parses no call out of the text: a cut anywhere carries on
     if why is None and body.get("tools") and continuation.cut_in_call(answer, parser):
         why = "a tool call cut in its markup"

@@ -152,3 +152,24 @@ def test_waiting_for_the_resume_ends_with_the_pause_or_the_lease(redis_client):
     with pytest.raises(TimeoutError):
         cont.wait_for_resume(redis_client, threading.Event(), 0.05, poll_s=0.01)
     redis_client.delete(keys.paused())
+
+
+def test_an_answer_with_reasoning_is_not_carried_on():
+    """A continuation's answer is parsed without its first part: past the end of the
+    reasoning, vLLM's parser would return the whole tail as reasoning, and the answer (and
+    any tool call in it) was lost. Such a call is retried by its agent instead."""
+    from types import SimpleNamespace
+
+    from gateway import forward
+
+    state = SimpleNamespace(settings=SimpleNamespace(tool_call_parser="hermes",
+                                                     retry_after_s=1.0))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+    plain = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "The an"},
+                          "finish_reason": "abort", "token_ids": [1, 2]}]}
+    assert forward._not_carried_on(state, "r", body, plain) is None
+    for key in ("reasoning", "reasoning_content"):
+        thought = {"choices": [{**plain["choices"][0], "message": {
+            "role": "assistant", "content": "The an", key: "Two and two"}}]}
+        refused = forward._not_carried_on(state, "r", body, thought)
+        assert refused is not None and refused.code == "cancelled_by_update", key
