@@ -57,6 +57,10 @@ def test_a_lora_adapter_round_trips_through_the_checkpoint(tmp_path):
     trained = a.probe_log_probs(ids)
     assert trained != start  # the adapter moved the model
     save_checkpoint(a, tmp_path, "run", 1, 2, {"step": "1"})
+    # the adapter alone, not the frozen base: fewer bytes than the base has weights (the
+    # whole model, saved in fp32, was 4 bytes a weight)
+    (saved,) = latest_checkpoint(tmp_path, "run").rglob("model_world_size_*_rank_0.pt")
+    assert saved.stat().st_size < a.parameter_count()
     b = EngineTrainer(cfg, MODEL)
     assert b.probe_log_probs(ids) == start
     load_checkpoint(b, latest_checkpoint(tmp_path, "run"))

@@ -171,7 +171,10 @@ def worker_config(spec: EngineSpec, forward_only: bool) -> Any:
         total_training_steps=max(spec.total_steps, 1), lr_scheduler_type="constant")
     return TrainingWorkerConfig(model_type="language_model", model_config=model,
                                 engine_config=engine, optimizer_config=optim,
-                                checkpoint_config=CheckpointConfig())
+                                # with LoRA the frozen base is the model's own files:
+                                # a checkpoint holds the adapter (verl loads it non-strict)
+                                checkpoint_config=CheckpointConfig(
+                                    save_lora_only=spec.lora_rank > 0))
 
 
 def actor_config(spec: EngineSpec) -> Any:
