@@ -84,8 +84,6 @@ class Collector:
         # ``samples``: data.train_files as the driver already read it
         self.samples = samples if samples is not None else load_samples(cfg.data.train_files)
         self._next_reconcile: float | None = None  # wait_ready's next look for lost callbacks
-        # Celery options of the rollout tasks (an evaluation's go at a lower priority)
-        self.send_options: dict[str, Any] = {}
         self._order_epoch = -1
         self._order: list[int] = []
 
@@ -174,8 +172,8 @@ class Collector:
         from app.celery_app import celery_app
 
         # Signatures by task name: the driver (app/) never imports the workers' code.
-        siblings = group(celery_app.signature(RUN_ROLLOUT, args=(group_id, i),
-                                              **self.send_options) for i in range(self.n))
+        siblings = group(celery_app.signature(RUN_ROLLOUT, args=(group_id, i))
+                         for i in range(self.n))
         result = chord(siblings)(celery_app.signature(FINISH_GROUP, args=(group_id,)))
         sibling_ids = [r.id for r in result.parent.results] if result.parent else []
         # Marked after sending: on resume, groups without the mark are sent again.

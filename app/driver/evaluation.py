@@ -40,10 +40,6 @@ from app.state.runs import MissingState, read_run, run_config
 log = logging.getLogger(__name__)
 
 EVAL_MODE = "eval"
-# An evaluation's rollouts share the rollout queue with training's. Sent at kombu's lowest
-# priority (training's go at its default, 0, the highest: a worker takes them first), a
-# large held-out set sent whole never holds training's refills behind it.
-EVAL_SEND_OPTIONS = {"priority": 9}
 
 
 def eval_temperature(cfg: Any) -> float:
@@ -120,7 +116,6 @@ class Evaluator:
         Collector.create_run(self.r, eval_id, plain, EVAL_MODE, eval_temperature(self.cfg))
         n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         collector = Collector(self.r, eval_id, OmegaConf.create(plain), n=n_val)
-        collector.send_options = dict(EVAL_SEND_OPTIONS)
         sent = collector.top_up(version, dispatch_step=steps_done)
         now = time.monotonic()
         self.pending = PendingEval(eval_id, steps_done, version, now, sent, collector,
@@ -158,7 +153,6 @@ class Evaluator:
                 self.cancel()
             n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
             collector = Collector(self.r, rec.run_id, run_config(self.r, rec.run_id), n=n_val)
-            collector.send_options = dict(EVAL_SEND_OPTIONS)
             collector.resend_unsent()
             # the prompts a driver that died part-way through sending never sent (a dropped
             # one is not sent again: an evaluation counts its failure)

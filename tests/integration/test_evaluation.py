@@ -292,38 +292,3 @@ def test_an_evaluation_a_driver_died_sending_is_sent_whole_on_resume(redis_clien
     assert pending is not None and pending.n_groups == 3 and sent == []
     for gid in first:
         redis_client.delete(keys.group(gid))
-
-
-def test_evaluation_rollouts_wait_behind_trainings_in_the_queue(redis_client, tmp_path):
-    """Both go to the rollout queue: a large held-out set, sent whole, held training's
-    refills behind it. An evaluation's are sent at kombu's lowest priority, and a worker
-    takes training's first (kombu's Redis transport pops its priority lists in order)."""
-    from omegaconf import OmegaConf
-
-    from app.driver.collector import Collector
-    from app.driver.evaluation import EVAL_MODE, EVAL_SEND_OPTIONS, eval_config
-
-    queue = f"co-test-priority-{tmp_path.name[-8:]}"  # one no worker reads
-    cfg = _cfg(tmp_path)
-    plain = eval_config(cfg, 3)
-    eval_id = f"prio-{tmp_path.name[-8:]}-val0-abcd"
-    Collector.create_run(redis_client, eval_id, plain, EVAL_MODE, 0.0)
-    evaluation = Collector(redis_client, eval_id, OmegaConf.create(plain), n=1)
-    evaluation.send_options = {**EVAL_SEND_OPTIONS, "queue": queue}
-    run = f"prio-{tmp_path.name[-8:]}"
-    Collector.create_run(redis_client, run, OmegaConf.to_container(cfg), "async")
-    training = Collector(redis_client, run, cfg)
-    training.send_options = {"queue": queue}
-    lists = [queue, *(f"{queue}\x06\x16{p}" for p in (3, 6, 9))]
-    try:
-        assert evaluation.top_up(5) == 3  # the held-out set first
-        sent = training.top_up(5)
-        assert sent == 3  # async_train_batch_size groups
-        popped = []
-        while item := redis_client.brpop(lists, timeout=1):
-            popped.append(json.loads(item[1])["headers"]["argsrepr"])
-        assert len(popped) == 3 * 2 + 3  # training's groups of 2, then evaluation's of 1
-        assert all(f"'{run}-g" in a for a in popped[:6]), popped
-        assert all(f"'{eval_id}-g" in a for a in popped[6:]), popped
-    finally:
-        redis_client.delete(*lists)
