@@ -66,20 +66,20 @@ def aborted(resp: dict[str, Any]) -> bool:
     return any(c.get("finish_reason") == ABORT for c in resp.get("choices") or [])
 
 
-def finished(resp: dict[str, Any]) -> bool:
-    """Every choice of a streamed answer came to its finish reason. vLLM sends no abort chunk
-    for a call that had sampled nothing when its engine was paused (it waited for a slot,
-    or was in chunked prefill): its stream ends after the first chunk, unfinished."""
-    choices = resp.get("choices") or []
-    return bool(choices) and all(c.get("finish_reason") for c in choices)
+def finished(chunk: dict[str, Any]) -> bool:
+    """A stream's chunk gives its finish reason. vLLM sends no abort chunk for a call that
+    had sampled nothing when its engine was paused (it waited for a slot, or was in chunked
+    prefill): its stream ends after its first chunk with none."""
+    return any(c.get("finish_reason") for c in chunk.get("choices") or [])
 
 
 def reasoned(resp: dict[str, Any]) -> bool:
-    """The partial answer carries a reasoning parser's text. A continuation's answer is
-    parsed without the prompt's part of the answer: a tail past the end of the reasoning
-    would come back as reasoning, the answer and any tool call in it lost."""
-    return any((c.get("message") or {}).get(k) for c in resp.get("choices") or []
-               for k in ("reasoning", "reasoning_content"))
+    """The partial answer (or a stream's chunk) carries a reasoning parser's text. A
+    continuation's answer is parsed without the prompt's part of the answer: a tail past the
+    end of the reasoning would come back as reasoning, the answer and any tool call in it
+    lost."""
+    return any((c.get("message") or c.get("delta") or {}).get(k)
+               for c in resp.get("choices") or [] for k in ("reasoning", "reasoning_content"))
 
 
 def cut_in_call(resp: dict[str, Any], tool_call_parser: str | None) -> bool:

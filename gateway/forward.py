@@ -226,13 +226,15 @@ def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
 
 
 def _not_carried_on(state: GatewayState, rollout_id: str, body: dict[str, Any],
-                    answer: dict[str, Any]) -> GatewayError | None:
-    """The retryable error that ends a cut call the gateway cannot carry on exactly."""
+                    answer: dict[str, Any], reasoning: bool = False) -> GatewayError | None:
+    """The retryable error that ends a cut call the gateway cannot carry on exactly.
+    ``reasoning``: a stream's deltas held a reasoning parser's text (its accumulated
+    answer keeps none)."""
     parser = state.settings.tool_call_parser
     why = continuation.refusal(body, parser)
     if why is None and not continuation.one_choice(answer):
         why = "several choices"
-    if why is None and continuation.reasoned(answer):
+    if why is None and (reasoning or continuation.reasoned(answer)):
         why = "a reasoning parser's answer"
     # without tools the server parses no call out of the text: a cut anywhere carries on
     if why is None and body.get("tools") and continuation.cut_in_call(answer, parser):
@@ -315,9 +317,12 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
     expected: list[int] | None = None  # the prompt ids its server must say it read
     upstream = meta["upstream"]
     try:
+        reasoning = False  # a reasoning parser's text came (such a call is not carried on)
         while True:
             cut = False  # a weight update aborted this upstream stream (drain_mode continue)
             ended = False  # the upstream's [DONE] came
+            finish = False  # this upstream stream gave its finish reason (the answer so far
+            # may hold an earlier stream's abort)
             lines = _lines(resp)
             while True:
                 try:
@@ -345,13 +350,14 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 if payload == "[DONE]":
                     if cut:
                         break
-                    if not continuation.finished(acc.response()):
+                    if not finish:
                         # ended with nothing sampled (continuation.finished): carried on
                         # from its prompt's ids, as any cut call, where they came
                         answer = acc.response()
                         if continuation.carries_on(state.redis) \
                                 and continuation.prompt_and_response(answer)[0]:
-                            refused = _not_carried_on(state, rollout_id, body, answer)
+                            refused = _not_carried_on(state, rollout_id, body, answer,
+                                                      reasoning)
                             if refused is not None:
                                 yield out.error(refused)
                                 return
@@ -381,9 +387,12 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                         expected = None
                     chunk = continuation.as_part_of_call(chunk, done, text_done)
                 acc.add(chunk)
+                finish = finish or continuation.finished(chunk)
+                reasoning = reasoning or continuation.reasoned(chunk)
                 shown = chunk
                 if continuation.aborted(chunk) and continuation.carries_on(state.redis):
-                    refused = _not_carried_on(state, rollout_id, body, acc.response())
+                    refused = _not_carried_on(state, rollout_id, body, acc.response(),
+                                              reasoning)
                     if refused is not None:
                         yield out.error(refused)
                         return

@@ -346,6 +346,13 @@ def test_a_streamed_call_cut_before_its_first_token_is_carried_on(redis_client, 
         assert threads[1].is_alive() and not chat["ids"]  # its agent still waits
         held.release()
         adm.resume()
+        # a second update while one of the two continuations waits for the slot: that one
+        # is cut before its first token too (the answer so far holds the first cut's abort)
+        _wait(waiting, 60, "a continuation to wait for the slot")
+        adm, _, held = _hold(redis_client, url, "continue")
+        time.sleep(0.5)
+        held.release()
+        adm.resume()
         for t in threads:
             t.join(120)
         for out in (first, chat):

@@ -173,3 +173,7 @@ def test_an_answer_with_reasoning_is_not_carried_on():
             "role": "assistant", "content": "The an", key: "Two and two"}}]}
         refused = forward._not_carried_on(state, "r", body, thought)
         assert refused is not None and refused.code == "cancelled_by_update", key
+        # a stream's: in its deltas (the accumulated answer keeps no reasoning)
+        assert cont.reasoned({"choices": [{"index": 0, "delta": {key: "Two"}}]})
+    assert not cont.reasoned({"choices": [{"index": 0, "delta": {"reasoning": None,
+                                                                 "content": "x"}}]})
