@@ -130,7 +130,9 @@ EXTEND_PAUSE = """
 if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
 redis.call('PEXPIRE', KEYS[2], ARGV[2])
-redis.call('PEXPIRE', KEYS[3], ARGV[2])
+if redis.call('GET', KEYS[3]) == ARGV[1] then  -- the carry-on mark, if it is this pause's
+  redis.call('PEXPIRE', KEYS[3], ARGV[2])
+end
 return 1
 """
 
@@ -152,8 +154,11 @@ local holder = redis.call('GET', KEYS[1])
 if ARGV[2] ~= '' and holder and holder ~= ARGV[2] then return -1 end
 local started = redis.call('GET', KEYS[2])
 redis.call('DEL', KEYS[1], KEYS[2])
-if redis.call('EXISTS', KEYS[4]) == 1 then
+local mark = redis.call('GET', KEYS[4])
+if mark and holder and mark == holder then
   redis.call('PEXPIRE', KEYS[4], tonumber(ARGV[3]))
+elseif mark then
+  redis.call('DEL', KEYS[4])  -- an older pause's: ended with the pause that followed it
 end
 if not started then return 0 end
 local dur = now - tonumber(started)

@@ -92,12 +92,19 @@ def test_the_mark_that_carries_cut_calls_on_lives_and_ends_with_its_pause(clean)
     other = Pause(clean)
     other.pause(pause_ttl_s=30)    # taken over (an operator's pause): not carried on
     assert not carries_on(clean)
+    clean.pexpire(keys.pause_carries_on(), 5_000)
+    assert other.extend_pause(60)  # another pause's extension leaves the mark alone
+    assert 0 < clean.pttl(keys.pause_carries_on()) <= 5_000
     other.resume()
-    # the mark outlives the pause a lease TTL: a call the update cut whose answer is read
+    assert not carries_on(clean) and not clean.exists(keys.pause_carries_on())
+    # a pause's own mark outlives it a lease TTL: a call the update cut whose answer is read
     # after the resume (a step that failed right after ending them) is still carried on,
     # not passed to its agent cut; then it is gone
+    adm.pause(pause_ttl_s=30)
+    adm.carry_on_cut_calls()
+    adm.resume()
     assert carries_on(clean)
-    assert 0 < clean.pttl(keys.pause_carries_on()) <= other.ttl_ms
+    assert 0 < clean.pttl(keys.pause_carries_on()) <= adm.ttl_ms
     clean.pexpire(keys.pause_carries_on(), 1)
     time.sleep(0.05)
     assert not carries_on(clean)
