@@ -160,7 +160,8 @@ def create_app() -> Flask:
 
     @app.get("/is_paused")
     def is_paused():
-        return jsonify({"is_paused": engine["paused"]})
+        # as vLLM's: sleeping pauses the scheduler, and only a whole wake resumes it
+        return jsonify({"is_paused": engine["paused"] or bool(sleep["tags"])})
 
     healthy = {"ok": True, "status": 503}
 

@@ -119,7 +119,7 @@ def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
 
 
 def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, real_trainer,
-                                             monkeypatch):
+                                             monkeypatch, caplog):
     """A collocated step through verl's engine: the engine sleeps, the update, the export,
     then the weights wake alone, the load, the trainer gives its memory back on every rank,
     and only then the KV cache wakes; each rank's memory is recorded at each point. The KV
@@ -156,6 +156,8 @@ def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, r
     assert requests.get(upstream + "/weight_info", timeout=5).json()["weight_version"] == \
         str(m["policy/version"])
     assert at_kv_wake == [str(m["policy/version"])]
+    # asleep until the KV cache woke, it reported paused: not an engine a dead trainer left
+    assert "left paused by a dead trainer" not in caplog.text
 
 
 @pytest.mark.parametrize("placement", ["keep", "collocated"])

@@ -767,8 +767,9 @@ def switch_weights(client: redis.Redis, urls: list[str], path: Path | None, vers
     loaded = _reload_reachable(client, urls, load, version, wait_s, every_s, held, asleep)
     client.set(keys.policy_version(), version)
     published_here.published(version)  # put back if a Redis crash loses this write
+    # (an engine asleep reports paused until it wakes whole)
     left = [u.rstrip("/") for u in loaded if u.rstrip("/") not in held.urls
-            and weights.in_state(u, weights.PAUSE)]
+            and u.rstrip("/") not in asleep.urls and weights.in_state(u, weights.PAUSE)]
     if left:
         log.warning("%s: left paused by a dead trainer; resumed on version %d",
                     ", ".join(left), version)
