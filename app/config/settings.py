@@ -77,12 +77,12 @@ def transfer_engine(cfg: Any, device: str) -> TransferEngine:
         pause = cfg.trainer.pause_during_update
         trainer_device = resolve_device(str(cfg.trainer.device))
         return "ipc" if device == trainer_device == "cuda" and pause in ("auto", True) \
-            and ipc_layout_problem(cfg, device) is None else "shm"
+            and _ipc_layout_problem(cfg, device) is None else "shm"
     # ConfigError: the CLI prints it as a config error (exit 2), not a traceback
     if value == "ipc" and device != "cuda":
         raise ConfigError([f"inference.transfer_engine: value 'ipc' hands GPU memory over, "
                            f"and the servers run on {device}: use shm or auto"])
-    if value == "ipc" and (problem := ipc_layout_problem(cfg, device)):
+    if value == "ipc" and (problem := _ipc_layout_problem(cfg, device)):
         raise ConfigError([f"inference.transfer_engine: value 'ipc' {problem}: use shm or "
                            "auto"])
     if value not in get_args(TransferEngine):
@@ -101,14 +101,14 @@ def launcher(cfg: Any, device: str) -> str:
     return "ray" if device == "cuda" and gpus > 1 else "local"
 
 
-def ipc_layout_problem(cfg: Any, device: str) -> str | None:
+def _ipc_layout_problem(cfg: Any, device: str) -> str | None:
     """Why the trainer's GPUs and the server's are not the same ones, one to one, which
     ``ipc`` needs, or None. Every trainer rank exports each bucket on its GPU, and torch frees
     an export only once the server worker on that GPU has opened and released it: an export
     no worker opens (a second server out of a sync, a trainer GPU no server uses) is GPU
     memory lost every sync, and a worker whose GPU has no export fails."""
-    servers = len(cfg.inference.urls or [None])
     inf, tr = cfg.inference, cfg.trainer
+    servers = len(inf.urls or [None])
     gpus = int(inf.tensor_parallel_size) * int(inf.data_parallel_size)
     ranks = int(tr.nnodes) * int(tr.n_gpus_per_node) if launcher(cfg, device) == "ray" \
         else int(tr.ranks)

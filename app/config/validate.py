@@ -11,7 +11,13 @@ import re
 from collections.abc import Callable
 from typing import Any, get_args
 
-from app.config.settings import DrainMode, TransferEngine, WeightSync, ipc_layout_problem
+from app.config.errors import ConfigError
+from app.config.settings import (
+    DrainMode,
+    TransferEngine,
+    WeightSync,
+    transfer_engine,
+)
 from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES, ROLLOUT_RS_OPTIONS
 
 # Sections whose content is handed to user code unchecked.
@@ -658,10 +664,10 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             and _get(cfg, "inference.transfer_engine") == "ipc":
         from omegaconf import OmegaConf
 
-        problem = ipc_layout_problem(OmegaConf.create(cfg), "cuda")
-        if problem:
-            problems.append(f"inference.transfer_engine: value 'ipc' {problem}: use shm or "
-                            "auto")
+        try:  # the rule the server command and the trainer apply, on the GPU ipc needs
+            transfer_engine(OmegaConf.create(cfg), "cuda")
+        except ConfigError as exc:
+            problems += exc.problems
     if ok("actor_rollout_ref.model.lora_rank") and _get(cfg, "actor_rollout_ref.model.lora_rank"):
         problems += _lora_rules(cfg, ok)
     max_tokens = _get(cfg, "actor_rollout_ref.rollout.max_tokens")
