@@ -200,9 +200,14 @@ class _ConnectionPool:
                     conn.close()
 
 
+# How long a process trusts its copy of the shared stale set: a server marked stale by one
+# gateway process is skipped by every other within this.
+STALE_REFRESH_S = 0.5
+
+
 class Upstreams:
     def __init__(self, urls: list[str], cooldown_s: float = 5.0, pool_size: int = 64,
-                 client: redis.Redis | None = None, stale_refresh_s: float = 0.5,
+                 client: redis.Redis | None = None, stale_refresh_s: float = STALE_REFRESH_S,
                  health_every_s: float = 0.0, sleep_check: bool = False,
                  api_key: str = "") -> None:
         if not urls:
