@@ -457,6 +457,7 @@ RULES: dict[str, Check] = {
     "trainer.total_steps": positive_int,
     "trainer.test_freq": test_freq,
     "trainer.val_before_train": boolean,
+    "trainer.val_active_groups": optional(positive_int),
     "trainer.device": one_of(*DEVICES),
     "trainer.ranks": positive_int,
     "controller.retry_max_wait_s": positive_num,

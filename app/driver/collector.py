@@ -134,10 +134,11 @@ class Collector:
             if str(index) not in quarantined:
                 return index, False
 
-    def top_up(self, policy_version: int, dispatch_step: int | None = None) -> int:
-        """Dispatch new groups until ``active_target`` are active; returns how many.
-        ``dispatch_step``: the step the groups are dispatched for (default: the run's step,
-        or the next one once its update is done)."""
+    def top_up(self, policy_version: int, dispatch_step: int | None = None,
+               at_most: int | None = None) -> int:
+        """Dispatch new groups until ``active_target`` are active, and at most ``at_most``;
+        returns how many. ``dispatch_step``: the step the groups are dispatched for (default:
+        the run's step, or the next one once its update is done)."""
         active = self.r.zcard(keys.run_active(self.run_id))
         run = self.run()
         if dispatch_step is None:
@@ -146,7 +147,7 @@ class Collector:
             dispatch_step = run.step + bool(
                 self.r.exists(keys.run_step_result(self.run_id, run.step)))
         sent = 0
-        while active + sent < self.active_target:
+        while active + sent < self.active_target and (at_most is None or sent < at_most):
             index, requeued = self._next_sample_index(run)
             seq = run.next_seq
             run.next_seq += 1

@@ -9,11 +9,14 @@ counts and trainer never see them, and nothing of them is trained. The gateway s
 calls at the evaluation temperature (greedy unless ``do_sample``).
 
 Scheduling: the evaluation before training is waited for (it measures the initial policy
-alone). A periodic one is sent at its step and runs beside training without stalling it:
-the driver only looks at it between steps, and reports it at the first step boundary after
-its last group finished. Weight loads can happen while it runs, so each report names the
-policy versions that served its calls (``val/policy_version_min`` and ``_max``). The last
-one is waited for before the run ends.
+alone), and all its prompts are sent at once. A periodic one is sent at its step and runs
+beside training without stalling it: it keeps at most ``trainer.val_active_groups`` groups
+in flight (by default as many as training keeps), the next prompt sent as one finishes, so
+that a large held-out set never holds training's refills behind all of its rollouts in the
+one rollout queue. It is reported at the first step boundary after its last group finished.
+Weight loads can happen while it runs, so each report names the policy versions that served
+its calls (``val/policy_version_min`` and ``_max``). The last one is waited for before the
+run ends, with what is left of it sent at once.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class PendingEval:
     step: int            # optimizer steps done when it was sent
     version: int         # the policy version when it was sent
     started: float
-    n_groups: int
+    n_groups: int        # one per held-out prompt: sent at once or as others finish
     collector: Collector
     # the last time a group of it finished, and how many had: the timeout counts from there
     progress_at: float = 0.0
@@ -93,6 +96,10 @@ class Evaluator:
         self.timeout_s = float(cfg.controller.rollout_timeout_s) * \
             int(cfg.controller.max_attempts) + 60.0
         self.keep_s = float(cfg.trainer.trained_data_ttl_s)
+        async_cfg = cfg.agentlightning.async_rollout
+        training_active = int(async_cfg.async_train_batch_size) if async_cfg.enabled \
+            else int(cfg.data.train_batch_size)
+        self.max_active = int(cfg.trainer.get("val_active_groups") or training_active)
         self.pending: PendingEval | None = None
         # read at start, so that a bad file fails the run before training, under its own key
         self.n_samples = len(load_samples(self.files, key="data.val_files")) if self.files \
@@ -116,13 +123,33 @@ class Evaluator:
         Collector.create_run(self.r, eval_id, plain, EVAL_MODE, eval_temperature(self.cfg))
         n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
         collector = Collector(self.r, eval_id, OmegaConf.create(plain), n=n_val)
-        sent = collector.top_up(version, dispatch_step=steps_done)
         now = time.monotonic()
-        self.pending = PendingEval(eval_id, steps_done, version, now, sent, collector,
-                                   progress_at=now)
-        log.info("evaluation %s: %d held-out prompts x %d sent (policy version %d)", eval_id,
-                 sent, n_val, version)
+        self.pending = PendingEval(eval_id, steps_done, version, now, self.n_samples,
+                                   collector, progress_at=now)
+        sent = self.feed()
+        log.info("evaluation %s: %d held-out prompts x %d, %d of them sent now (policy "
+                 "version %d)", eval_id, self.n_samples, n_val, sent, version)
         return self.pending
+
+    def feed(self, all_at_once: bool = False) -> int:
+        """Send more of the pending evaluation's prompts: until ``max_active`` of its groups
+        are in flight, or every prompt left (``all_at_once``: nothing trains beside it);
+        -> how many. Each prompt is sent once: a dropped one counts as a failure."""
+        pending = self.pending
+        if pending is None:
+            return 0
+        sent = int(self.r.hget(keys.run(pending.eval_id), RunRecord.field("n_dispatched")) or 0)
+        left = self.n_samples - sent
+        if left <= 0:
+            return 0
+        active = pending.collector.active_count()
+        room = left if all_at_once else min(left, self.max_active - active)
+        if room <= 0:
+            return 0
+        self.r.delete(keys.run_requeue(pending.eval_id))  # a cancelled group's, never re-sent
+        pending.collector.active_target = active + room
+        return pending.collector.top_up(int(self.r.get(keys.policy_version()) or 0),
+                                        dispatch_step=pending.step, at_most=room)
 
     def adopt(self, version: int) -> PendingEval | None:
         """At resume: the evaluation the dead driver left running is taken up and reported
@@ -154,19 +181,13 @@ class Evaluator:
             n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
             collector = Collector(self.r, rec.run_id, run_config(self.r, rec.run_id), n=n_val)
             collector.resend_unsent()
-            # the prompts a driver that died part-way through sending never sent (a dropped
-            # one is not sent again: an evaluation counts its failure)
-            missing = self.n_samples - rec.n_dispatched
-            if missing > 0:
-                self.r.delete(keys.run_requeue(rec.run_id))
-                collector.active_target = collector.active_count() + missing
-                collector.top_up(version, dispatch_step=sent_at)
-                rec = read_run(self.r, rec.run_id)
             # how long it has run, on this process's clock
             started = time.monotonic() - max(time.time() - rec.created_at, 0.0)
             self.pending = PendingEval(rec.run_id, sent_at, version, started,
-                                       rec.n_dispatched, collector,
+                                       self.n_samples, collector,
                                        progress_at=time.monotonic())
+            # the prompts not sent yet (or never: the dead driver died sending them)
+            self.feed()
             log.info("evaluation %s (sent after %d updates) taken up from the driver before",
                      rec.run_id, sent_at)
         return self.pending
@@ -188,6 +209,7 @@ class Evaluator:
         if pending is None:
             return None
         pending.collector.reconcile()  # a group whose chord callback never ran (30 reads)
+        self.feed()
         if self.finished(pending):
             return self._report()
         if time.monotonic() - pending.progress_at > self.timeout_s:
@@ -203,6 +225,7 @@ class Evaluator:
         ``on_wait`` runs between polls (the driver's restore of servers that lost the
         weights: the evaluation's rollouts need them too)."""
         reconcile_at = time.monotonic() + 15.0
+        self.feed(all_at_once=True)  # nothing trains meanwhile
         while self.pending is not None:
             on_wait()
             if self.finished(self.pending):

@@ -246,6 +246,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                     if restore_servers() is not None:  # they serve a new version now
                         serving[0] = int(client.get(keys.policy_version()) or 0)
                     collector.top_up(serving[0])
+                    evaluator.feed()  # a periodic evaluation's next prompts, behind training's
 
                 waited = collector.wait_ready(on_wait=on_wait, step=step)
                 version = serving[0]
@@ -271,11 +272,18 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                 else:
                     collector.top_up(now, dispatch_step=s + 1)
 
+            def while_training(refill_early: bool = refill_early) -> None:
+                if refill_early:
+                    refill()
+                else:
+                    still_driving()
+                evaluator.feed()
+
             t_train = time.monotonic()
             try:
                 trainer_metrics = call_trainer(
                     client, cfg, "workers.trainer.tasks.train_step", run_id, str(step),
-                    [run_id, step], while_running=refill if refill_early else None,
+                    [run_id, step], while_running=while_training,
                     outage=watch, after_outage=after_outage)
             except (Starved, TrainingFailed):
                 raise  # the driver's own refill, not the trainer
@@ -339,7 +347,8 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                 on_step(step - 1, metrics)
             elif cfg.logging.console:
                 print(console_line(step - 1, total, metrics), flush=True)
-            # Evaluations run beside training: looked at between steps, never waited for.
+            # Evaluations run beside training (fed as their groups finish): reported between
+            # steps, never waited for.
             report_eval(step - 1, evaluator.poll())
             if evaluator.due(step) and step < total:
                 if evaluator.pending is None:

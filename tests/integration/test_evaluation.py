@@ -68,7 +68,9 @@ def test_evaluations_run_beside_training_and_are_never_trained(
         redis_client, gateway_service, celery_workers, tmp_path):
     evals: list[tuple[int, dict]] = []
     steps: list[dict] = []
-    result = train(_cfg(tmp_path), on_step=lambda s, m: steps.append(m),
+    # the periodic one keeps one group in flight, the next prompt sent as it finishes
+    result = train(_cfg(tmp_path, "trainer.val_active_groups=1"),
+                   on_step=lambda s, m: steps.append(m),
                    on_eval=lambda s, m: evals.append((s, m)))
     assert result["steps"] == 3
     sent = [m["val/sent_at_step"] for _, m in evals]
@@ -291,4 +293,51 @@ def test_an_evaluation_a_driver_died_sending_is_sent_whole_on_resume(redis_clien
     pending = Evaluator(redis_client, run, cfg).adopt(5)
     assert pending is not None and pending.n_groups == 3 and sent == []
     for gid in first:
+        redis_client.delete(keys.group(gid))
+
+
+def test_a_periodic_evaluation_keeps_its_cap_in_flight_and_sends_each_prompt_once(
+        redis_client, tmp_path, monkeypatch):
+    """A held-out set larger than ``trainer.val_active_groups`` is not queued whole beside
+    training: its next prompt is sent as a group finishes, each prompt once; what is left
+    is sent at once when it is waited for (nothing trains then)."""
+    from app.driver.collector import Collector
+    from app.driver.evaluation import Evaluator
+
+    sent: list[str] = []
+
+    def send(self, gid: str) -> None:  # no workers here: what is sent is what is checked
+        sent.append(gid)
+        self.r.hset(keys.group(gid), "sent", "1")
+
+    monkeypatch.setattr(Collector, "_send", send)
+    val = tmp_path / "big-val.jsonl"
+    val.write_text("".join(json.dumps({"text": f"p{i}"}) + "\n" for i in range(7)))
+    cfg = _cfg(tmp_path, f"data.val_files={val}", "trainer.val_active_groups=2")
+    run = f"eval-fed-{tmp_path.name[-8:]}"
+    evaluator = Evaluator(redis_client, run, cfg)
+    pending = evaluator.start(2, 4)
+    assert pending.n_groups == 7 and len(sent) == 2
+    assert evaluator.feed() == 0  # its cap is in flight
+
+    def finish(gid: str) -> None:
+        redis_client.zrem(keys.run_active(pending.eval_id), gid)
+        redis_client.zadd(keys.run_ready(pending.eval_id), {gid: 0})
+
+    finish(sent[0])
+    assert evaluator.poll() is None and len(sent) == 3  # the freed place, at the next look
+    finish(sent[1])
+    finish(sent[2])
+    assert evaluator.feed() == 2 and len(sent) == 5
+    assert redis_client.zcard(keys.run_active(pending.eval_id)) == 2
+    assert not evaluator.finished(pending)
+    assert evaluator.feed(all_at_once=True) == 2 and len(sent) == 7  # waited for: the rest
+    assert evaluator.feed(all_at_once=True) == 0
+    indexes = [redis_client.hget(keys.group(g), "sample_index") for g in sent]
+    assert sorted(indexes) == [str(i) for i in range(7)]  # each prompt once, none twice
+    for gid in sent[3:]:
+        finish(gid)
+    assert evaluator.finished(pending)
+    evaluator.cancel()
+    for gid in sent:
         redis_client.delete(keys.group(gid))
