@@ -102,8 +102,8 @@ class Evaluator:
         self.max_active = int(cfg.trainer.get("val_active_groups") or training_active)
         self.pending: PendingEval | None = None
         # read at start, so that a bad file fails the run before training, under its own key
-        self.n_samples = len(load_samples(self.files, key="data.val_files")) if self.files \
-            else 0
+        self.samples = load_samples(self.files, key="data.val_files") if self.files else []
+        self.n_samples = len(self.samples)
 
     @property
     def enabled(self) -> bool:
@@ -122,7 +122,8 @@ class Evaluator:
         plain = eval_config(self.cfg, self.n_samples)
         Collector.create_run(self.r, eval_id, plain, EVAL_MODE, eval_temperature(self.cfg))
         n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
-        collector = Collector(self.r, eval_id, OmegaConf.create(plain), n=n_val)
+        collector = Collector(self.r, eval_id, OmegaConf.create(plain), n=n_val,
+                              samples=self.samples)
         now = time.monotonic()
         self.pending = PendingEval(eval_id, steps_done, version, now, self.n_samples,
                                    collector, progress_at=now)
@@ -179,7 +180,8 @@ class Evaluator:
                             self.pending.eval_id)
                 self.cancel()
             n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
-            collector = Collector(self.r, rec.run_id, run_config(self.r, rec.run_id), n=n_val)
+            collector = Collector(self.r, rec.run_id, run_config(self.r, rec.run_id), n=n_val,
+                                  samples=self.samples)
             collector.resend_unsent()
             # how long it has run, on this process's clock
             started = time.monotonic() - max(time.time() - rec.created_at, 0.0)

@@ -316,6 +316,9 @@ def test_a_periodic_evaluation_keeps_its_cap_in_flight_and_sends_each_prompt_onc
     cfg = _cfg(tmp_path, f"data.val_files={val}", "trainer.val_active_groups=2")
     run = f"eval-fed-{tmp_path.name[-8:]}"
     evaluator = Evaluator(redis_client, run, cfg)
+    # the held-out file is read once, when the driver starts
+    monkeypatch.setattr("app.driver.collector.load_samples",
+                        lambda *a, **k: pytest.fail("the held-out file was read again"))
     pending = evaluator.start(2, 4)
     assert pending.n_groups == 7 and len(sent) == 2
     assert evaluator.feed() == 0  # its cap is in flight
