@@ -138,9 +138,11 @@ def test_killed_gateway_worker_lease_expires(slow_gateway, adm, new_rollout):
     deadline = time.monotonic() + 10
     while adm.live_leases() < 1 and time.monotonic() < deadline:
         time.sleep(0.02)
+    # paused first: counted after the kill, a stall longer than what was left of the lease's
+    # TTL would let it expire before the pause saw it
+    assert adm.pause() == 1
     for child in psutil.Process(master.pid).children():
         child.send_signal(signal.SIGKILL)
-    assert adm.pause() == 1
     result = adm.drain(30)
     # the dead worker's lease expired (LEASE_TTL), well before the drain's 30 s bound
     assert result.cancelled == 0 and result.seconds < LEASE_TTL + 10

@@ -114,6 +114,9 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
     cfg = load_config(None, [
         "trainer.device=cpu", "actor_rollout_ref.actor.lr=1e-2", f"inference.port={port}",
         f"inference.urls=[http://127.0.0.1:{port}]", "inference.weight_sync=transfer",
+        # not the session's model: the session trainer's keeper never acts on what this
+        # test publishes
+        "inference.served_model_name=transfer-test-model",
         # 2 KiB buckets: the tiny model goes in hundreds, so the kill lands in the middle
         "inference.transfer_bucket_mb=0.002"])
     weights.use_api_key(inference_api_key(cfg))

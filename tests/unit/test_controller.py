@@ -169,16 +169,30 @@ def test_a_process_that_escaped_the_group_leaves_no_reader_behind(tmp_path):
     such attempt, in a worker that runs for weeks)."""
     import threading
 
+    from workers.rollout.controller import _Tail
+
+    def readers() -> int:  # counted by name: other tests' daemon threads come and go
+        return sum(t.name == _Tail.THREAD_NAME for t in threading.enumerate())
+
+    def pipes() -> int:  # the agent's stdout and stderr pipes, not other tests' sockets
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                count += os.readlink(f"/proc/self/fd/{fd}").startswith("pipe:")
+            except OSError:  # closed since the listing
+                pass
+        return count
+
     marker = f"escaped-{tmp_path.name}"
-    fds_before = len(os.listdir("/proc/self/fd"))
-    threads_before = threading.active_count()
+    pipes_before = pipes()
+    assert readers() == 0
     try:
         assert run_process(f"setsid sh -c 'sleep 60; echo {marker}' & sleep 1; echo 1") == 1.0
         deadline = time.monotonic() + 5
-        while threading.active_count() > threads_before and time.monotonic() < deadline:
+        while readers() and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert threading.active_count() <= threads_before
-        assert len(os.listdir("/proc/self/fd")) <= fds_before
+        assert readers() == 0
+        assert pipes() <= pipes_before
     finally:
         for proc in psutil.process_iter(["cmdline"]):
             if marker in " ".join(proc.info["cmdline"] or []):

@@ -96,12 +96,13 @@ class _Tail:
     """Reads a pipe to its end in a thread, keeping only its last ``limit`` bytes."""
 
     POLL_S = 0.2  # how soon the reader sees it was told to stop
+    THREAD_NAME = "agent-output-reader"
 
     def __init__(self, stream: Any, limit: int = OUTPUT_TAIL_BYTES) -> None:
         self.stream, self.limit = stream, limit
         self.buf = bytearray()
         self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread = threading.Thread(target=self._read, name=self.THREAD_NAME, daemon=True)
         self.thread.start()
 
     def _read(self) -> None:
