@@ -11,9 +11,10 @@ calls at the evaluation temperature (greedy unless ``do_sample``).
 Scheduling: the evaluation before training is waited for (it measures the initial policy
 alone), and all its prompts are sent at once. A periodic one is sent at its step and runs
 beside training without stalling it: it keeps at most ``trainer.val_active_groups`` groups
-in flight (by default as many as training keeps), the next prompt sent as one finishes, so
-that a large held-out set never holds training's refills behind all of its rollouts in the
-one rollout queue. It is reported at the first step boundary after its last group finished.
+in flight (by default as many rollouts as training keeps), the next prompt sent as one
+finishes, so that a large held-out set never holds training's refills behind all of its
+rollouts in the one rollout queue. It is reported at the first step boundary after its last
+group finished.
 Weight loads can happen while it runs, so each report names the policy versions that served
 its calls (``val/policy_version_min`` and ``_max``). The last one is waited for before the
 run ends, with what is left of it sent at once.
@@ -96,10 +97,13 @@ class Evaluator:
         self.timeout_s = float(cfg.controller.rollout_timeout_s) * \
             int(cfg.controller.max_attempts) + 60.0
         self.keep_s = float(cfg.trainer.trained_data_ttl_s)
+        # by default as many rollouts in flight as training keeps, in the evaluation's groups
         async_cfg = cfg.agentlightning.async_rollout
-        training_active = int(async_cfg.async_train_batch_size) if async_cfg.enabled \
+        training_groups = int(async_cfg.async_train_batch_size) if async_cfg.enabled \
             else int(cfg.data.train_batch_size)
-        self.max_active = int(cfg.trainer.get("val_active_groups") or training_active)
+        rollout = cfg.actor_rollout_ref.rollout
+        self.max_active = int(cfg.trainer.get("val_active_groups") or -(
+            -training_groups * int(rollout.n) // int(rollout.val_kwargs.n)))
         self.pending: PendingEval | None = None
         # read at start, so that a bad file fails the run before training, under its own key
         self.samples = load_samples(self.files, key="data.val_files") if self.files else []
@@ -139,18 +143,30 @@ class Evaluator:
         pending = self.pending
         if pending is None:
             return 0
-        sent = int(self.r.hget(keys.run(pending.eval_id), RunRecord.field("n_dispatched")) or 0)
-        left = self.n_samples - sent
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hget(keys.run(pending.eval_id), RunRecord.field("n_dispatched"))
+        pipe.zcard(keys.run_active(pending.eval_id))
+        pipe.zcard(keys.run_ready(pending.eval_id))
+        sent, active, ready = pipe.execute()
+        left = self.n_samples - int(sent or 0)
         if left <= 0:
             return 0
-        active = pending.collector.active_count()
-        room = left if all_at_once else min(left, self.max_active - active)
+        # a finished group stays in the active set (nothing selects an evaluation's groups
+        # out of it): in flight are the active ones not ready
+        room = left if all_at_once else min(left, self.max_active - (active - ready))
         if room <= 0:
             return 0
-        self.r.delete(keys.run_requeue(pending.eval_id))  # a cancelled group's, never re-sent
+        # a dropped group's prompt is re-queued: an evaluation counts it failed instead
+        self.r.delete(keys.run_requeue(pending.eval_id))
         pending.collector.active_target = active + room
-        return pending.collector.top_up(int(self.r.get(keys.policy_version()) or 0),
-                                        dispatch_step=pending.step, at_most=room)
+        try:
+            return pending.collector.top_up(int(self.r.get(keys.policy_version()) or 0),
+                                            dispatch_step=pending.step, at_most=room)
+        except MissingState:  # its run record is gone (a Redis outage lost the writes)
+            log.warning("evaluation %s: its records are gone; cancelled, not reported",
+                        pending.eval_id)
+            self.cancel()
+            return 0
 
     def adopt(self, version: int) -> PendingEval | None:
         """At resume: the evaluation the dead driver left running is taken up and reported
@@ -185,8 +201,10 @@ class Evaluator:
             collector.resend_unsent()
             # how long it has run, on this process's clock
             started = time.monotonic() - max(time.time() - rec.created_at, 0.0)
+            # every group it sent is waited for (more than the file holds now, if the file
+            # changed since it was sent)
             self.pending = PendingEval(rec.run_id, sent_at, version, started,
-                                       self.n_samples, collector,
+                                       max(self.n_samples, rec.n_dispatched), collector,
                                        progress_at=time.monotonic())
             # the prompts not sent yet (or never: the dead driver died sending them)
             self.feed()

@@ -48,6 +48,7 @@ def test_an_evaluation_that_makes_progress_is_not_cut_by_its_timeout(redis_clien
 
     now = [1000.0]  # the clock the evaluator reads
     monkeypatch.setattr(evaluation, "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(Evaluator, "feed", lambda self, all_at_once=False: 0)  # no workers
     cfg = _cfg(tmp_path)
     run = f"eval-progress-{tmp_path.name[-8:]}"
     evaluator = Evaluator(redis_client, run, cfg)
@@ -303,6 +304,9 @@ def test_a_periodic_evaluation_keeps_its_cap_in_flight_and_sends_each_prompt_onc
     is sent at once when it is waited for (nothing trains then)."""
     from app.driver.collector import Collector
     from app.driver.evaluation import Evaluator
+    from app.state import carry
+    from app.state.completion import finish_group
+    from app.state.records import SiblingResult
 
     sent: list[str] = []
 
@@ -323,16 +327,19 @@ def test_a_periodic_evaluation_keeps_its_cap_in_flight_and_sends_each_prompt_onc
     assert pending.n_groups == 7 and len(sent) == 2
     assert evaluator.feed() == 0  # its cap is in flight
 
-    def finish(gid: str) -> None:
-        redis_client.zrem(keys.run_active(pending.eval_id), gid)
-        redis_client.zadd(keys.run_ready(pending.eval_id), {gid: 0})
+    def finish(gid: str) -> None:  # its siblings' results stored, then the chord callback
+        for i in range(int(redis_client.hget(keys.group(gid), "n"))):
+            result = SiblingResult(index=i, rollout_id="", status="ok", reward=1.0,
+                                   attempts=1, seconds=0.1)
+            assert carry.store_sibling_result(redis_client, pending.eval_id, gid, i,
+                                              result.to_json())
+        assert finish_group(redis_client, gid) == "complete"
 
     finish(sent[0])
     assert evaluator.poll() is None and len(sent) == 3  # the freed place, at the next look
     finish(sent[1])
     finish(sent[2])
     assert evaluator.feed() == 2 and len(sent) == 5
-    assert redis_client.zcard(keys.run_active(pending.eval_id)) == 2
     assert not evaluator.finished(pending)
     assert evaluator.feed(all_at_once=True) == 2 and len(sent) == 7  # waited for: the rest
     assert evaluator.feed(all_at_once=True) == 0
@@ -341,6 +348,6 @@ def test_a_periodic_evaluation_keeps_its_cap_in_flight_and_sends_each_prompt_onc
     for gid in sent[3:]:
         finish(gid)
     assert evaluator.finished(pending)
-    evaluator.cancel()
+    assert evaluator.poll()["val/n_prompts"] == 7 and evaluator.pending is None
     for gid in sent:
         redis_client.delete(keys.group(gid))
