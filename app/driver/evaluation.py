@@ -14,10 +14,9 @@ beside training without stalling it: it keeps at most ``trainer.val_active_group
 in flight (by default as many rollouts as training keeps), the next prompt sent as one
 finishes, so that a large held-out set never holds training's refills behind all of its
 rollouts in the one rollout queue. It is reported at the first step boundary after its last
-group finished.
-Weight loads can happen while it runs, so each report names the policy versions that served
-its calls (``val/policy_version_min`` and ``_max``). The last one is waited for before the
-run ends, with what is left of it sent at once.
+group finished. Weight loads can happen while it runs, so each report names the policy
+versions that served its calls (``val/policy_version_min`` and ``_max``). The last one is
+waited for before the run ends, with what is left of it sent at once.
 """
 
 from __future__ import annotations
