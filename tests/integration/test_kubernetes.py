@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from app.config import load_config
+from app.state import keys
 from tests.k8s_standin import Server, StandIn
 from workers.rollout.controller import AgentError, LLMEndpoint, PauseAwareClock
 from workers.rollout.kubernetes import (
@@ -496,7 +497,9 @@ def test_redelivered_sibling_adopts_the_running_job(tmp_path, standin, redis_cli
     box1 = run_async(first, llm)
     name = job_name(llm.rollout_id)
     wait_for(lambda: name in s.jobs)
-    # the worker "dies"; a new delivery of the same sibling task looks for its Job
+    # the worker "dies"; a new delivery of the same sibling task looks for its Job, whose
+    # attempt is still open
+    redis_client.hset(keys.rollout(llm.rollout_id), "status", "running")
     second = controller(cfg, redis_client)
     assert second.adopt() == llm.rollout_id
     assert controller(cfg, redis_client, index=1).adopt() is None  # another sibling: none
@@ -507,6 +510,53 @@ def test_redelivered_sibling_adopts_the_running_job(tmp_path, standin, redis_cli
     assert finish(box2).get("reward") == 0.9
     finish(box1)
     assert len(s.created()) == 1  # no duplicate Job
+
+
+@pytest.mark.parametrize("closed_as", ["failed", "finished"])
+def test_a_job_whose_attempt_was_closed_is_not_adopted(tmp_path, standin, redis_client,
+                                                       closed_as):
+    """The dead worker had judged the Job's end (no reward: failed; or finished) and died
+    before starting the next attempt or storing its result: the next delivery runs the
+    sibling again and stores a result, instead of taking up the closed attempt, storing
+    nothing, and leaving the group never complete."""
+    import uuid
+
+    from omegaconf import OmegaConf
+
+    from app.state.records import GroupRecord, RunRecord
+    from workers.rollout.episode import _close_attempt, _start_attempt, run_sibling
+
+    s, server = standin
+    group = f"{RUN}-g{uuid.uuid4().hex[:6]}"
+    cfg = make_cfg(tmp_path, server, "controller.max_attempts=1")
+    redis_client.hset(keys.run(RUN), mapping=RunRecord(
+        run_id=RUN, config=OmegaConf.to_container(cfg, resolve=True)).to_hash())
+    redis_client.hset(keys.group(group), mapping=GroupRecord(
+        group_id=group, run_id=RUN, sample_index=0, sample={"text": "abc"}, n=1).to_hash())
+    rid, token = _start_attempt(redis_client, RUN, group, 0, 1)
+    first = KubernetesController(cfg.controller.agent, {}, cfg.controller.kubernetes,
+                                 client=redis_client, gateway_url="http://gw.test:8200",
+                                 run_id=RUN, group_id=group, index=0)
+    box = run_async(first, LLMEndpoint(f"http://gw.test:8200/rollout/{rid}/v1", token,
+                                       "policy", rid))
+    wait_for(lambda: job_name(rid) in s.jobs)
+    s.finish(job_name(rid), succeeded=True)
+    finish(box)
+    assert _close_attempt(redis_client, rid, closed_as)  # then the worker died
+    created = len(s.created())
+    box: dict = {}
+    delivery = threading.Thread(  # the next delivery
+        target=lambda: box.update(result=run_sibling(redis_client, group, 0)), daemon=True)
+    delivery.start()
+    wait_for(lambda: len(s.created()) == created + 1)  # it runs the sibling again
+    again = next(j["metadata"]["annotations"][ANNOTATION_ROLLOUT] for j in s.jobs.values()
+                 if j["metadata"]["annotations"][ANNOTATION_ROLLOUT].startswith(group)
+                 and j["metadata"]["annotations"][ANNOTATION_ROLLOUT] != rid)
+    redis_client.hset(keys.rollout(again), "reward", "1.0")
+    s.finish(job_name(again), succeeded=True)
+    delivery.join(30)
+    assert box["result"].status == "ok" and box["result"].rollout_id == again
+    assert redis_client.hget(keys.group_results(group), "0") is not None
 
 
 def test_failed_jobs_are_not_adopted(tmp_path, standin, redis_client):
@@ -535,7 +585,6 @@ def test_training_with_agents_as_jobs(tmp_path, redis_client, gateway_service, c
     import os
 
     from app.driver.loop import train
-    from app.state import keys
     from app.state.records import SiblingResult
 
     s = StandIn(runner="local")
@@ -585,7 +634,6 @@ def test_the_running_job_of_a_cancelled_group_is_deleted_on_redelivery(tmp_path,
     to run to its deadline."""
     from omegaconf import OmegaConf
 
-    from app.state import keys
     from app.state.records import GroupRecord, RunRecord
     from workers.rollout.episode import _start_attempt, run_sibling
 

@@ -28,6 +28,7 @@ import redis
 import tenacity
 
 from app.state import keys
+from app.state.records import RolloutRecord
 from workers.rollout.base import (
     SAMPLE_ENV_MAX_BYTES,
     AgentError,
@@ -300,7 +301,11 @@ class KubernetesController(Controller):
     # --- the controller interface -----------------------------------------------------------
 
     def adopt(self) -> str | None:
-        """The rollout id of this sibling's Job that is still running or has succeeded."""
+        """The rollout id of this sibling's Job that is still running or has succeeded, and
+        whose attempt is still open. One whose attempt the dead worker had closed already (it
+        judged the Job's end, then died before storing a result or starting the next Job)
+        is not taken up: its result is not this delivery's to give, and a delivery that met
+        only a closed attempt would store nothing and leave its group never complete."""
         labels = job_labels(self.run_id, self.group_id, self.index, None, {})
         try:
             jobs = self._api("list Jobs", self.batch.list_namespaced_job, self.namespace,
@@ -309,9 +314,12 @@ class KubernetesController(Controller):
             raise AgentError(str(exc)) from None
         usable = [j for j in jobs if (outcome(j) or ("running",))[0] != "failed"
                   and (j.metadata.annotations or {}).get(ANNOTATION_ROLLOUT)]
-        if not usable:
+        opened = [j for j in usable if self.redis.hget(
+            keys.rollout(j.metadata.annotations[ANNOTATION_ROLLOUT]),
+            RolloutRecord.field("status")) == "running"]
+        if not opened:
             return None
-        newest = max(usable, key=lambda j: int((j.metadata.labels or {}).get(LABEL_ATTEMPT, 0)))
+        newest = max(opened, key=lambda j: int((j.metadata.labels or {}).get(LABEL_ATTEMPT, 0)))
         return newest.metadata.annotations[ANNOTATION_ROLLOUT]
 
     def stop(self, rollout_id: str) -> None:
