@@ -94,6 +94,13 @@ def test_what_messages_cannot_serve_is_a_400_naming_it(body, param):
     assert err.value.status == 400 and err.value.param == param
 
 
+@pytest.mark.parametrize("thinking", [{"type": "disabled"}, {"type": "adaptive"}])
+def test_thinking_the_model_may_skip_is_served_without_it(thinking):
+    chat = Messages().to_chat({"max_tokens": 5, "thinking": thinking,
+                               "messages": [{"role": "user", "content": "hi"}]})
+    assert chat["messages"] == [{"role": "user", "content": "hi"}] and "thinking" not in chat
+
+
 def test_messages_keep_the_meaning_of_their_options():
     user = {"role": "user", "content": "3+4?"}
     tools = [{"name": "add", "input_schema": TOOL_SCHEMA}]
