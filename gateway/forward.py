@@ -26,7 +26,7 @@ from gateway.body import check_int, json_body, loads
 from gateway.context import is_vllm_overflow
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, GatewayError, bad_request, retryable
 from gateway.leases import Lease, UpstreamCancelled
-from gateway.protocols import OPENAI, Protocol, StreamTranslator
+from gateway.protocols import OPENAI, Protocol, StreamTranslator, ToolGrammar
 from gateway.state import GatewayState, get_state
 from gateway.upstream import UpstreamResponse, UpstreamUnreachable
 
@@ -104,8 +104,9 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
     mode = s.sampling if own is None else "enforce"
     with state.leases.held(lease_id) as lease:
         request = json_body()
-        body = sampling.apply(validate_body(protocol.to_chat(request), endpoint), mode,
-                              temperature)
+        grammar = ToolGrammar(s.tool_call_parser, s.tool_strict_level)
+        body = sampling.apply(validate_body(protocol.to_chat(request, grammar), endpoint),
+                              mode, temperature)
         upstream = state.upstreams.pick(rollout_id)
         if upstream is None:
             raise retryable("no inference server is reachable", s.retry_after_s,

@@ -10,6 +10,7 @@ the chat body, so they are the same on every route. Pure functions: no IO here.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -30,12 +31,21 @@ class StreamTranslator:
         return b"data: " + orjson.dumps(err.body()) + b"\n\n"
 
 
+@dataclass(frozen=True)
+class ToolGrammar:
+    """What the servers do with a call's tools: their ``--tool-call-parser`` (None: tool
+    calls are not parsed) and ``--tool-strict-level``."""
+
+    parser: str | None = None
+    strict_level: str = "auto"
+
+
 class Protocol:
     """OpenAI chat completions and completions: served as they are."""
 
     name = "openai"
 
-    def to_chat(self, body: Any) -> dict[str, Any]:
+    def to_chat(self, body: Any, tools: ToolGrammar = ToolGrammar()) -> dict[str, Any]:
         return body
 
     def answer(self, chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
@@ -89,12 +99,19 @@ def reasoning_effort(effort: Any, param: str, chat: dict[str, Any]) -> None:
     chat["reasoning_effort"] = effort
 
 
-def tools_callable(chat: dict[str, Any]) -> bool:
-    """Whether the model may answer ``chat`` with a tool call. OpenAI and Anthropic hold only
-    the final text answer to a structured-output format; vLLM holds every token to it (a
-    forced call overrides it), so under tool_choice auto the format is not sent, or no call
-    could be made."""
-    return bool(chat.get("tools")) and chat.get("tool_choice") != "none"
+def format_shuts_out_tools(chat: dict[str, Any], tools: ToolGrammar) -> bool:
+    """Whether a structured-output format sent with ``chat`` would keep the model from
+    calling its tools. OpenAI and Anthropic hold only the final text answer to the format.
+    vLLM holds every token to it (a forced call overrides it), unless under tool_choice auto
+    its tool parser's grammar applies (a tool is ``strict``, or the servers' strict level is
+    above auto): then it offers a call or an answer in the format, which is what the
+    providers do. Otherwise the format is not sent, or no call could be made."""
+    if not chat.get("tools") or chat.get("tool_choice") == "none":
+        return False
+    strict = tools.strict_level != "auto" or any(
+        isinstance(t, dict) and isinstance(t.get("function"), dict)
+        and t["function"].get("strict") is True for t in chat["tools"])
+    return not (tools.parser and strict)
 
 
 def function_tool(tool: dict[str, Any], schema_key: str) -> dict[str, Any]:

@@ -36,13 +36,14 @@ from gateway.errors import CONTEXT_LENGTH_EXCEEDED, GatewayError, bad_request
 from gateway.protocols import (
     Protocol,
     StreamTranslator,
+    ToolGrammar,
+    format_shuts_out_tools,
     function_tool,
     named_function,
     reasoning_effort,
     required_string,
     template_kwargs,
     text_of,
-    tools_callable,
 )
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -137,7 +138,7 @@ def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
 class Messages(Protocol):
     name = "anthropic"
 
-    def to_chat(self, body: Any) -> dict[str, Any]:
+    def to_chat(self, body: Any, tools: ToolGrammar = ToolGrammar()) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
         max_tokens = body.get("max_tokens")
@@ -172,13 +173,12 @@ class Messages(Protocol):
                               param="stop_sequences")
         if stops:
             chat["stop"] = list(stops)
-        tools = body.get("tools")
-        if tools:
-            if not isinstance(tools, list):
+        if body.get("tools"):
+            if not isinstance(body["tools"], list):
                 raise bad_request("tools must be an array", param="tools")
-            chat["tools"] = [_tool(t, i) for i, t in enumerate(tools)]
+            chat["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
         choice = _tool_choice(body.get("tool_choice"))
-        if choice is not None and tools:
+        if choice is not None and body.get("tools"):
             chat["tool_choice"] = choice
             if body["tool_choice"].get("disable_parallel_tool_use"):
                 chat["parallel_tool_calls"] = False
@@ -193,7 +193,7 @@ class Messages(Protocol):
             raise bad_request("structured outputs cannot continue a prefilled assistant "
                               "message", param="output_config.format"
                               if body.get("output_config") else "output_format")
-        if schema is not None and not tools_callable(chat):
+        if schema is not None and not format_shuts_out_tools(chat, tools):
             chat["response_format"] = {"type": "json_schema", "json_schema": {
                 "name": "output", "schema": schema, "strict": True}}
         reasoning_effort((body.get("output_config") or {}).get("effort"),

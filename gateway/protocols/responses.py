@@ -31,13 +31,14 @@ from gateway.errors import GatewayError, bad_request, overflow_error
 from gateway.protocols import (
     Protocol,
     StreamTranslator,
+    ToolGrammar,
+    format_shuts_out_tools,
     function_tool,
     named_function,
     reasoning_effort,
     required_string,
     template_kwargs,
     text_of,
-    tools_callable,
 )
 
 REFUSED_FIELDS = {
@@ -132,7 +133,7 @@ def _messages(items: Any) -> list[dict[str, Any]]:
 class Responses(Protocol):
     name = "responses"
 
-    def to_chat(self, body: Any) -> dict[str, Any]:
+    def to_chat(self, body: Any, tools: ToolGrammar = ToolGrammar()) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
         for name, why in REFUSED_FIELDS.items():
@@ -151,18 +152,17 @@ class Responses(Protocol):
         for name in ("temperature", "top_p"):
             if body.get(name) is not None:
                 chat[name] = body[name]
-        tools = body.get("tools")
-        if tools:
-            if not isinstance(tools, list):
+        if body.get("tools"):
+            if not isinstance(body["tools"], list):
                 raise bad_request("tools must be an array", param="tools")
-            chat["tools"] = [_tool(t, i) for i, t in enumerate(tools)]
+            chat["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
             choice = _tool_choice(body.get("tool_choice"))
             if choice is not None:
                 chat["tool_choice"] = choice
             if body.get("parallel_tool_calls") is not None:
                 chat["parallel_tool_calls"] = bool(body["parallel_tool_calls"])
         fmt = _response_format(body.get("text"))
-        if fmt is not None and not tools_callable(chat):
+        if fmt is not None and not format_shuts_out_tools(chat, tools):
             chat["response_format"] = fmt
         reasoning = body.get("reasoning")
         if reasoning is not None and not isinstance(reasoning, dict):

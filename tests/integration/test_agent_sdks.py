@@ -159,6 +159,32 @@ def test_the_openai_agents_sdk_runs_an_agent_with_a_function_tool(gw, new_rollou
     continues(calls[0], calls[1])
 
 
+def test_a_structured_output_beside_strict_tools_leaves_a_call_or_an_answer_in_it(
+        gw, new_rollout, redis_client):
+    """An agent with an output type and strict tools (the OpenAI Agents SDK's defaults),
+    tool_choice auto: the format is sent, and vLLM's hermes grammar offers the model a tool
+    call or an answer in the format, never free text the SDK would fail to parse."""
+    from openai import OpenAI
+
+    rid, token, base = new_rollout(gw)
+    client = OpenAI(base_url=base, api_key=token, max_retries=2)
+    schema = {"type": "object", "properties": {"sum": {"type": "integer"}},
+              "required": ["sum"], "additionalProperties": False}
+    out = client.responses.create(
+        model=NAME, input=QUESTION, max_output_tokens=48,
+        tools=[{"type": "function", "name": "add", "description": "Add two digits",
+                "parameters": ADD_SCHEMA, "strict": True}],
+        text={"format": {"type": "json_schema", "name": "answer", "schema": schema,
+                         "strict": True}})
+    call = captured(redis_client, rid, 1)[0]
+    assert call.constrained == "response_format"  # every token under the grammar
+    calls = [o for o in out.output if o.type == "function_call"]
+    if calls:
+        assert set(json.loads(calls[0].arguments)) == {"a", "b"}
+    elif out.status == "completed":
+        assert isinstance(json.loads(out.output_text)["sum"], int)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_anthropic_messages_with_a_tool_use_round_trip(gw, new_rollout, redis_client, stream):
     import anthropic

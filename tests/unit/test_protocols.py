@@ -9,6 +9,7 @@ import json
 import pytest
 
 from gateway.errors import GatewayError
+from gateway.protocols import ToolGrammar
 from gateway.protocols.anthropic import Messages, error_body
 from gateway.protocols.responses import Responses
 
@@ -557,6 +558,28 @@ def test_a_structured_output_with_tools_leaves_the_model_free_to_call_them(choic
     del msg["tools"]
     msg.pop("tool_choice", None)
     assert "response_format" in Messages().to_chat(msg)
+
+
+@pytest.mark.parametrize("strict, grammar, kept", [
+    (True, ToolGrammar("hermes"), True),
+    (False, ToolGrammar("hermes"), False),
+    (False, ToolGrammar("hermes", "function"), True),
+    (True, ToolGrammar(None), False),
+])
+def test_a_structured_output_is_kept_where_the_tool_grammar_offers_a_call_beside_it(
+        strict, grammar, kept):
+    """Under tool_choice auto, a strict tool (the OpenAI Agents SDK's default) or a strict
+    level above auto makes vLLM's tool parser sample a call or an answer in the format: the
+    format is sent, as the providers apply it. Without that grammar it would shut calls out,
+    so it is not."""
+    tool = {"type": "function", "name": "add", "parameters": TOOL_SCHEMA, "strict": strict}
+    chat = Responses().to_chat({"input": "3+4?", "tools": [tool], "text": RESPONSES_FORMAT},
+                               grammar)
+    assert ("response_format" in chat) is kept
+    msg = {"max_tokens": 9, "messages": [{"role": "user", "content": "3+4?"}],
+           "tools": [{"name": "add", "input_schema": TOOL_SCHEMA, "strict": strict}],
+           "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}
+    assert ("response_format" in Messages().to_chat(msg, grammar)) is kept
 
 
 def test_a_context_overflow_is_worded_as_each_provider_words_it():
