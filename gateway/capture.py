@@ -57,9 +57,9 @@ def hides_reasoning(body: dict[str, Any]) -> bool:
 REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 
-# vLLM's request fields that constrain decoding to a grammar (older guided_* names included)
-GRAMMAR_FIELDS = ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                  "guided_grammar", "guided_decoding_backend")
+# vLLM's request fields that constrain decoding to a grammar (the older guided_* names are
+# turned into it before: forward.GUIDED_FIELDS)
+GRAMMAR_FIELDS = ("structured_outputs",)
 
 
 def constrained_by(body: dict[str, Any], tool_call_parser: str | None = None,

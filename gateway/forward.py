@@ -80,7 +80,31 @@ def validate_body(body: Any, endpoint: str) -> dict:
     check_int(body, "max_tokens", 1)
     check_int(body, "max_completion_tokens", 1)
     check_int(body, "n", 1, 16)
+    _guided_to_structured(body)
     return body
+
+
+# vLLM's removed guided-decoding fields and what each is in ``structured_outputs``
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+
+
+def _guided_to_structured(body: dict[str, Any]) -> None:
+    """An agent written for an older vLLM asks for a constraint in ``guided_*`` fields, which
+    vLLM 0.32 ignores (it samples freely, and only its log says so): they go on as the
+    ``structured_outputs`` they became, so the call is constrained as the agent meant."""
+    given = [name for name in GUIDED_FIELDS if body.get(name) is not None]
+    for name in ("guided_decoding_backend", "guided_whitespace_pattern"):
+        body.pop(name, None)  # the server's choice, as in vLLM's structured_outputs
+    if not given:
+        return
+    if len(given) > 1 or body.get("structured_outputs") is not None:
+        raise bad_request(f"{given[0]}: one constraint at a time (guided_json, guided_regex, "
+                          "guided_choice, guided_grammar or structured_outputs)",
+                          param=given[0])
+    body["structured_outputs"] = {GUIDED_FIELDS[given[0]]: body.pop(given[0])}
+    for name in GUIDED_FIELDS:
+        body.pop(name, None)  # the others, given as null
 
 
 def _cancelled_error(state: GatewayState | None = None) -> GatewayError:

@@ -4,6 +4,7 @@ vLLM serves ``processed_logprobs`` and the trainer divides logits by the capture
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import openai
@@ -69,10 +70,14 @@ def test_constrained_decoding_returns_the_masked_distributions_logprobs(
     weights.reload_weights(cfg.inference.urls[0], MODEL)
     rid, token, base = new_rollout()
     client = openai.OpenAI(base_url=base, api_key=token, max_retries=5)
-    for text in ("abc", "reverse bad"):
-        client.chat.completions.create(model="m", messages=[{"role": "user", "content": text}],
-                                       max_tokens=6, extra_body={
-                                           "structured_outputs": {"regex": "[ab]+"}})
+    # the second as an agent written for an older vLLM asks (guided_regex, which vLLM now
+    # ignores): sent on as structured_outputs, so it is held to the grammar all the same
+    for text, extra in (("abc", {"structured_outputs": {"regex": "[ab]+"}}),
+                        ("reverse bad", {"guided_regex": "[ab]+"})):
+        answer = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": text}], max_tokens=6,
+            extra_body=extra)
+        assert re.fullmatch("[ab]*", answer.choices[0].message.content), answer
     calls, trainer, batch = _captured(redis_client, rid, cfg)
     assert len(calls) == 2 and all(c.constrained == "structured_outputs" for c in calls)
     with torch.no_grad():

@@ -19,7 +19,6 @@ TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {"type": "
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      "response_format"),
     ({"structured_outputs": {"regex": "[ab]+"}}, "structured_outputs"),
-    ({"guided_choice": ["yes", "no"]}, "guided_choice"),
     ({"tools": TOOLS, "tool_choice": "auto"}, None),
     ({"tools": TOOLS, "tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
@@ -79,3 +78,30 @@ def test_constrained_is_metrics_cover_only_the_masked_tokens():
     assert constrained_is_metrics(weights, mask, None) == {}
     assert "rollout_corr/constrained_is_mean" not in constrained_is_metrics(
         None, mask, constrained)
+
+
+@pytest.mark.parametrize("field, kind, value", [
+    ("guided_json", "json", {"type": "object"}), ("guided_regex", "regex", "[ab]+"),
+    ("guided_choice", "choice", ["yes", "no"]), ("guided_grammar", "grammar", 'root ::= "a"'),
+])
+def test_an_older_vllms_guided_field_goes_on_as_structured_outputs(field, kind, value):
+    """vLLM 0.32 ignores the removed guided_* fields and samples freely; the agent meant a
+    constraint, so it is sent as the structured_outputs field it became."""
+    from gateway.forward import validate_body
+
+    body = validate_body({"messages": [{"role": "user", "content": "hi"}], field: value,
+                          "guided_decoding_backend": "xgrammar"}, "chat.completions")
+    assert body["structured_outputs"] == {kind: value}
+    assert not [k for k in body if k.startswith("guided_")]
+    assert constrained_by(body) == "structured_outputs"
+
+
+def test_two_constraints_at_once_are_a_400_naming_one():
+    from gateway.errors import GatewayError
+    from gateway.forward import validate_body
+
+    for extra in ({"guided_regex": "a"}, {"structured_outputs": {"regex": "a"}}):
+        with pytest.raises(GatewayError) as err:
+            validate_body({"messages": [{"role": "user", "content": "hi"}],
+                           "guided_json": {"type": "object"}, **extra}, "chat.completions")
+        assert err.value.status == 400 and err.value.param == "guided_json"
