@@ -91,6 +91,19 @@ def _close_earlier_attempts(client: redis.Redis, group_id: str, index: int,
     return closed
 
 
+def _lost_attempts(client: redis.Redis, group_id: str, index: int, keep: str | None) -> int:
+    """How many of this sibling's attempts earlier deliveries of its task started on workers
+    that are gone (``keep``: the one taken up, which goes on). Each was a fresh agent run
+    that counts against ``max_attempts``: an agent that kills its worker (a crash in native
+    code, memory) would otherwise be redelivered for ever, never failing, and never
+    counted against its prompt (``data.max_prompt_failures``)."""
+    prefix = f"{group_id}.{index}."
+    earlier = [rid for rid in client.lrange(keys.group_rollouts(group_id), 0, -1)
+               if rid.startswith(prefix) and rid != keep]
+    owners = [client.hget(keys.rollout(rid), RolloutRecord.field("worker")) for rid in earlier]
+    return sum(not (owner and client.exists(keys.worker_alive(owner))) for owner in owners)
+
+
 CLOSED_ELSEWHERE = "closed by a later delivery of its task"
 
 
@@ -205,7 +218,17 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
         adopted = None
     for rid in _close_earlier_attempts(client, group_id, index, keep=adopted):
         controller.stop(rid)  # a Job that adopt() could not find, or would not take
-    for attempt in range(1, int(ctl_cfg.max_attempts) + 1):
+    lost = _lost_attempts(client, group_id, index, keep=adopted)
+    if lost >= int(ctl_cfg.max_attempts):
+        log.error("sibling %s/%d: its %d attempts all ran on workers that died (does its agent "
+                  "crash the worker?); it fails, not delivered again", group_id, index, lost)
+        if adopted:  # not taken up past the limit
+            controller.stop(adopted)
+            _close_attempt(client, adopted, "failed")
+        return SiblingResult(index=index, rollout_id="", status="failed", reward=None,
+                             attempts=lost, seconds=0.0,
+                             error=f"its {lost} attempts ran on workers that died")
+    for attempt in range(lost + 1, int(ctl_cfg.max_attempts) + 1):
         if cancelled():
             if adopted:  # the earlier delivery's agent is stopped, not left to its deadline
                 controller.stop(adopted)
