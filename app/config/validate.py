@@ -430,6 +430,7 @@ RULES: dict[str, Check] = {
     "controller.agent": agent_ref,
     "controller.rollout_timeout_s": positive_num,
     "controller.max_attempts": positive_int,
+    "controller.max_lost_attempts": positive_int,
     "controller.on_failure": one_of(*ON_FAILURE),
     "controller.on_context_overflow": one_of("fail", "end"),
     "controller.overflow_reward": finite_num,

@@ -72,21 +72,24 @@ def test_the_attempt_of_a_live_worker_is_left_alone(redis_client, group):
     assert status(redis_client, first) == "running"
 
 
-def test_attempts_lost_with_their_workers_count_against_max_attempts(redis_client, group,
-                                                                    tmp_path):
-    """An agent that kills its worker (a crash in native code) is redelivered with the
-    attempts its dead workers used counted: once they reach max_attempts it fails (stored,
-    so the group ends and its prompt counts a failure) instead of running for ever."""
+def test_a_sibling_whose_attempts_keep_dying_with_their_workers_fails(redis_client, group,
+                                                                      tmp_path):
+    """An agent that kills its worker (a crash in native code) is redelivered, each time
+    with all its attempts (a worker's death is not the agent's failure), until its attempts
+    lost with their workers reach controller.max_lost_attempts: then it fails (stored, so
+    the group ends and its prompt counts a failure) instead of running for ever."""
     ran = tmp_path / "ran"
-    make_group(redis_client, group, f"controller.agent=touch {ran}; echo 0.5")
-    first, _ = _start_attempt(redis_client, RUN, group, 0, 1)  # its worker died (no alive key)
-    result = run_sibling(redis_client, group, 0)  # one attempt left: it runs, and succeeds
-    assert result.status == "ok" and result.attempts == 2 and ran.exists()
-    # a second group: both attempts lost with their workers
+    agent = f"controller.agent=touch {ran}; echo 0.5"
+    make_group(redis_client, group, agent, "controller.max_attempts=1",
+               "controller.max_lost_attempts=2")
+    _start_attempt(redis_client, RUN, group, 0, 1)  # its worker died (no alive key)
+    result = run_sibling(redis_client, group, 0)  # its one attempt is still its own
+    assert result.status == "ok" and result.attempts == 1 and ran.exists()
     ran.unlink()
     again = f"{group}x"
-    make_group(redis_client, again, f"controller.agent=touch {ran}; echo 0.5")
-    for attempt in (1, 2):
+    make_group(redis_client, again, agent, "controller.max_attempts=1",
+               "controller.max_lost_attempts=2")
+    for attempt in (1, 1):  # two deliveries' attempts, both lost with their workers
         _start_attempt(redis_client, RUN, again, 0, attempt)
     result = run_sibling(redis_client, again, 0)
     assert result.status == "failed" and "workers that died" in result.error

@@ -93,10 +93,10 @@ def _close_earlier_attempts(client: redis.Redis, group_id: str, index: int,
 
 def _lost_attempts(client: redis.Redis, group_id: str, index: int, keep: str | None) -> int:
     """How many of this sibling's attempts earlier deliveries of its task started on workers
-    that are gone (``keep``: the one taken up, which goes on). Each was a fresh agent run
-    that counts against ``max_attempts``: an agent that kills its worker (a crash in native
-    code, memory) would otherwise be redelivered for ever, never failing, and never
-    counted against its prompt (``data.max_prompt_failures``)."""
+    that are gone (``keep``: the one taken up, which goes on). A worker's death is not the
+    agent's failure and costs it no attempt, but an agent that kills its worker (a crash in
+    native code, memory) would be redelivered for ever, never failing, and never counted
+    against its prompt (``data.max_prompt_failures``): ``max_lost_attempts`` bounds it."""
     prefix = f"{group_id}.{index}."
     earlier = [rid for rid in client.lrange(keys.group_rollouts(group_id), 0, -1)
                if rid.startswith(prefix) and rid != keep]
@@ -219,16 +219,17 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
     for rid in _close_earlier_attempts(client, group_id, index, keep=adopted):
         controller.stop(rid)  # a Job that adopt() could not find, or would not take
     lost = _lost_attempts(client, group_id, index, keep=adopted)
-    if lost >= int(ctl_cfg.max_attempts):
-        log.error("sibling %s/%d: its %d attempts all ran on workers that died (does its agent "
-                  "crash the worker?); it fails, not delivered again", group_id, index, lost)
+    if lost >= int(ctl_cfg.get("max_lost_attempts") or 3):  # a run stored before the key
+        log.error("sibling %s/%d: %d of its attempts ran on workers that died (does its agent "
+                  "crash the worker?); it fails (controller.max_lost_attempts)", group_id,
+                  index, lost)
         if adopted:  # not taken up past the limit
             controller.stop(adopted)
             _close_attempt(client, adopted, "failed")
         return SiblingResult(index=index, rollout_id="", status="failed", reward=None,
                              attempts=lost, seconds=0.0,
-                             error=f"its {lost} attempts ran on workers that died")
-    for attempt in range(lost + 1, int(ctl_cfg.max_attempts) + 1):
+                             error=f"{lost} of its attempts ran on workers that died")
+    for attempt in range(1, int(ctl_cfg.max_attempts) + 1):
         if cancelled():
             if adopted:  # the earlier delivery's agent is stopped, not left to its deadline
                 controller.stop(adopted)
