@@ -457,6 +457,48 @@ def test_pauses_move_the_job_deadline_out(tmp_path, standin, redis_client):
     assert patches and patches == sorted(patches) and patches[-1] >= 9
 
 
+class _PausedFor(PauseAwareClock):
+    """A clock that has counted ``seconds`` of pause and no active time."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(lambda: True)
+        self.seconds = seconds
+
+    def tick(self) -> None:
+        self.paused = self.seconds
+
+
+def test_a_job_taken_up_adds_its_pauses_to_the_deadline_it_was_left(tmp_path, standin,
+                                                                     redis_client):
+    """The first delivery moved the Job's deadline out by its 5 s of pause, then its worker
+    died; the delivery that takes the Job up adds its own 4 s on top (30 + 4 + 5 + 4), not
+    in place of the first's, or the agent would be killed within its timeout."""
+    s, server = standin
+    cfg = make_cfg(tmp_path, server, "controller.kubernetes.deadline_slack_s=4")
+    llm = endpoint()
+    name = job_name(llm.rollout_id)
+    boxes = []
+    for clock, adopted, deadline in ((_PausedFor(5), False, 39), (_PausedFor(4), True, 43)):
+        box: dict[str, Any] = {}
+
+        def target(clock=clock, adopted=adopted, box=box) -> None:
+            try:
+                box["reward"] = controller(cfg, redis_client).run(
+                    {}, llm, 30.0, clock, lambda: False, posted_reward=lambda: 0.5,
+                    adopted=adopted)
+            except AgentError as exc:
+                box["error"] = exc
+
+        box["thread"] = threading.Thread(target=target, daemon=True)
+        box["thread"].start()
+        boxes.append(box)
+        wait_for(lambda d=deadline: name in s.jobs and
+                 s.jobs[name]["spec"].get("activeDeadlineSeconds") == d)
+    s.finish(name, succeeded=True)
+    for box in boxes:
+        assert finish(box).get("reward") == 0.5, box.get("error")
+
+
 def test_waiting_for_a_creation_slot_is_not_the_agents_time(tmp_path, standin, redis_client):
     s, server = standin
     cfg = make_cfg(tmp_path, server, "controller.kubernetes.creates_per_minute=20")

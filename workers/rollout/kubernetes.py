@@ -268,6 +268,7 @@ class KubernetesController(Controller):
         self.can_patch = True        # False once RBAC refused a deadline patch
         self.can_list_events = True  # False once RBAC refused listing events
         self.deadline_paused = 0.0   # pause seconds the Job's deadline already covers
+        self.deadline_base = 0.0     # its deadline before this delivery's pauses
 
     # --- API calls with retries -----------------------------------------------------------
 
@@ -348,7 +349,7 @@ class KubernetesController(Controller):
             log.info("rollout %s: adopted running Job %s/%s", llm.rollout_id,
                      self.namespace, name)
         try:
-            result, reason = self._wait(name, timeout_s, clock, cancelled)
+            result, reason = self._wait(name, timeout_s, clock, cancelled, adopted)
         except _Stop as stop:
             self._delete(name)
             raise AgentError(str(stop)) from None
@@ -385,7 +386,7 @@ class KubernetesController(Controller):
                          f"CARRYOVER_REWARD_URL and printed none", logs[-2000:])
 
     def _wait(self, name: str, timeout_s: float, clock: PauseAwareClock,
-              cancelled: Callable[[], bool]) -> tuple[str, str]:
+              cancelled: Callable[[], bool], adopted: bool = False) -> tuple[str, str]:
         from kubernetes import watch
 
         def check() -> None:
@@ -396,6 +397,9 @@ class KubernetesController(Controller):
 
         window = int(self.kcfg.watch_timeout_s)
         self.pod_state, self.pod_started, self.deadline_paused = "", False, 0.0
+        # a Job taken up keeps the deadline its earlier deliveries moved out (their pauses):
+        # this one's pauses go on top, not in their place
+        self.deadline_base = -1.0 if adopted else timeout_s + float(self.kcfg.deadline_slack_s)
         self.pod_checked_at, self.waiting_since = time.monotonic(), {}
         while True:
             try:  # the resync: an event lost between windows is seen here
@@ -412,9 +416,12 @@ class KubernetesController(Controller):
             done = outcome(job)
             if done:
                 return done
+            if self.deadline_base < 0:
+                self.deadline_base = float(getattr(job.spec, "active_deadline_seconds", None)
+                                           or timeout_s + float(self.kcfg.deadline_slack_s))
             check()
             self._watch_pod(job)
-            self._extend_deadline(job, timeout_s, clock)
+            self._extend_deadline(job, clock)
             w = watch.Watch()
             try:
                 for event in w.stream(self.batch.list_namespaced_job, self.namespace,
@@ -506,15 +513,16 @@ class KubernetesController(Controller):
             raise _Stop(f"Job {name} cannot create its pod: {why}")
         self.pod_state = f"not created ({why})"
 
-    def _extend_deadline(self, job: Any, timeout_s: float, clock: PauseAwareClock) -> None:
+    def _extend_deadline(self, job: Any, clock: PauseAwareClock) -> None:
         """Kubernetes counts the Job's deadline in wall time; the attempt's timeout leaves out
         time the gateway was paused. Move the deadline out by the pauses so far, in steps of
         a quarter of the slack (at least a second), so a long weight update never kills an
-        agent that is within its timeout."""
+        agent that is within its timeout. A Job taken up adds this delivery's pauses to the
+        deadline its earlier deliveries left."""
         slack = float(self.kcfg.deadline_slack_s)
         if not self.can_patch or clock.paused - self.deadline_paused < max(1.0, slack / 4):
             return
-        deadline = int(math.ceil(timeout_s + slack + clock.paused))
+        deadline = int(math.ceil(self.deadline_base + clock.paused))
         name = job.metadata.name
         if deadline <= (getattr(job.spec, "active_deadline_seconds", None) or 0):
             return  # an earlier delivery of this task moved it further already
