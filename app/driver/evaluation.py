@@ -229,6 +229,8 @@ class Evaluator:
             return None
         pending.collector.reconcile()  # a group whose chord callback never ran (30 reads)
         self.feed()
+        if self.pending is None:  # cancelled: its records are gone
+            return None
         if self.finished(pending):
             return self._report()
         if time.monotonic() - pending.progress_at > self.timeout_s:

@@ -86,7 +86,7 @@ class RolloutRecord(_HashRecord):
     index: int
     attempt: int
     token_sha256: str            # the agent's bearer token, hashed: tokens are never stored
-    status: str = "running"      # running | finished | failed | cancelled
+    status: str = "running"      # running | finished | failed | cancelled | lost (its worker died)
     created_at: float = 0.0
     # The temperature the gateway samples this rollout's calls at; None = the rollout
     # temperature the trainer models. Set for evaluation rollouts, which are never trained.

@@ -108,6 +108,8 @@ def format_shuts_out_tools(chat: dict[str, Any], tools: ToolGrammar) -> bool:
     providers do. Otherwise the format is not sent, or no call could be made."""
     if not chat.get("tools") or chat.get("tool_choice") == "none":
         return False
+    if chat.get("tool_choice") not in (None, "auto"):
+        return True  # a forced call: the answer is the call, which the format is not for
     strict = tools.strict_level != "auto" or any(
         isinstance(t, dict) and isinstance(t.get("function"), dict)
         and t["function"].get("strict") is True for t in chat["tools"])

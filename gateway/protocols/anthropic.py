@@ -145,8 +145,8 @@ class Messages(Protocol):
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise bad_request("max_tokens: a positive integer is required", param="max_tokens")
         thinking = body.get("thinking")
-        # adaptive lets the model choose not to think: served without thinking, as vLLM's own
-        # Messages route does; a budget the model must spend on it cannot be
+        # adaptive lets the model choose not to think: served as a call without thinking is, as
+        # vLLM's own Messages route does; a budget the model must spend on it cannot be
         if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled",
                                                                        "adaptive"):
             raise bad_request("thinking: extended thinking is not supported by this gateway",

@@ -52,7 +52,7 @@ def test_a_redelivered_sibling_closes_the_attempt_its_dead_worker_left_running(r
     result = run_sibling(redis_client, group, 0)
     assert result.status == "ok" and result.reward == 0.5 and result.rollout_id != orphan
     # the gateway refuses the orphan's further calls and reward (it serves running ones only)
-    assert status(redis_client, orphan) == "failed"
+    assert status(redis_client, orphan) == "lost"
     assert status(redis_client, other) == "running"
     assert status(redis_client, result.rollout_id) == "finished"
 
@@ -89,8 +89,17 @@ def test_a_sibling_whose_attempts_keep_dying_with_their_workers_fails(redis_clie
     again = f"{group}x"
     make_group(redis_client, again, agent, "controller.max_attempts=1",
                "controller.max_lost_attempts=2")
-    for attempt in (1, 1):  # two deliveries' attempts, both lost with their workers
-        _start_attempt(redis_client, RUN, again, 0, attempt)
+    # an attempt that ended on its own before its worker died is not one lost with it
+    ended, _ = _start_attempt(redis_client, RUN, again, 0, 1)
+    assert _close_attempt(redis_client, ended, "failed")
+    _start_attempt(redis_client, RUN, again, 0, 1)  # found running, its worker gone
+    assert run_sibling(redis_client, again, 0).status == "ok" and ran.exists()
+    ran.unlink()
+    again = f"{group}y"
+    make_group(redis_client, again, agent, "controller.max_attempts=1",
+               "controller.max_lost_attempts=2")
+    for _ in range(2):  # two deliveries' attempts, both found running, their workers gone
+        _start_attempt(redis_client, RUN, again, 0, 1)
     result = run_sibling(redis_client, again, 0)
     assert result.status == "failed" and "workers that died" in result.error
     assert not ran.exists()  # not run a third time
@@ -307,7 +316,7 @@ def test_a_process_agent_its_dead_worker_left_running_is_stopped_by_the_next_del
         redis_client.hset(keys.rollout(rid), "agent_started", record["agent_started"])
         result = run_sibling(redis_client, group, 0)  # the redelivery: closes and stops it
         assert proc.wait(10) == -signal.SIGKILL
-        assert status(redis_client, rid) == "failed"
+        assert status(redis_client, rid) == "lost"
         assert result.status == "ok" and result.rollout_id != rid
     finally:
         if proc.poll() is None:

@@ -580,6 +580,10 @@ def test_a_structured_output_is_kept_where_the_tool_grammar_offers_a_call_beside
            "tools": [{"name": "add", "input_schema": TOOL_SCHEMA, "strict": strict}],
            "output_config": {"format": {"type": "json_schema", "schema": SCHEMA}}}
     assert ("response_format" in Messages().to_chat(msg, grammar)) is kept
+    # a forced call is the answer: the format is not sent beside it
+    forced = Responses().to_chat({"input": "3+4?", "tools": [tool], "text": RESPONSES_FORMAT,
+                                  "tool_choice": "required"}, grammar)
+    assert "response_format" not in forced
 
 
 def test_a_context_overflow_is_worded_as_each_provider_words_it():

@@ -72,6 +72,9 @@ def _close_attempt(client: redis.Redis, rollout_id: str, status: str) -> bool:
         args=[status, ROLLOUT_TTL_S]))
 
 
+LOST = "lost"  # a rollout's status: a later delivery found its worker dead while it ran
+
+
 def _close_earlier_attempts(client: redis.Redis, group_id: str, index: int,
                             keep: str | None) -> list[str]:
     """Close this sibling's rollouts left running by an earlier delivery of its task whose
@@ -82,26 +85,28 @@ def _close_earlier_attempts(client: redis.Redis, group_id: str, index: int,
     earlier = [rid for rid in client.lrange(keys.group_rollouts(group_id), 0, -1)
                if rid.startswith(prefix) and rid != keep]
     owners = [client.hget(keys.rollout(rid), RolloutRecord.field("worker")) for rid in earlier]
+    # closed as lost: what _lost_attempts counts (not an attempt that ended on its own)
     closed = [rid for rid, owner in zip(earlier, owners, strict=True)
               if not (owner and client.exists(keys.worker_alive(owner)))
-              and _close_attempt(client, rid, "failed")]
+              and _close_attempt(client, rid, LOST)]
     if closed:
         log.warning("sibling %s/%d: closed %d rollout(s) a dead worker left running; "
                     "their agents' further calls are refused", group_id, index, len(closed))
     return closed
 
 
-def _lost_attempts(client: redis.Redis, group_id: str, index: int, keep: str | None) -> int:
-    """How many of this sibling's attempts earlier deliveries of its task started on workers
-    that are gone (``keep``: the one taken up, which goes on). A worker's death is not the
-    agent's failure and costs it no attempt, but an agent that kills its worker (a crash in
-    native code, memory) would be redelivered for ever, never failing, and never counted
-    against its prompt (``data.max_prompt_failures``): ``max_lost_attempts`` bounds it."""
+def _lost_attempts(client: redis.Redis, group_id: str, index: int) -> int:
+    """How many of this sibling's attempts a delivery of its task found still running with
+    their worker gone (closed ``LOST`` by :func:`_close_earlier_attempts`). A worker's death
+    is not the agent's failure and costs it no attempt, but an agent that kills its worker
+    (a crash in native code, memory) would be redelivered for ever, never failing, and
+    never counted against its prompt (``data.max_prompt_failures``): ``max_lost_attempts``
+    bounds it."""
     prefix = f"{group_id}.{index}."
     earlier = [rid for rid in client.lrange(keys.group_rollouts(group_id), 0, -1)
-               if rid.startswith(prefix) and rid != keep]
-    owners = [client.hget(keys.rollout(rid), RolloutRecord.field("worker")) for rid in earlier]
-    return sum(not (owner and client.exists(keys.worker_alive(owner))) for owner in owners)
+               if rid.startswith(prefix)]
+    return sum(client.hget(keys.rollout(rid), RolloutRecord.field("status")) == LOST
+               for rid in earlier)
 
 
 CLOSED_ELSEWHERE = "closed by a later delivery of its task"
@@ -218,14 +223,12 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
         adopted = None
     for rid in _close_earlier_attempts(client, group_id, index, keep=adopted):
         controller.stop(rid)  # a Job that adopt() could not find, or would not take
-    lost = _lost_attempts(client, group_id, index, keep=adopted)
-    if lost >= int(ctl_cfg.get("max_lost_attempts") or 3):  # a run stored before the key
+    lost = _lost_attempts(client, group_id, index)
+    # (an agent taken up runs outside the worker: it is not what kills workers)
+    if not adopted and lost >= int(ctl_cfg.get("max_lost_attempts") or 3):
         log.error("sibling %s/%d: %d of its attempts ran on workers that died (does its agent "
                   "crash the worker?); it fails (controller.max_lost_attempts)", group_id,
                   index, lost)
-        if adopted:  # not taken up past the limit
-            controller.stop(adopted)
-            _close_attempt(client, adopted, "failed")
         return SiblingResult(index=index, rollout_id="", status="failed", reward=None,
                              attempts=lost, seconds=0.0,
                              error=f"{lost} of its attempts ran on workers that died")
