@@ -62,6 +62,15 @@ REASONING_FIELDS = ("reasoning", "reasoning_content")
 GRAMMAR_FIELDS = ("structured_outputs",)
 
 
+def auto_tool_grammar(tools: list[Any], strict_level: str) -> bool:
+    """Whether, under tool_choice auto, vLLM's tool-call parser holds a call to its grammar
+    (a structural tag): a tool is ``strict``, or the servers' ``--tool-strict-level``
+    (``strict_level``) is above auto."""
+    return strict_level != "auto" or any(
+        isinstance(t, dict) and isinstance(t.get("function"), dict)
+        and t["function"].get("strict") is True for t in tools)
+
+
 def constrained_by(body: dict[str, Any], tool_call_parser: str | None = None,
                    strict_level: str = "auto") -> str | None:
     """The parameter that makes vLLM sample under a grammar mask, or None.
@@ -84,9 +93,7 @@ def constrained_by(body: dict[str, Any], tool_call_parser: str | None = None,
     if choice == "required" or isinstance(choice, dict):
         return "tool_choice"
     if tool_call_parser:
-        if strict_level != "auto" or any(
-                isinstance(t, dict) and isinstance(t.get("function"), dict)
-                and t["function"].get("strict") is True for t in tools):
+        if auto_tool_grammar(tools, strict_level):
             return "tools"
         if body.get("parallel_tool_calls") is False:
             return "parallel_tool_calls"

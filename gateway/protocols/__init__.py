@@ -15,6 +15,7 @@ from typing import Any
 
 import orjson
 
+from gateway.capture import auto_tool_grammar
 from gateway.errors import GatewayError, bad_request, overflow_error
 
 
@@ -110,10 +111,7 @@ def format_shuts_out_tools(chat: dict[str, Any], tools: ToolGrammar) -> bool:
         return False
     if chat.get("tool_choice") not in (None, "auto"):
         return True  # a forced call: the answer is the call, which the format is not for
-    strict = tools.strict_level != "auto" or any(
-        isinstance(t, dict) and isinstance(t.get("function"), dict)
-        and t["function"].get("strict") is True for t in chat["tools"])
-    return not (tools.parser and strict)
+    return not (tools.parser and auto_tool_grammar(chat["tools"], tools.strict_level))
 
 
 def function_tool(tool: dict[str, Any], schema_key: str) -> dict[str, Any]:
