@@ -59,6 +59,14 @@ class Selection:
     wait_seconds: float
 
 
+def training_active_groups(cfg: Any) -> int:
+    """The groups training keeps in flight. Sync mode is the baseline: exactly one batch in
+    flight, all of it waited for."""
+    async_cfg = cfg.agentlightning.async_rollout
+    return int(async_cfg.async_train_batch_size) if async_cfg.enabled \
+        else int(cfg.data.train_batch_size)
+
+
 class Collector:
     def __init__(self, client: redis.Redis, run_id: str, cfg: Any, n: int | None = None,
                  samples: list[dict] | None = None) -> None:
@@ -70,9 +78,7 @@ class Collector:
         self.train_batch = int(cfg.data.train_batch_size)
         async_cfg = cfg.agentlightning.async_rollout
         self.async_mode = bool(async_cfg.enabled)
-        # Sync mode is the baseline: exactly one batch in flight, all of it waited for.
-        self.active_target = int(async_cfg.async_train_batch_size) if self.async_mode \
-            else self.train_batch
+        self.active_target = training_active_groups(cfg)
         self.max_age = async_cfg.max_carry_over_age_steps
         # cancel: a group past the cap is cancelled, its prompt re-queued; wait: the next
         # step trains it, waiting for it to complete (verl's max_off_policy_strategy wait)

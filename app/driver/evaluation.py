@@ -34,7 +34,7 @@ from typing import Any
 import redis
 from omegaconf import OmegaConf
 
-from app.driver.collector import Collector
+from app.driver.collector import Collector, training_active_groups
 from app.state import carry, keys, retention
 from app.state.completion import sibling_results
 from app.state.records import SUCCESS_REWARD, CapturedCall, GroupRecord, RunRecord
@@ -97,12 +97,9 @@ class Evaluator:
             int(cfg.controller.max_attempts) + 60.0
         self.keep_s = float(cfg.trainer.trained_data_ttl_s)
         # by default as many rollouts in flight as training keeps, in the evaluation's groups
-        async_cfg = cfg.agentlightning.async_rollout
-        training_groups = int(async_cfg.async_train_batch_size) if async_cfg.enabled \
-            else int(cfg.data.train_batch_size)
         rollout = cfg.actor_rollout_ref.rollout
         self.max_active = int(cfg.trainer.get("val_active_groups") or -(
-            -training_groups * int(rollout.n) // int(rollout.val_kwargs.n)))
+            -training_active_groups(cfg) * int(rollout.n) // int(rollout.val_kwargs.n)))
         self.pending: PendingEval | None = None
         # read at start, so that a bad file fails the run before training, under its own key
         self.samples = load_samples(self.files, key="data.val_files") if self.files else []
