@@ -75,15 +75,20 @@ def _close_attempt(client: redis.Redis, rollout_id: str, status: str) -> bool:
 LOST = "lost"  # a rollout's status: a later delivery found its worker dead while it ran
 
 
+def _sibling_rollouts(client: redis.Redis, group_id: str, index: int) -> list[str]:
+    """Every attempt's rollout id of sibling ``index``, from any delivery of its task."""
+    prefix = f"{group_id}.{index}."
+    return [rid for rid in client.lrange(keys.group_rollouts(group_id), 0, -1)
+            if rid.startswith(prefix)]
+
+
 def _close_earlier_attempts(client: redis.Redis, group_id: str, index: int,
                             keep: str | None) -> list[str]:
     """Close this sibling's rollouts left running by an earlier delivery of its task whose
     worker died (its alive key is gone): a process agent may outlive it on its host, and its
     next model call or reward must be refused, not captured beside the attempt that replaces
     it. An attempt of a live worker (a task delivered twice) is left alone. -> closed ids."""
-    prefix = f"{group_id}.{index}."
-    earlier = [rid for rid in client.lrange(keys.group_rollouts(group_id), 0, -1)
-               if rid.startswith(prefix) and rid != keep]
+    earlier = [rid for rid in _sibling_rollouts(client, group_id, index) if rid != keep]
     owners = [client.hget(keys.rollout(rid), RolloutRecord.field("worker")) for rid in earlier]
     # closed as lost: what _lost_attempts counts (not an attempt that ended on its own)
     closed = [rid for rid, owner in zip(earlier, owners, strict=True)
@@ -102,11 +107,8 @@ def _lost_attempts(client: redis.Redis, group_id: str, index: int) -> int:
     (a crash in native code, memory) would be redelivered for ever, never failing, and
     never counted against its prompt (``data.max_prompt_failures``): ``max_lost_attempts``
     bounds it."""
-    prefix = f"{group_id}.{index}."
-    earlier = [rid for rid in client.lrange(keys.group_rollouts(group_id), 0, -1)
-               if rid.startswith(prefix)]
     return sum(client.hget(keys.rollout(rid), RolloutRecord.field("status")) == LOST
-               for rid in earlier)
+               for rid in _sibling_rollouts(client, group_id, index))
 
 
 CLOSED_ELSEWHERE = "closed by a later delivery of its task"
