@@ -46,6 +46,9 @@ class MetricsSink:
             try:
                 import wandb
 
+                # W&B advertises its Weave product whenever an LLM client is imported (the
+                # agents import openai): not for a training run's console
+                os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
                 run = wandb.init(
                     project=cfg.logging.wandb_project, name=run_id, id=run_id, resume="allow",
                     dir=str(run_dir), mode=mode, config=_plain(cfg),

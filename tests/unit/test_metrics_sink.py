@@ -90,3 +90,25 @@ def test_an_entry_kept_again_after_a_later_line_is_not_written_twice(sink):
     resumed = sink()
     assert not resumed.catch_up(json.dumps({"step": 3, "reward/mean": 0.5}))
     assert len(lines(resumed.jsonl_path)) == 2
+
+
+def test_an_offline_w_and_b_run_prints_no_advertisement(tmp_path):
+    """W&B suggests its Weave product when it sees an LLM client imported (the driver imports
+    openai through the agents): the demo's output must not carry it."""
+    import subprocess
+    import sys
+
+    code = ("import openai\n"
+            "from pathlib import Path\n"
+            "from app.config import load_config\n"
+            "from app.driver.metrics import MetricsSink\n"
+            f"s = MetricsSink(Path({str(tmp_path)!r}) / 'run', 'r1', load_config(None, []))\n"
+            "assert s.wandb_run is not None\n"
+            "s.log(0, {'reward/mean': 0.5})\n"
+            "s.close()\n")
+    env = {k: v for k, v in __import__("os").environ.items()
+           if not k.startswith("WANDB_")} | {"WANDB_MODE": "offline"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Weave" not in out.stdout + out.stderr, out.stdout + out.stderr
