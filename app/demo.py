@@ -22,7 +22,8 @@ from app.config.loader import REPO_ROOT, env_overrides
 from app.driver.metrics import CARRY, console_line, val_line
 from app.driver.preflight import preflight
 
-DEMO_CONFIG = REPO_ROOT / "config" / "demo.yaml"
+# the main demo: a long-running agent on a real model; config/demo.yaml is the tiny toy
+DEMO_CONFIG = REPO_ROOT / "config" / "long-agent.yaml"
 log = logging.getLogger(__name__)
 
 
@@ -172,6 +173,19 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _time_to_accuracy(results: list[dict]) -> str:
+    """Both modes' minutes of training to the held-out threshold, with a plot of both."""
+    from app.accuracy import compare, plot, table
+
+    if not all(r.get("evals") for r in results):
+        return "time to accuracy: the config does not evaluate (data.val_files), nothing to compare"
+    runs = {r["label"]: [[*r["rows"], *r["evals"]]] for r in results}
+    result = compare(runs)
+    path = Path(results[-1]["plot"]).with_name("time-to-accuracy.png")
+    plot(result, path, "held-out success: asynchronous vs synchronous")
+    return table(result) + f"\n  plot     {path}"
+
+
 def run_demo(args: argparse.Namespace) -> int:
     import _thread
     import threading
@@ -229,6 +243,9 @@ def run_demo(args: argparse.Namespace) -> int:
         sup.stop()
     print()
     print(_table(results))
+    if args.compare:
+        print()
+        print(_time_to_accuracy(results))
     for r in results:
         print(f"\n{r['label']}: run {r['run_id']}\n  metrics  {r['jsonl']}\n  plot     {r['plot']}"
               + (f"\n  W&B      {r['wandb_dir']} (offline; `wandb sync` uploads it)"

@@ -1,6 +1,6 @@
-"""A shortened demo end to end through every real process: the README's main command with
-few steps. It must finish, log every step's metrics under their exact names, draw a valid
-PNG, carry at least one group over a step, and leave no process running."""
+"""The tiny model's demo end to end through every real process, shortened to a few steps.
+It must finish, log every step's metrics under their exact names, draw a valid PNG, carry at
+least one group over a step, and leave no process running."""
 
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def test_short_demo_runs_end_to_end(tmp_path):
     env = {**os.environ, "CARRYOVER_OVERRIDES": json.dumps(overrides), "WANDB_MODE": "offline"}
     env.pop("CARRYOVER_CONFIG", None)
     marker = env["CARRYOVER_OVERRIDES"]
-    out = subprocess.run([str(Path(sys.executable).parent / "carryover"), "demo", "--steps", "4"],
+    out = subprocess.run([str(Path(sys.executable).parent / "carryover"), "demo",
+                          "--config", "config/demo.yaml", "--steps", "4"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "reward_last_5" in out.stdout  # the summary table

@@ -1,0 +1,161 @@
+"""Time to accuracy: how many minutes of training a run took to reach a held-out success rate.
+
+Read from a run's metrics rows (one per step, as ``metrics.jsonl`` holds them) and its
+evaluation rows (``val/*``). An evaluation measures the weights of the update it was sent
+after (``val/sent_at_step``), so its time is the training minutes up to that update: the
+steps' own time (``timing/step_seconds``, from the first step's wait for data to the last
+update's resume), the evaluations that run beside training included, the ones waited for
+before training excluded. Used by ``carryover demo --compare`` and ``bench.time_to_accuracy``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+from typing import Any
+
+CARRY = "training/async/"
+
+
+def split_rows(rows: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """A metrics file's lines as (step rows, evaluation rows)."""
+    steps: list[dict] = []
+    evals: list[dict] = []
+    for row in rows:
+        (evals if "val/success_rate" in row else steps).append(row)
+    return steps, evals
+
+
+def curve(steps: list[dict], evals: list[dict]) -> list[tuple[float, float]]:
+    """(minutes of training before the evaluated update, held-out success), in order."""
+    minutes = [0.0]
+    for s in steps:
+        minutes.append(minutes[-1] + float(s["timing/step_seconds"]) / 60)
+    out = []
+    for e in evals:
+        at = min(int(e["val/sent_at_step"]), len(steps))
+        out.append((minutes[at], float(e["val/success_rate"])))
+    return out
+
+
+def minutes_to(points: list[tuple[float, float]], threshold: float) -> float | None:
+    """Minutes of training until held-out success first reached ``threshold``; None if never."""
+    return next((m for m, s in points if s >= threshold - 1e-9), None)
+
+
+def run_summary(steps: list[dict], evals: list[dict], threshold: float | None = None
+                ) -> dict[str, Any]:
+    """One run's figures: final success, throughput, sample age and carry-over."""
+    minutes = sum(float(s["timing/step_seconds"]) for s in steps) / 60
+    trained = sum(float(s.get(CARRY + "n_completed_rollouts") or 0) for s in steps)
+    points = curve(steps, evals)
+
+    def values(key: str) -> list[float]:
+        return [float(s[CARRY + key]) for s in steps if s.get(CARRY + key) is not None]
+
+    ages = values("consumed_age_mean_steps")
+    oldest = values("consumed_age_max_steps")
+    out: dict[str, Any] = {
+        "steps": len(steps),
+        "training_minutes": minutes,
+        "val_success_first": points[0][1] if points else None,
+        "val_success_final": points[-1][1] if points else None,
+        "trained_rollouts_per_minute": trained / minutes if minutes else 0.0,
+        "sample_age_mean_steps": statistics.fmean(ages) if ages else 0.0,
+        "sample_age_max_steps": max(oldest, default=0.0),
+        "carried_over_rollouts_total": sum(values("n_new_carry_over_rollouts")),
+        "carry_over_age_max_steps": max(values("new_carry_over_age_max_steps"), default=0.0),
+        "curve": points,
+    }
+    if threshold is not None:
+        out["threshold"] = threshold
+        out["minutes_to_threshold"] = minutes_to(points, threshold)
+    return out
+
+
+def spread(values: list[float | None]) -> dict[str, Any]:
+    """Median and range of runs' figures; a run that never got there (None) counts as
+    infinitely slow for the median, which is None when it falls there."""
+    known = [v for v in values if v is not None]
+    mid = statistics.median([math.inf if v is None else v for v in values]) if values else None
+    return {"median": None if mid is None or math.isinf(mid) else mid,
+            "min": min(known, default=None), "max": max(known, default=None), "runs": values}
+
+
+FIGURES = ("minutes_to_threshold", "val_success_final", "training_minutes",
+           "trained_rollouts_per_minute", "sample_age_mean_steps", "sample_age_max_steps",
+           "carried_over_rollouts_total", "carry_over_age_max_steps")
+
+
+def compare(runs: dict[str, list[dict[str, Any]]], threshold: float | None = None
+            ) -> dict[str, Any]:
+    """Runs of each mode (step and evaluation rows per run) summarised against one threshold:
+    by default the synchronous runs' median final success minus 0.05."""
+    if threshold is None:
+        base = runs.get("sync") or next(iter(runs.values()))
+        finals = [p[-1][1] for p in (curve(*split_rows(r)) for r in base) if p]
+        threshold = round(statistics.median(finals) - 0.05, 4) if finals else None
+    out: dict[str, Any] = {"threshold": threshold, "modes": {}}
+    for mode, rs in runs.items():
+        summaries = [run_summary(*split_rows(r), threshold) for r in rs]
+        out["modes"][mode] = {"runs": summaries,
+                              **{k: spread([s.get(k) for s in summaries]) for k in FIGURES}}
+    a, s = out["modes"].get("async"), out["modes"].get("sync")
+    if a and s and a["minutes_to_threshold"]["median"] and s["minutes_to_threshold"]["median"]:
+        out["speedup_to_threshold"] = (s["minutes_to_threshold"]["median"]
+                                       / a["minutes_to_threshold"]["median"])
+    return out
+
+
+def _cell(fig: dict[str, Any]) -> str:
+    def f(v: float | None) -> str:
+        return "never" if v is None else f"{v:.2f}"
+
+    if len(fig["runs"]) == 1:
+        return f(fig["runs"][0])
+    return f"{f(fig['median'])} ({f(fig['min'])}-{f(fig['max'])})"
+
+
+def table(result: dict[str, Any]) -> str:
+    """The comparison as a text table: median (range) of each figure per mode."""
+    modes = list(result["modes"])
+    width = 24
+    head = "figure".ljust(30) + "".join(m.rjust(width) for m in modes)
+    lines = [f"held-out success threshold: {result['threshold']}", head, "-" * len(head)]
+    for k in FIGURES:
+        lines.append(k.ljust(30) + "".join(_cell(result["modes"][m][k]).rjust(width)
+                                           for m in modes))
+    if "speedup_to_threshold" in result:
+        lines.append(f"asynchronous reached the threshold {result['speedup_to_threshold']:.2f}x "
+                     "sooner (median minutes of training)")
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Any, title: str = "held-out success") -> Any:
+    """Held-out success against minutes of training, every run of every mode on one figure."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colours = {"async": "tab:blue", "sync": "tab:orange"}
+    for mode, data in result["modes"].items():
+        for i, run in enumerate(data["runs"]):
+            xs = [m for m, _ in run["curve"]]
+            ys = [s for _, s in run["curve"]]
+            ax.plot(xs, ys, "o-", color=colours.get(mode), alpha=0.8,
+                    label=f"{mode}" if i == 0 else None)
+    if result.get("threshold") is not None:
+        ax.axhline(result["threshold"], color="grey", ls=":", label="threshold")
+    ax.set_xlabel("minutes of training")
+    ax.set_ylabel("held-out success (greedy)")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
