@@ -37,6 +37,7 @@ from omegaconf import OmegaConf
 from app.driver.collector import Collector, training_active_groups
 from app.state import carry, keys, retention
 from app.state.completion import sibling_results
+from app.state.policy import current_version
 from app.state.records import SUCCESS_REWARD, CapturedCall, GroupRecord, RunRecord
 from app.state.runs import MissingState, read_run, run_config
 
@@ -156,7 +157,7 @@ class Evaluator:
         self.r.delete(keys.run_requeue(pending.eval_id))
         pending.collector.active_target = active + room
         try:
-            return pending.collector.top_up(int(self.r.get(keys.policy_version()) or 0),
+            return pending.collector.top_up(current_version(self.r),
                                             dispatch_step=pending.step, at_most=room)
         except MissingState:  # its run record is gone (a Redis outage lost the writes)
             log.warning("evaluation %s: its records are gone; cancelled, not reported",

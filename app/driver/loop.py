@@ -31,6 +31,7 @@ from app.driver.restore import ServerRestore
 from app.driver.trainer_call import call_trainer
 from app.state import keys
 from app.state.connection import connect, redact, resolve_redis_url
+from app.state.policy import current_version
 from app.state.records import RunRecord
 from app.state.runs import MissingState, read_run, run_config
 
@@ -178,7 +179,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
         resent = collector.resend_unsent()
         log.info("resuming run %s at step %d with %d active groups (%d re-sent)",
                  run_id, step, collector.active_count(), resent)
-        evaluator.adopt(int(client.get(keys.policy_version()) or 0))
+        evaluator.adopt(current_version(client))
 
     def report_eval(steps_done: int, val: dict[str, float] | None) -> None:
         if val is None:
@@ -198,7 +199,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
         # the initial policy alone: waited for before any training rollout is sent (a
         # resumed run's may be running still, taken up)
         if evaluator.pending is None:
-            evaluator.start(0, int(client.get(keys.policy_version()) or 0))
+            evaluator.start(0, current_version(client))
         report_eval(0, evaluator.wait(on_wait=restore_servers))
     # the counters as the last step's metrics counted them: what happened since (a resumed
     # run's groups dropped while no driver ran) goes into the next step's
@@ -227,7 +228,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
             after_outage()
             chosen = None
             t_step = time.monotonic()
-            version = int(client.get(keys.policy_version()) or 0)
+            version = current_version(client)
             prev_carry = carried
             collector.cancel_stale(step)
             collector.top_up(version)
@@ -244,7 +245,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                     after_outage()
                     # servers the keeper cannot restore: no group would finish without them
                     if restore_servers() is not None:  # they serve a new version now
-                        serving[0] = int(client.get(keys.policy_version()) or 0)
+                        serving[0] = current_version(client)
                     collector.top_up(serving[0])
                     evaluator.feed()  # a periodic evaluation's next prompts, behind training's
 
@@ -264,7 +265,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                 still_driving()
                 # a slot freed once the step's weights are loaded starts on them: its age
                 # counts from the next step, as after_update's refill does
-                now = int(client.get(keys.policy_version()) or 0)
+                now = current_version(client)
                 if now == v:
                     # this step, or the next where its update is done already (a resumed
                     # step's: its version was read after the update)
@@ -352,7 +353,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
             report_eval(step - 1, evaluator.poll())
             if evaluator.due(step) and step < total:
                 if evaluator.pending is None:
-                    evaluator.start(step, int(client.get(keys.policy_version()) or 0))
+                    evaluator.start(step, current_version(client))
                 else:
                     log.warning("evaluation due after %d updates skipped: %s (sent after %d) "
                                 "is still running", step, evaluator.pending.eval_id,
@@ -369,7 +370,7 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
             # driver may have taken the final evaluation up already
             if evaluator.pending is None or evaluator.pending.step < step:
                 report_eval(step - 1, evaluator.wait(on_wait=restore_servers))
-                evaluator.start(step, int(client.get(keys.policy_version()) or 0))
+                evaluator.start(step, current_version(client))
             report_eval(step, evaluator.wait(on_wait=restore_servers))
         client.hset(keys.run(run_id), "status", "finished")
     except Starved as exc:

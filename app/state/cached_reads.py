@@ -16,6 +16,7 @@ from typing import Any
 import redis
 
 from app.state import keys
+from app.state.policy import current_version
 
 _seen: dict[str, tuple[float, Any]] = {}
 _lock = threading.Lock()
@@ -62,6 +63,6 @@ def policy_version(client: redis.Redis, max_age_s: float = POLICY_VERSION_MAX_AG
     seen = _version.get("v")
     if seen is not None and now - seen[0] < max_age_s:
         return seen[1]
-    value = int(client.get(keys.policy_version()) or 0)
+    value = current_version(client)
     _version["v"] = (now, value)
     return value

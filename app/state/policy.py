@@ -1,4 +1,4 @@
-"""The policy version after a Redis outage.
+"""The policy version: its one read (``current_version``), and its repair after a Redis outage.
 
 The trainer bumps ``keys.policy_version`` right after loading new weights into the inference
 servers; the gateway labels every call it captures with it. A crash that loses the bump (the
@@ -22,6 +22,13 @@ import redis
 from app.state import keys
 
 log = logging.getLogger(__name__)
+
+def current_version(client: redis.Redis) -> int:
+    """The policy version Redis holds now (0 before the first weight load). Every plain read
+    goes through here; the gateway's per-call read is cached
+    (``cached_reads.policy_version``), and the pause script reads it inside Lua."""
+    return int(client.get(keys.policy_version()) or 0)
+
 
 # KEYS: policy_version; ARGV: version. Raises the version to ARGV, never lowers it.
 _RAISE = """

@@ -36,3 +36,28 @@ def test_a_lost_bump_is_put_back_when_redis_is_back(server):  # noqa: F811
     while client.get(keys.policy_version()) != "7":
         assert time.monotonic() < deadline, client.get(keys.policy_version())
         time.sleep(0.1)
+
+
+def test_current_version_reads_what_redis_holds(server):  # noqa: F811
+    from app.state.policy import current_version
+
+    client = connect(server.url)
+    client.delete(keys.policy_version())
+    assert current_version(client) == 0  # before the first weight load
+    client.set(keys.policy_version(), 12)
+    assert current_version(client) == 12
+
+
+def test_no_module_reads_the_policy_version_raw():
+    """One read of the version (``current_version``): a raw GET elsewhere is a second
+    definition of 'no version yet'."""
+    import re
+
+    from tests.conftest import REPO
+
+    raw = re.compile(r"\.get\(keys\.policy_version\(\)\)")
+    found = [f"{p.relative_to(REPO)}:{i}" for folder in ("app", "workers", "gateway")
+             for p in (REPO / folder).rglob("*.py")
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if raw.search(line) and p.name != "policy.py"]
+    assert found == []

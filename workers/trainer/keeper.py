@@ -36,6 +36,7 @@ import requests
 
 from app.state import keys
 from app.state.pause import Pause
+from app.state.policy import current_version
 from workers.trainer import weights
 
 log = logging.getLogger(__name__)
@@ -153,7 +154,7 @@ class UpstreamKeeper:
         # a version bumped past the published one: a step loaded it and died (or its probe
         # failed) before verifying it. Restoring the published weights would serve them
         # under the newer label: the servers wait, stale, for the next step's load
-        current = int(self.client.get(keys.policy_version()) or 0)
+        current = current_version(self.client)
         unverified = current > version if version is not None \
             else not published and current > 0
         if not unverified:

@@ -45,7 +45,7 @@ from app.config.settings import adapter_name
 from app.state import keys, retention
 from app.state.cached_reads import POLICY_VERSION_MAX_AGE_S
 from app.state.pause import Pause
-from app.state.policy import published_here
+from app.state.policy import current_version, published_here
 from app.state.runs import read_run, run_config
 from workers.trainer import checkpoint, weights
 from workers.trainer.batch import BatchStats, Sample, collect_samples
@@ -441,7 +441,7 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
     trainer = resident.trainer
     if asleep.urls:
         metrics.update(trainer.memory("after_update"))
-    version = int(client.get(keys.policy_version()) or 0) + 1
+    version = current_version(client) + 1
     # the export and the load of each mode (LoRA's adapter goes by disk, never by transfer:
     # the config refuses the pair)
     load: Loader
