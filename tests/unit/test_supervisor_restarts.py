@@ -9,6 +9,7 @@ import time
 import pytest
 
 from app.config import load_config
+from app.config.loader import env_overrides
 from app.services import supervisor as sv
 from app.services.commands import Command
 from app.state import keys
@@ -20,7 +21,8 @@ def sup(tmp_path, monkeypatch):
     monkeypatch.setattr(sv, "command_for", lambda cfg, role: Command(role, programs[role]))
     monkeypatch.setattr(sv, "BACKOFF_S", (0.2, 1.0))
     monkeypatch.setattr(sv.Supervisor, "_count_restarts", lambda self: None)
-    s = sv.Supervisor(load_config(None, []), log_dir=tmp_path)
+    # the session's own ports: a user's stack may be running on the defaults
+    s = sv.Supervisor(load_config(None, env_overrides()), log_dir=tmp_path)
     for role in programs:
         s._spawn(sv.command_for(s.cfg, role))
     s.programs = programs
@@ -63,7 +65,8 @@ def test_counting_a_restart_never_waits_for_redis(tmp_path, monkeypatch, cfg, re
 
     monkeypatch.setattr(sv, "command_for", lambda cfg, role: Command(role, ["sleep", "60"]))
     monkeypatch.setattr(sv, "BACKOFF_S", (0.2, 1.0))
-    s = sv.Supervisor(load_config(None, [f"redis.port={free_port()}", "redis.reconnect_s=30"]),
+    s = sv.Supervisor(load_config(None, [*env_overrides(), f"redis.port={free_port()}",
+                                        "redis.reconnect_s=30"]),
                       log_dir=tmp_path)
     try:
         s._spawn(sv.command_for(s.cfg, "rollout"))
@@ -196,7 +199,8 @@ def test_ctrl_c_during_start_says_so_and_stops_what_was_started(tmp_path, monkey
         return []
 
     monkeypatch.setattr(sv, "wait_ready", interrupted)
-    s = sv.Supervisor(load_config(None, []), log_dir=tmp_path)
+    # the session's own ports: a user's stack may be running on the defaults
+    s = sv.Supervisor(load_config(None, env_overrides()), log_dir=tmp_path)
     started: list = []
     real_spawn = s._spawn
 
@@ -290,7 +294,8 @@ def test_a_role_log_past_its_limit_is_rotated_when_the_role_starts(tmp_path, mon
     about ``LOG_ROTATE_BYTES`` (the one before is kept as ``<role>.log.1``), and the tail a
     failure shows is read from the end, not the whole file."""
     monkeypatch.setattr(sv, "LOG_ROTATE_BYTES", 1000)
-    s = sv.Supervisor(load_config(None, []), log_dir=tmp_path)
+    # the session's own ports: a user's stack may be running on the defaults
+    s = sv.Supervisor(load_config(None, env_overrides()), log_dir=tmp_path)
     log = s.log_path("rollout")
     log.write_bytes(b"old line\n" * 200)  # 1800 bytes: past the limit
     try:
