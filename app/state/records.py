@@ -106,6 +106,9 @@ class RolloutRecord(_HashRecord):
     agent_host: str = ""
     agent_pid: int = 0
     agent_started: str = ""
+    # the reward a process or Kubernetes agent posted (``POST /rollout/<id>/reward``): written
+    # by the gateway, read by the rollout worker when the agent ends; None = none posted
+    reward: float | None = None
 
 
 @dataclass

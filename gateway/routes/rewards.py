@@ -9,7 +9,7 @@ import json
 from flask import Blueprint, jsonify
 
 from app.state import keys
-from app.state.records import MAX_ABS_REWARD, checked_reward
+from app.state.records import MAX_ABS_REWARD, RolloutRecord, checked_reward
 from gateway.auth import authenticate
 from gateway.body import json_body
 from gateway.errors import bad_request
@@ -28,5 +28,6 @@ def post_reward(rollout_id: str):
     except ValueError as exc:
         raise bad_request(f"'reward' must be a finite number within +-{MAX_ABS_REWARD:g}; got "
                           f"{exc}", param="reward") from None
-    get_state().redis.hset(keys.rollout(rollout_id), "reward", json.dumps(reward))
+    get_state().redis.hset(keys.rollout(rollout_id), RolloutRecord.field("reward"),
+                          json.dumps(reward))
     return jsonify({"rollout_id": rollout_id, "reward": reward})

@@ -129,7 +129,7 @@ def _closed_elsewhere(client: redis.Redis, group_id: str, index: int, rollout_id
 
 
 def _posted(client: redis.Redis, rollout_id: str) -> float | None:
-    raw = client.hget(keys.rollout(rollout_id), "reward")
+    raw = client.hget(keys.rollout(rollout_id), RolloutRecord.field("reward"))
     return json.loads(raw) if raw is not None else None
 
 
