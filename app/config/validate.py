@@ -176,6 +176,15 @@ def optional(check: Check) -> Check:
     return wrapped
 
 
+def auto_or(check: Check) -> Check:
+    def wrapped(v: Any) -> str | None:
+        if v == "auto" or check(v) is None:
+            return None
+        return f"{check(v)}, or auto"
+
+    return wrapped
+
+
 def _names(options: str) -> list[str]:
     """verl's reading of rollout_rs: empty names dropped, each name once."""
     return list(dict.fromkeys(p.strip() for p in options.split(",") if p.strip()))
@@ -334,8 +343,9 @@ RULES: dict[str, Check] = {
     "actor_rollout_ref.actor.ppo_epochs": positive_int,
     "actor_rollout_ref.actor.ppo_mini_batch_size": non_negative_int,
     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu": optional(positive_int),
-    "actor_rollout_ref.actor.use_dynamic_bsz": boolean,
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": positive_int,
+    "actor_rollout_ref.actor.use_dynamic_bsz": one_of("auto", True, False),
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": auto_or(positive_int),
+    "actor_rollout_ref.actor.micro_batch_memory_gb": auto_or(positive_num),
     "actor_rollout_ref.actor.enable_gradient_checkpointing": boolean,
     "actor_rollout_ref.actor.policy_loss.loss_mode": policy_loss_mode,
     "actor_rollout_ref.actor.fsdp_config.param_dtype": one_of("auto", "float32", "bfloat16",
@@ -507,7 +517,9 @@ def _bypass_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
     tr = cfg["trainer"]
     ranks = max(tr["ranks"], tr["nnodes"] * tr["n_gpus_per_node"]) \
         if ok("trainer.ranks", "trainer.nnodes", "trainer.n_gpus_per_node") else 1
-    if micro == 1 and ranks > 1 and not _get(cfg, "actor_rollout_ref.actor.use_dynamic_bsz"):
+    # use_dynamic_bsz auto is false here
+    if micro == 1 and ranks > 1 and \
+            _get(cfg, "actor_rollout_ref.actor.use_dynamic_bsz") is not True:
         problems.append(
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: value 1 cannot be used "
             f"with algorithm.rollout_correction.bypass_mode over {ranks} ranks: a batch that "

@@ -220,6 +220,24 @@ def test_dynamic_batch_size_gives_the_same_gradient(one_rank):
     assert max_diff(weights, dyn.full_weights()) < 1e-5
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_rows_longer_than_the_token_bound_run_alone(one_rank, dynamic):
+    """A bound of 4 tokens, below every row: the old-log-prob pass and the update still run,
+    with the same gradient. Cut by count, every forward holds one row; verl's token-count
+    cut, which refuses a bound below its longest row, gets that row's length."""
+    _, metrics, _ = one_rank
+    short = engine(f"actor_rollout_ref.actor.use_dynamic_bsz={str(dynamic).lower()}",
+                   "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4")
+    shapes = forward_shapes(short)
+    vb = to_verl_batch(samples(), 0)
+    m = short.update(vb, 0)
+    assert m["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
+    longest = int((vb.prompt_mask.sum(1) + vb.response_attention.sum(1)).max())
+    assert max(width for _, width in shapes) == longest
+    if not dynamic:
+        assert {rows for rows, _ in shapes} == {1} and len(shapes) == 2 * len(vb)
+
+
 def test_kl_loss_uses_a_frozen_reference():
     trainer = engine("actor_rollout_ref.actor.use_kl_loss=true",
                      "actor_rollout_ref.actor.kl_loss_coef=0.1",

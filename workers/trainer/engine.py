@@ -10,8 +10,9 @@ non-finite step, the per-tensor weight export and sharded checkpoints.
 Invariants:
 - Every mini-batch is padded with all-masked rows to divide evenly over ranks and
   micro-batches; padding never changes a loss or a gradient (``verl_batch``). The
-  micro-batches are the fewest that ``ppo_micro_batch_size_per_gpu`` allows, made as even as
-  the rows allow, so there are fewer padding rows than micro-batches, and they go one to a
+  micro-batches are the fewest that ``ppo_micro_batch_size_per_gpu`` and the token bound
+  (``ppo_max_token_len_per_gpu`` at the longest row's length) allow, made as even as the
+  rows allow, so there are fewer padding rows than micro-batches, and they go one to a
   micro-batch; the other rows are sorted by length and dealt out to the ranks, since each
   micro-batch is padded to its longest row. Rows without a trained token are not trained.
 - Mini-batches hold whole prompt groups (the GRPO/RLOO index never straddles two steps).
@@ -80,7 +81,7 @@ def _shards(vb: VerlBatch, ranks: int, micro: int | None) -> list[list[int]]:
     per = len(vb) // ranks
     size = min(micro or per, per)
     tokens = vb.response_mask.sum(1).tolist()
-    lengths = (vb.prompt_mask.sum(1) + vb.response_attention.sum(1)).tolist()
+    lengths = _lengths(vb)
     by_length = sorted(range(len(vb)), key=lambda i: lengths[i])
     # position p of the dealt order -> rank p % ranks, micro-batch (p // ranks) // size
     slots = [[(g * size + t) * ranks + r for t in range(size)]
@@ -96,9 +97,25 @@ def _shards(vb: VerlBatch, ranks: int, micro: int | None) -> list[list[int]]:
     return [filled[r::ranks] for r in range(ranks)]
 
 
+def _lengths(vb: VerlBatch) -> list[int]:
+    """Each row's tokens, prompt and response: what verl's forward runs over."""
+    return (vb.prompt_mask.sum(1) + vb.response_attention.sum(1)).tolist()
+
+
 def _memory_metrics(stage: str, per_rank: list[dict[str, float]]) -> dict[str, float]:
     return {f"memory/trainer_rank{r}_{stage}_{k}": v
             for r, m in enumerate(per_rank) for k, v in m.items()}
+
+
+def _bound_origin(bound: dict[str, Any]) -> str:
+    per_token = f"{bound['bytes_per_token'] / 1e6:.2f} MB a token"
+    if "budget_bytes" not in bound:
+        return f"ppo_max_token_len_per_gpu; {per_token}"
+    budget = f"{bound['budget_bytes'] / 1e9:.2f} GB"
+    if "available_bytes" not in bound:
+        return f"micro_batch_memory_gb {budget} / {per_token}"
+    return (f"micro_batch_memory_gb auto: {budget} of {bound['available_bytes'] / 1e9:.2f} GB "
+            f"available / {per_token}")
 
 
 class _OneCallAtATime:
@@ -143,6 +160,14 @@ class EngineTrainer:
         log.info("verl FSDP2 engine on %s: %d rank(s) (%s), compute %s, built in %.1f s",
                  self.device, self.ranks.size, type(self.ranks.ranks).__name__,
                  self.spec.compute_dtype, time.monotonic() - t)
+        # every rank cuts by the same bound: the tightest any rank found
+        bounds = self.ranks.call("token_bound")
+        self.token_bound = min(bounds, key=lambda b: b["max_token_len"])
+        self.max_token_len = int(self.token_bound["max_token_len"])
+        log.info("micro-batches: %s, at most %d tokens per rank (%s)",
+                 "verl's token-count cut" if self.spec.use_dynamic_bsz else
+                 "rows of like length, as many as fit", self.max_token_len,
+                 _bound_origin(self.token_bound))
         self.skipped_steps = 0
 
     @property
@@ -155,18 +180,32 @@ class EngineTrainer:
     def lr_at(self, step: int) -> float:
         return lr_at(self.cfg, step)
 
-    def _layout(self, rows: int) -> tuple[int, int | None]:
-        micro = None if self.spec.use_dynamic_bsz else self.spec.micro_batch_size
-        return layout(rows, self.size, micro)
+    def _layout(self, lengths: list[int]) -> tuple[int, int | None]:
+        """``layout`` for rows of these token ``lengths``. Fixed micro-batches are padded to
+        their longest row: at most as many rows as the token bound holds at the longest
+        length (one at least; two in bypass mode over several ranks, where a micro-batch of
+        one padding row would be refused)."""
+        if self.spec.use_dynamic_bsz:
+            return layout(len(lengths), self.size, None)
+        fit = max(1, self.max_token_len // max(lengths, default=1))
+        if self.spec.bypass is not None and self.size > 1:
+            fit = max(fit, 2)
+        return layout(len(lengths), self.size, min(self.spec.micro_batch_size or fit, fit))
+
+    def _max_tokens(self, lengths: list[int]) -> int:
+        """The token bound each rank gets for verl's token-count cut: never below the
+        longest row, which then runs alone in its micro-batch."""
+        return max(self.max_token_len, max(lengths, default=1))
 
     def log_probs(self, vb: VerlBatch, ref: bool = False) -> torch.Tensor:
         """[B, R] log-probs of ``vb``'s response tokens under the engine's current weights
         (or the reference's), at each row's temperature."""
-        total, micro = self._layout(len(vb))
+        lengths = _lengths(vb)
+        total, micro = self._layout(lengths)
         padded = vb.padded_to(total)
         shards = _shards(padded, self.size, micro)
         parts = self.ranks.call("log_probs", [(padded.select(s),) for s in shards], ref=ref,
-                                micro=micro)
+                                micro=micro, max_tokens=self._max_tokens(lengths))
         out = torch.zeros(len(padded), vb.responses.shape[1])
         for rows, part in zip(shards, parts, strict=True):
             out[rows] = part[:, : out.shape[1]]
@@ -190,16 +229,18 @@ class EngineTrainer:
             out.append([i for i in range(vb.real) if vb.group_ids[i] in chosen])
         return out
 
-    def _per_rank(self, vb: VerlBatch, rows: list[int], fields: dict[str, torch.Tensor]
-                  ) -> list[tuple[VerlBatch, dict[str, torch.Tensor]]]:
-        """The mini-batch ``rows`` of ``vb``, padded to divide evenly, cut into one slice per
-        rank with the matching slices of the per-token ``fields``."""
-        total, micro = self._layout(len(rows))
+    def _per_rank(self, vb: VerlBatch, rows: list[int], lengths: list[int],
+                  fields: dict[str, torch.Tensor]
+                  ) -> tuple[list[tuple[VerlBatch, dict[str, torch.Tensor]]], int | None]:
+        """The mini-batch ``rows`` of ``vb`` (of token ``lengths``), padded to divide evenly,
+        cut into one slice per rank with the matching slices of the per-token ``fields``;
+        and the rows per micro-batch."""
+        total, micro = self._layout(lengths)
         mb = vb.select(rows).padded_to(total)
         idx = torch.as_tensor(rows + [rows[0]] * (len(mb) - len(rows)))  # padding: any row
         mb_fields = {k: v[idx] for k, v in fields.items()}
         return [(mb.select(s), {k: v[s] for k, v in mb_fields.items()})
-                for s in _shards(mb, self.size, micro)]
+                for s in _shards(mb, self.size, micro)], micro
 
     def update(self, vb: VerlBatch, step: int = 0) -> dict[str, float]:
         actor = self.cfg.actor_rollout_ref.actor
@@ -228,14 +269,16 @@ class EngineTrainer:
         # rows without a trained token (every call masked) add nothing to the loss, whose
         # normalisers are the token count and global_batch_size: not run
         has_tokens = (mask.sum(1) > 0).tolist()
+        all_lengths = _lengths(trained)
         metrics: dict[str, list[float]] = {}
         skipped = 0
         for _ in range(int(actor.ppo_epochs)):
             for rows in self._mini_batches(trained):
                 live = [i for i in rows if has_tokens[i]] or rows
-                out = self.ranks.call("train", self._per_rank(trained, live, fields), lr=lr,
-                                      global_batch_size=len(rows),
-                                      micro=self._layout(len(live))[1])[0]
+                lengths = [all_lengths[i] for i in live]
+                per_rank, micro = self._per_rank(trained, live, lengths, fields)
+                out = self.ranks.call("train", per_rank, lr=lr, global_batch_size=len(rows),
+                                      micro=micro, max_tokens=self._max_tokens(lengths))[0]
                 grad_norm = float(out.get("grad_norm", float("nan")))
                 if not math.isfinite(grad_norm):
                     skipped += 1

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from app.config.settings import launcher
+
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
@@ -41,7 +43,8 @@ class EngineSpec:
     total_steps: int
     micro_batch_size: int | None
     use_dynamic_bsz: bool
-    max_token_len_per_gpu: int
+    # None = auto: each rank derives it from micro_batch_memory_gb once its engine is built
+    max_token_len_per_gpu: int | None
     gradient_checkpointing: bool
     use_remove_padding: bool
     attn_implementation: str
@@ -63,6 +66,8 @@ class EngineSpec:
     lora_rank: int = 0
     lora_alpha: int = 16
     target_modules: str | tuple[str, ...] = "all-linear"
+    # memory a micro-batch may take on a rank (GB); None = auto (token_budget.auto_budget)
+    micro_batch_memory_gb: float | None = None
 
 
 def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
@@ -73,6 +78,8 @@ def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
     if compute == "auto":
         compute = "bfloat16" if device == "cuda" else "float32"
     micro = actor.ppo_micro_batch_size_per_gpu
+    max_tokens = actor.ppo_max_token_len_per_gpu
+    memory = actor.micro_batch_memory_gb
     return EngineSpec(
         device=device,
         model_path=model_path,
@@ -85,8 +92,9 @@ def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
         grad_clip=float(actor.grad_clip),
         total_steps=int(cfg.trainer.total_steps),
         micro_batch_size=int(micro) if micro else None,
-        use_dynamic_bsz=bool(actor.use_dynamic_bsz),
-        max_token_len_per_gpu=int(actor.ppo_max_token_len_per_gpu),
+        use_dynamic_bsz=dynamic_bsz(cfg, device),
+        max_token_len_per_gpu=None if max_tokens == "auto" else int(max_tokens),
+        micro_batch_memory_gb=None if memory == "auto" else float(memory),
         gradient_checkpointing=bool(actor.enable_gradient_checkpointing),
         use_remove_padding=bool(fsdp.use_remove_padding),
         attn_implementation=str(fsdp.attn_implementation),
@@ -104,6 +112,24 @@ def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
         collective_timeout_s=collective_timeout_s(cfg),
         **lora_settings(cfg),
     )
+
+
+def dynamic_bsz(cfg: Any, device: str) -> bool:
+    """``actor.use_dynamic_bsz``; ``auto`` = verl's token-count cut where a micro-batch costs
+    its tokens: with packed rows (``use_remove_padding``). Without, every row is padded to
+    the longest of its micro-batch, and verl's cut, which counts real tokens and mixes
+    lengths to balance the work, can hold many times its bound: the rows are cut by count
+    instead, like lengths together, as many as the bound holds at the longest. Never with
+    bypass mode over several ranks (a rank could be left a micro-batch of padding alone)."""
+    actor = cfg.actor_rollout_ref.actor
+    if actor.use_dynamic_bsz != "auto":
+        return bool(actor.use_dynamic_bsz)
+    if not actor.fsdp_config.use_remove_padding:
+        return False
+    tr = cfg.trainer
+    ranks = int(tr.nnodes) * int(tr.n_gpus_per_node) if launcher(cfg, device) == "ray" \
+        else int(tr.ranks)
+    return not (bypass_settings(cfg) is not None and ranks > 1)
 
 
 def collective_timeout_s(cfg: Any) -> float:
@@ -160,6 +186,8 @@ def worker_config(spec: EngineSpec, forward_only: bool) -> Any:
                          "buffer_dtype": "fp32"},
         use_torch_compile=spec.use_torch_compile, param_offload=spec.param_offload,
         optimizer_offload=spec.optimizer_offload and not forward_only,
+        # verl's defaults for a call that names no bound: every call here names one
+        # (RankEngine._meta), the forward-only old-log-prob pass included
         use_dynamic_bsz=spec.use_dynamic_bsz,
         max_token_len_per_gpu=spec.max_token_len_per_gpu,
         infer_max_token_len_per_gpu=spec.max_token_len_per_gpu,

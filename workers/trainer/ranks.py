@@ -115,25 +115,65 @@ class RankEngine:
                 spec, forward_only=forward_only))
             self.ref.reset()
         self.rank = int(os.environ.get("RANK", "0"))
+        # read once both engines hold their weights: what is left is the step's to use
+        self.tokens = self._token_bound()
 
-    def _meta(self, td: Any, rows: int, micro: int | None, **extra: Any) -> None:
+    def _token_bound(self) -> dict[str, Any]:
+        """This rank's bound on a micro-batch's tokens (``ppo_max_token_len_per_gpu``, or
+        what ``micro_batch_memory_gb`` and the model's per-token cost give), with how it was
+        derived."""
+        import torch.distributed as dist
+        from transformers import AutoConfig
+
+        from workers.trainer import token_budget as tb
+
+        spec = self.spec
+        per_token = tb.bytes_per_token(
+            tb.model_shape(AutoConfig.from_pretrained(spec.model_path)),
+            2 if spec.compute_dtype in ("bfloat16", "float16") else 4,
+            spec.gradient_checkpointing)
+        out: dict[str, Any] = {"bytes_per_token": per_token}
+        if spec.max_token_len_per_gpu is not None:
+            out["max_token_len"] = spec.max_token_len_per_gpu
+            return out
+        if spec.micro_batch_memory_gb is not None:
+            out["budget_bytes"] = int(spec.micro_batch_memory_gb * tb.GB)
+        else:
+            out["available_bytes"] = tb.available_bytes(spec.device)
+            out["budget_bytes"] = tb.auto_budget(
+                out["available_bytes"], self.parameter_count(), self.trainable_count(),
+                dist.get_world_size() if dist.is_initialized() else 1,
+                tb.sharing_ranks(spec.device))
+        out["max_token_len"] = tb.max_token_len(out["budget_bytes"], per_token)
+        return out
+
+    def token_bound(self) -> dict[str, Any]:
+        return self.tokens
+
+    def _meta(self, td: Any, rows: int, micro: int | None, max_tokens: int | None,
+              **extra: Any) -> None:
         from verl.utils import tensordict_utils as tu
 
         spec = self.spec
+        # the controller sends every rank the same bound, at least the longest row (verl's
+        # token cut refuses a row longer than it)
         tu.assign_non_tensor(
             td, use_dynamic_bsz=bool(spec.use_dynamic_bsz),
-            max_token_len_per_gpu=int(spec.max_token_len_per_gpu),
+            max_token_len_per_gpu=int(max_tokens or self.tokens["max_token_len"]),
             micro_batch_size_per_gpu=int(micro or rows), pad_token_id=int(spec.pad_id),
             global_token_num=None, **extra)
 
-    def log_probs(self, vb: Any, ref: bool = False, micro: int | None = None) -> torch.Tensor:
+    def log_probs(self, vb: Any, ref: bool = False, micro: int | None = None,
+                  max_tokens: int | None = None) -> torch.Tensor:
         """[rows, R] log-probs of the response tokens (0 where nothing is scored), in
-        micro-batches of ``micro`` rows (None = all at once, or verl's token-count cut)."""
+        micro-batches of ``micro`` rows (None = all at once), or with ``use_dynamic_bsz``
+        of up to ``max_tokens`` tokens (verl's token-count cut)."""
         from verl.utils import tensordict_utils as tu
         from verl.workers.utils.padding import no_padding_2_padding
 
         td = vb.tensordict()
-        self._meta(td, len(vb), micro, calculate_entropy=False, compute_loss=False)
+        self._meta(td, len(vb), micro, max_tokens, calculate_entropy=False,
+                   compute_loss=False)
         worker = self.ref if ref and self.ref is not None else self.actor
         if ref and worker is self.actor:
             assert self.spec.lora_rank, "a reference log-prob needs actor.use_kl_loss"
@@ -143,15 +183,16 @@ class RankEngine:
         return lp * (vb.response_attention > 0)
 
     def train(self, vb: Any, fields: dict[str, torch.Tensor], lr: float,
-              global_batch_size: int, micro: int | None = None) -> dict[str, Any]:
-        """One optimizer step on this rank's rows (micro-batches of ``micro`` rows
-        accumulate)."""
+              global_batch_size: int, micro: int | None = None,
+              max_tokens: int | None = None) -> dict[str, Any]:
+        """One optimizer step on this rank's rows (micro-batches of ``micro`` rows, or of up
+        to ``max_tokens`` tokens, accumulate)."""
         from verl.utils import tensordict_utils as tu
 
         for group in self.actor.engine.optimizer.param_groups:
             group["lr"] = lr
         td = vb.tensordict(**fields)
-        self._meta(td, len(vb), micro,
+        self._meta(td, len(vb), micro, max_tokens,
                    calculate_entropy=float(self.spec.entropy_coeff) > 0,
                    compute_loss=True, global_batch_size=int(global_batch_size))
         out = self.actor.train_batch(td)
