@@ -88,7 +88,7 @@ FIGURES = ("minutes_to_threshold", "val_success_final", "training_minutes",
            "carried_over_rollouts_total", "carry_over_age_max_steps")
 
 
-def compare(runs: dict[str, list[dict[str, Any]]], threshold: float | None = None
+def compare(runs: dict[str, list[list[dict[str, Any]]]], threshold: float | None = None
             ) -> dict[str, Any]:
     """Runs of each mode (step and evaluation rows per run) summarised against one threshold:
     by default the synchronous runs' median final success minus 0.05."""
