@@ -10,7 +10,6 @@ import json
 import logging
 import os
 import secrets
-import statistics
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -24,7 +23,7 @@ from app.config.loader import flat_keys, repo_path
 from app.driver.collector import Collector, Starved
 from app.driver.evaluation import Evaluator
 from app.driver.lease import DriverLease, RunBusy
-from app.driver.metrics import CARRY, MetricsSink, console_line, val_line
+from app.driver.metrics import MetricsSink, console_line, step_metrics, val_line
 from app.driver.preflight import preflight
 from app.driver.recovery import OutageWatch, repair
 from app.driver.restore import ServerRestore
@@ -302,41 +301,11 @@ def _drive(client: redis.Redis, cfg: Any, run_id: str, resume: str | None,
                             trainer_metrics["trainer/rolled_back_updates"],
                             cfg.trainer.save_freq)
             counters = collector.counters()
-            metrics: dict[str, Any] = dict(trainer_metrics)
-            if selection is not None:
-                metrics.update({
-                    CARRY + "n_prev_carry_over_rollouts": selection.prev_carry_over_rollouts,
-                    CARRY + "n_completed_rollouts": len(sel_groups) * n,
-                    CARRY + "n_new_carry_over_rollouts": selection.new_carry_over_rollouts,
-                    CARRY + "new_carry_over_age_max_steps": selection.carry_over_age_max,
-                    "training/async/n_carry_over_finished_rollouts":
-                        selection.carry_over_finished_rollouts,
-                    "training/async/n_complete_unselected_rollouts":
-                        selection.complete_unselected_rollouts,
-                    "training/async/consumed_age_mean_steps":
-                        statistics.fmean(selection.consumed_ages),
-                    "training/async/consumed_age_max_steps": max(selection.consumed_ages),
-                })
-            delta = {k: counters[k] - last_counters[k] for k in counters}
-            if selection is not None:
-                # of the complete groups this step's wait saw, the share dynamic sampling
-                # filtered (all rewards equal)
-                seen = delta["filtered"] + len(sel_groups)
-                metrics["training/async/filtered_group_share"] = delta["filtered"] / seen
-            metrics.update({
-                "training/async/n_dropped_groups": delta["dropped"],
-                # counted where pushed: a quarantined prompt's drops are not re-queued
-                "training/async/n_requeued_groups": delta["requeued"],
-                "training/async/n_cancelled_groups": delta["cancelled"],
-                "training/async/n_filtered_groups": delta["filtered"],
-                "training/async/n_quarantined_prompts": delta["quarantined"],
-                "timing/wait_for_data_seconds": waited,
-                "timing/wait_for_overdue_seconds":
-                    collector.age_wait_seconds if selection is not None else 0.0,
-                "timing/update_seconds": t_end - t_train,
-                "timing/step_seconds": t_end - t_step,
-                "redis/used_memory_bytes": int(client.info("memory")["used_memory"]),
-            })
+            metrics = step_metrics(
+                trainer_metrics, selection, len(sel_groups), n, counters, last_counters,
+                waited=waited, overdue=collector.age_wait_seconds, update_s=t_end - t_train,
+                step_s=t_end - t_step,
+                redis_used_memory=int(client.info("memory")["used_memory"]))
             last_counters = counters
             step += 1
             still_driving()  # the step's counter and metrics are written by the lease's holder

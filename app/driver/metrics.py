@@ -1,7 +1,9 @@
-"""Where step metrics go: a JSONL file, the console, W&B (offline by default), Redis.
+"""A step's metrics: built here from what the step did, and where they go (a JSONL file, the
+console, W&B, offline by default; the driver keeps each entry in Redis too).
 
-The JSONL file and W&B get the same dict each step; the carry-over metrics keep their
-documented names exactly.
+The JSONL file and W&B get the same dict each step; every name is documented in
+``docs/metrics.md`` and the carry-over metrics keep their documented names exactly. Building
+an entry does no IO: the step hands over what it read.
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ import json
 import logging
 import math
 import os
+import statistics
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the sink stays light to import: the collector brings Celery
+    from app.driver.collector import Selection
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +31,52 @@ CARRY_METRICS = (
     CARRY + "proxy_inflight_at_pause",
     CARRY + "proxy_drain_seconds",
 )
+
+
+def step_metrics(trainer: dict[str, Any], selection: Selection | None, n_groups: int, n: int,
+                 counters: dict[str, int], counted_before: dict[str, int], *, waited: float,
+                 overdue: float, update_s: float, step_s: float,
+                 redis_used_memory: int) -> dict[str, Any]:
+    """One step's metrics entry, in the order its line shows them: the trainer's, then the
+    selection's carry-over figures (none when the step's selection is not known), then what
+    the run's counters moved by since ``counted_before`` (what the last entry counted up
+    to), the step's timings and Redis's memory. ``n_groups``: the groups the step trained,
+    of ``n`` rollouts each; ``overdue``: the part of ``waited`` spent on groups past the
+    age cap."""
+    metrics: dict[str, Any] = dict(trainer)
+    if selection is not None:
+        metrics.update({
+            CARRY + "n_prev_carry_over_rollouts": selection.prev_carry_over_rollouts,
+            CARRY + "n_completed_rollouts": n_groups * n,
+            CARRY + "n_new_carry_over_rollouts": selection.new_carry_over_rollouts,
+            CARRY + "new_carry_over_age_max_steps": selection.carry_over_age_max,
+            "training/async/n_carry_over_finished_rollouts":
+                selection.carry_over_finished_rollouts,
+            "training/async/n_complete_unselected_rollouts":
+                selection.complete_unselected_rollouts,
+            "training/async/consumed_age_mean_steps": statistics.fmean(selection.consumed_ages),
+            "training/async/consumed_age_max_steps": max(selection.consumed_ages),
+        })
+    delta = {k: counters[k] - counted_before[k] for k in counters}
+    if selection is not None:
+        # of the complete groups this step's wait saw, the share dynamic sampling filtered
+        # (all rewards equal)
+        metrics["training/async/filtered_group_share"] = \
+            delta["filtered"] / (delta["filtered"] + n_groups)
+    metrics.update({
+        "training/async/n_dropped_groups": delta["dropped"],
+        # counted where pushed: a quarantined prompt's drops are not re-queued
+        "training/async/n_requeued_groups": delta["requeued"],
+        "training/async/n_cancelled_groups": delta["cancelled"],
+        "training/async/n_filtered_groups": delta["filtered"],
+        "training/async/n_quarantined_prompts": delta["quarantined"],
+        "timing/wait_for_data_seconds": waited,
+        "timing/wait_for_overdue_seconds": overdue if selection is not None else 0.0,
+        "timing/update_seconds": update_s,
+        "timing/step_seconds": step_s,
+        "redis/used_memory_bytes": redis_used_memory,
+    })
+    return metrics
 
 
 def _clean(value: Any) -> Any:
