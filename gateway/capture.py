@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from app.state.records import CapturedCall
@@ -144,6 +145,29 @@ def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, tempe
                               if version_end not in (None, version) else None),
             constrained=masked, continued=continued))
     return calls
+
+
+@dataclass(frozen=True)
+class CallMeta:
+    """What each captured call of an answer records besides the answer, fixed when the call
+    is first sent upstream: a call carried on past a weight update keeps its first server
+    and version here, and where its tokens changed version comes with its answer."""
+
+    endpoint: str            # chat.completions or completions, as sent upstream
+    version: int             # the policy version the call was admitted on
+    temperature: float       # the temperature it was sent with
+    upstream: str            # the server it was first sent to
+    started_at: float
+    constrained: str | None  # what made vLLM sample under a grammar (constrained_by)
+    continued: bool          # its prompt went as an earlier turn's ids (token continuity)
+
+    def calls(self, resp: dict[str, Any], version_end: int,
+              switches: dict[int, list[list[int]]], stream: bool = False) -> list[CapturedCall]:
+        """The call's whole answer as captured calls (:func:`calls_from_response`)."""
+        return calls_from_response(resp, self.endpoint, self.version, self.temperature,
+                                   self.upstream, self.started_at, stream=stream,
+                                   version_end=version_end, switches=switches,
+                                   constrained=self.constrained, continued=self.continued)
 
 
 def strip_for_agent(resp: dict[str, Any], endpoint: str, wants_logprobs: bool,

@@ -155,12 +155,12 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         cancel = state.leases.add(lease_id)
         started = time.time()
         resp, data = _send(state, rollout_id, lease_id, upstream, endpoint, up_body, stream)
-        meta: dict[str, Any] = dict(endpoint=endpoint, version=version,
-                                    temperature=float(up_body["temperature"]),
-                                    upstream=upstream, started_at=started,
-                                    constrained=capture.constrained_by(
-                                        body, s.tool_call_parser, s.tool_strict_level),
-                                    continued=continued is not None)
+        meta = capture.CallMeta(endpoint=endpoint, version=version,
+                                temperature=float(up_body["temperature"]),
+                                upstream=upstream, started_at=started,
+                                constrained=capture.constrained_by(
+                                    body, s.tool_call_parser, s.tool_strict_level),
+                                continued=continued is not None)
         if stream:
             lease.handed_over = True
             return Response(_stream(state, resp, rollout_id, lease, cancel, meta, shows,
@@ -174,8 +174,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
             answer = _carry_on(state, rollout_id, lease_id, cancel, endpoint, up_body, answer,
                                version, switches)
         # a call frozen across a weight update ends on a later version than it started
-        calls = capture.calls_from_response(answer, **meta, switches=switches,
-                                            version_end=policy_version(state.redis))
+        calls = meta.calls(answer, switches=switches, version_end=policy_version(state.redis))
         if not lease.record([c.to_json() for c in calls], _turn(state, up_body, answer)):
             raise _cancelled_error()
     shown = capture.strip_for_agent(answer, endpoint, *shows)
@@ -332,15 +331,15 @@ def _lines(resp: UpstreamResponse) -> Iterator[str]:
 
 
 def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease: Lease,
-            cancel: Any, meta: dict[str, Any], shows: tuple[bool, bool, bool],
+            cancel: Any, meta: capture.CallMeta, shows: tuple[bool, bool, bool],
             out: StreamTranslator, body: dict[str, Any]) -> Iterator[bytes]:
     """``shows``: what the agent sees of each chunk (``capture.strip_for_agent``)."""
-    acc = capture.StreamAccumulator(meta["endpoint"])
-    current = meta["version"]
+    acc = capture.StreamAccumulator(meta.endpoint)
+    current = meta.version
     done: int | None = None         # tokens before a continuation (drain_mode continue)
     text_done = 0                   # and the characters of their text
     expected: list[int] | None = None  # the prompt ids its server must say it read
-    upstream = meta["upstream"]
+    upstream = meta.upstream
     try:
         reasoning = False  # a reasoning parser's text came (such a call is not carried on)
         while True:
@@ -423,7 +422,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                         return
                     cut = True
                     shown = continuation.without_abort(chunk)
-                yield from out.chunk(capture.strip_for_agent(shown, meta["endpoint"], *shows))
+                yield from out.chunk(capture.strip_for_agent(shown, meta.endpoint, *shows))
             if not cut:
                 if not ended:  # the connection closed before the answer's end
                     yield out.error(_cut_off(state, rollout_id, upstream, lease, cancel,
@@ -431,11 +430,11 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 return
             resp.release()
             prompt_ids, so_far = continuation.prompt_and_response(acc.response())
-            more_body = continuation.resend_body(body, meta["endpoint"], prompt_ids, so_far)
+            more_body = continuation.resend_body(body, meta.endpoint, prompt_ids, so_far)
             if more_body is None:  # the cut came at the call's last token
                 acc.end_by_length()
                 last: dict[str, Any] = {"index": 0, "finish_reason": "length"}
-                if meta["endpoint"] == "chat.completions":
+                if meta.endpoint == "chat.completions":
                     last["delta"] = {}
                 else:
                     last["text"] = ""
@@ -444,7 +443,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 return
             try:
                 resp, _, now, upstream = _resend(state, rollout_id, lease.id, cancel,
-                                                 meta["endpoint"], more_body, True)
+                                                 meta.endpoint, more_body, True)
             except GatewayError as err:
                 yield out.error(err)
                 return
@@ -512,11 +511,11 @@ def _updating(state: GatewayState, lease_id: str) -> bool:
 
 
 def _end_stream(state: GatewayState, acc: capture.StreamAccumulator, lease: Lease,
-                meta: dict[str, Any], body: dict[str, Any], version_end: int,
+                meta: capture.CallMeta, body: dict[str, Any], version_end: int,
                 out: StreamTranslator) -> Iterator[bytes]:
     """Record a whole streamed call as its lease goes, and end the agent's stream."""
-    calls = capture.calls_from_response(acc.response(), stream=True, **meta,
-                                        version_end=version_end, switches=acc.switches)
+    calls = meta.calls(acc.response(), stream=True, version_end=version_end,
+                       switches=acc.switches)
     if not lease.record([c.to_json() for c in calls], _turn(state, body, acc.response())):
         yield out.error(_cancelled_error(state))
         return
