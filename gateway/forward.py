@@ -16,17 +16,15 @@ import orjson
 import redis
 from flask import Response
 
-from app.state import keys
 from app.state.cached_reads import policy_version
-from app.state.records import RolloutRecord
 from gateway import capture, continuation, sampling
 from gateway.admission import admit
 from gateway.auth import rollout_token_sha256
 from gateway.body import check_int, json_body, loads
-from gateway.context import is_vllm_overflow
-from gateway.errors import CONTEXT_LENGTH_EXCEEDED, GatewayError, bad_request, retryable
+from gateway.errors import GatewayError, bad_request, retryable
 from gateway.leases import Lease, UpstreamCancelled
 from gateway.protocols import OPENAI, Protocol, StreamTranslator, ToolGrammar
+from gateway.send import cancelled, overflowed, send, stream_error
 from gateway.state import GatewayState, get_state
 from gateway.upstream import UpstreamResponse, UpstreamUnreachable
 
@@ -34,7 +32,6 @@ log = logging.getLogger(__name__)
 
 # the chat content parts vLLM reads as text (refusal, thinking: an assistant turn echoed)
 TEXT_PARTS = ("text", "input_text", "output_text", "refusal", "thinking")
-ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 def validate_body(body: Any, endpoint: str) -> dict:
@@ -107,12 +104,6 @@ def _guided_to_structured(body: dict[str, Any]) -> None:
         body.pop(name, None)  # the others, given as null
 
 
-def _cancelled_error(state: GatewayState | None = None) -> GatewayError:
-    # ``state`` inside a streamed answer's generator, which runs outside the app context
-    return retryable("request cancelled by a weight update; retry",
-                     (state or get_state()).settings.retry_after_s, code="cancelled_by_update")
-
-
 def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Response:
     """``endpoint``: what is sent upstream (chat.completions or completions); ``protocol``
     translates the agent's request to it and the answer back."""
@@ -146,7 +137,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
             # a continued prompt is counted as the ids vLLM gets, not rendered once more
             over = state.context.check(up_body, endpoint, continued)
             if over is not None:
-                raise _overflowed(state, rollout_id, protocol.overflow(
+                raise overflowed(state, rollout_id, protocol.overflow(
                     *over, state.context.max_model_len, endpoint))
         if continued is not None:  # vLLM takes these ids instead of rendering
             up_body["kv_transfer_params"] = {**(up_body.get("kv_transfer_params") or {}),
@@ -154,7 +145,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         stream = bool(body.get("stream"))
         cancel = state.leases.add(lease_id)
         started = time.time()
-        resp, data = _send(state, rollout_id, lease_id, upstream, endpoint, up_body, stream)
+        resp, data = send(state, rollout_id, lease_id, upstream, endpoint, up_body, stream)
         meta = capture.CallMeta(endpoint=endpoint, version=version,
                                 temperature=float(up_body["temperature"]),
                                 upstream=upstream, started_at=started,
@@ -176,52 +167,9 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         # a call frozen across a weight update ends on a later version than it started
         calls = meta.calls(answer, switches=switches, version_end=policy_version(state.redis))
         if not lease.record([c.to_json() for c in calls], _turn(state, up_body, answer)):
-            raise _cancelled_error()
+            raise cancelled(state)
     shown = capture.strip_for_agent(answer, endpoint, *shows)
     return Response(orjson.dumps(protocol.answer(shown, request)), mimetype="application/json")
-
-
-def _send(state: GatewayState, rollout_id: str, lease_id: str, upstream: str, endpoint: str,
-          body: dict[str, Any], stream: bool) -> tuple[UpstreamResponse, bytes | None]:
-    """Post one upstream call under the lease; -> (the response, its body unless streamed),
-    or the error the agent gets."""
-    s = state.settings
-    try:
-        raw = orjson.dumps(body)
-    except TypeError as exc:  # JSON nested past orjson's writer (254 levels; it reads 1024)
-        raise bad_request(f"request body cannot be sent on ({exc})") from None
-    try:
-        with state.leases.abortable(lease_id):
-            resp = state.upstreams.post(upstream, ENDPOINT_PATHS[endpoint], raw,
-                                        s.upstream_timeout_s)
-            data = None if stream else resp.read()
-    except UpstreamCancelled:
-        raise _cancelled_error(state) from None
-    except UpstreamUnreachable as exc:
-        # Refused or cut connections mean the server is gone (perhaps restarting with its
-        # initial weights); a read timeout is only a slow answer.
-        state.upstreams.mark_down(upstream, restarted=not exc.timed_out)
-        raise retryable(f"inference server unreachable ({exc})",
-                        s.retry_after_s, code="upstream_unavailable") from None
-    if resp.status >= 400:
-        try:
-            data = resp.read() if data is None else data
-        except UpstreamUnreachable:
-            data = b""
-        finally:
-            resp.release()
-        err = _upstream_error(resp.status, data)
-        if resp.status == 404 and s.lora and body.get("model") != s.model:
-            # a server without the version's adapter (it restarted unseen, or missed a
-            # load): stale until the keeper has loaded it; the agent retries elsewhere
-            state.upstreams.mark_down(upstream, restarted=True)
-            raise retryable(f"inference server lacks adapter {body.get('model')} "
-                            f"({err.message})", s.retry_after_s, code="upstream_unavailable")
-        if is_vllm_overflow(resp.status, err.message):
-            err.code = CONTEXT_LENGTH_EXCEEDED
-            raise _overflowed(state, rollout_id, err)
-        raise err
-    return resp, data
 
 
 def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
@@ -234,7 +182,7 @@ def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
     try:
         continuation.wait_for_resume(state.redis, cancel, s.upstream_timeout_s)
     except UpstreamCancelled:
-        raise _cancelled_error(state) from None
+        raise cancelled(state) from None
     except TimeoutError as exc:
         raise retryable(f"a cut call could not be carried on: {exc}", s.retry_after_s,
                         code="cancelled_by_update") from None
@@ -245,7 +193,7 @@ def _resend(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
     if upstream is None:
         raise retryable("no inference server is reachable", s.retry_after_s,
                         code="upstream_unavailable")
-    resp, data = _send(state, rollout_id, lease_id, upstream, endpoint, body, stream)
+    resp, data = send(state, rollout_id, lease_id, upstream, endpoint, body, stream)
     return resp, data, version, upstream
 
 
@@ -267,13 +215,13 @@ def _not_carried_on(state: GatewayState, rollout_id: str, body: dict[str, Any],
         return None
     log.info("rollout %s: a call cut by a weight update is not carried on (%s); the agent "
              "retries it", rollout_id, why)
-    return _cancelled_error(state)
+    return cancelled(state)
 
 
 def _misread(state: GatewayState, rollout_id: str) -> GatewayError:
     log.warning("rollout %s: the continuation of a cut call was not read from the ids it "
                 "was sent; the agent retries the call", rollout_id)
-    return _cancelled_error(state)
+    return cancelled(state)
 
 
 def _carry_on(state: GatewayState, rollout_id: str, lease_id: str, cancel: Any,
@@ -317,14 +265,6 @@ def _turn(state: GatewayState, body: dict[str, Any],
                                  choices[0].get("token_ids") or [])
 
 
-def _overflowed(state: GatewayState, rollout_id: str, err: GatewayError) -> GatewayError:
-    """Count the overflow on the rollout's record (the rollout worker reads it when the
-    agent ends: ``controller.on_context_overflow``); nothing is captured."""
-    state.redis.hincrby(keys.rollout(rollout_id), RolloutRecord.field("context_overflow"), 1)
-    log.info("rollout %s: %s", rollout_id, err.message)
-    return err
-
-
 def _lines(resp: UpstreamResponse) -> Iterator[str]:
     for line in resp.lines():
         yield line.rstrip(b"\r\n").decode("utf-8")
@@ -366,7 +306,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                     acc.switch(now)
                     current = now
                 if cancel.is_set():
-                    yield out.error(_cancelled_error(state))
+                    yield out.error(cancelled(state))
                     return
                 if not line or not line.startswith("data:"):
                     continue
@@ -396,7 +336,7 @@ def _stream(state: GatewayState, resp: UpstreamResponse, rollout_id: str, lease:
                 if isinstance(chunk, dict) and chunk.get("error"):
                     # vLLM's error inside a stream (then [DONE]): the agent gets it in its
                     # protocol's shape, and the partial call is not captured
-                    err = _stream_error(chunk["error"])
+                    err = stream_error(chunk["error"])
                     log.warning("inference server error in the stream for %s: %s",
                                 rollout_id, err.message)
                     yield out.error(err)
@@ -481,7 +421,7 @@ def _cut_off(state: GatewayState, rollout_id: str, upstream: str, lease: Lease, 
     cancelled, which this process learns only at its next check, or the gateway paused)
     is what ended it: the usual retryable cancel, and the server is left alone."""
     if cancel.is_set() or _updating(state, lease.id):
-        return _cancelled_error(state)
+        return cancelled(state)
     why = str(exc) if exc is not None else "closed before the answer's end"
     state.upstreams.mark_down(upstream, restarted=exc is None or not exc.timed_out)
     log.warning("inference server %s cut the stream for %s (%s); nothing captured",
@@ -495,7 +435,7 @@ def _unfinished(state: GatewayState, rollout_id: str, lease: Lease, cancel: Any
     """A stream that ended before its answer did, not carried on: never recorded; the
     agent retries it (a weight update's cancel, or the server's own abort)."""
     if cancel.is_set() or _updating(state, lease.id):
-        return _cancelled_error(state)
+        return cancelled(state)
     log.warning("the stream for %s ended before its answer's end; nothing captured",
                 rollout_id)
     return retryable("inference server ended the answer before its end",
@@ -517,34 +457,6 @@ def _end_stream(state: GatewayState, acc: capture.StreamAccumulator, lease: Leas
     calls = meta.calls(acc.response(), stream=True, version_end=version_end,
                        switches=acc.switches)
     if not lease.record([c.to_json() for c in calls], _turn(state, body, acc.response())):
-        yield out.error(_cancelled_error(state))
+        yield out.error(cancelled(state))
         return
     yield from out.done()
-
-
-def _stream_error(error: Any) -> GatewayError:
-    body = error if isinstance(error, dict) else {"message": str(error)}
-    code = body.get("code")
-    status = code if isinstance(code, int) and 400 <= code < 600 else 500
-    return _upstream_error(status, orjson.dumps({"error": body}))
-
-
-def _upstream_error(status: int, data: bytes) -> GatewayError:
-    try:
-        err = loads(data).get("error", {})
-        if isinstance(err, str):
-            err = {"message": err}
-    except (ValueError, AttributeError):
-        err = {}
-    message = err.get("message") or f"inference server answered {status}"
-    if status < 500:
-        # vLLM names its exception's class as the type and repeats the status as the code;
-        # the OpenAI API's are snake_case words, which is what clients branch on
-        kind, code = err.get("type"), err.get("code")
-        if not isinstance(kind, str) or not kind.islower():
-            kind = "not_found_error" if status == 404 else "invalid_request_error"
-        return GatewayError(status, message, type_=kind,
-                            code=code if isinstance(code, str) else None,
-                            param=err.get("param"))
-    return GatewayError(502, f"inference server error: {message}", type_="server_error",
-                        code="upstream_error")

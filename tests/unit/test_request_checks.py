@@ -8,7 +8,8 @@ from flask import Flask
 
 from gateway.body import json_body
 from gateway.errors import GatewayError, register_error_handlers
-from gateway.forward import _upstream_error, validate_body
+from gateway.forward import validate_body
+from gateway.send import upstream_error
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
 
@@ -67,15 +68,15 @@ def test_nan_still_reads():
 
 def test_an_upstream_4xx_is_answered_in_openais_shape():
     # vLLM's own error fields: its exception's class name as the type, the status as an int
-    err = _upstream_error(400, b'{"error": {"message": "bad", "type": "BadRequestError", '
-                               b'"param": null, "code": 400}}')
+    err = upstream_error(400, b'{"error": {"message": "bad", "type": "BadRequestError", '
+                              b'"param": null, "code": 400}}')
     assert err.status == 400 and err.message == "bad"
     assert err.type == "invalid_request_error" and err.code is None
-    err = _upstream_error(404, b'{"error": {"message": "no such model", '
-                               b'"type": "NotFoundError", "code": 404}}')
+    err = upstream_error(404, b'{"error": {"message": "no such model", '
+                              b'"type": "NotFoundError", "code": 404}}')
     assert err.type == "not_found_error" and err.code is None
-    err = _upstream_error(400, b'{"error": {"message": "m", "type": "invalid_request_error", '
-                               b'"code": "context_length_exceeded"}}')
+    err = upstream_error(400, b'{"error": {"message": "m", "type": "invalid_request_error", '
+                              b'"code": "context_length_exceeded"}}')
     assert err.type == "invalid_request_error" and err.code == "context_length_exceeded"
 
 
