@@ -13,13 +13,20 @@ import logging
 import math
 import os
 import statistics
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the sink stays light to import: the collector brings Celery
+    from omegaconf import DictConfig
+
     from app.driver.collector import Selection
 
 log = logging.getLogger(__name__)
+
+# A step's metrics: names to JSON values (numbers, or null where a figure does not apply;
+# the trainer's come through Celery's JSON), read back from Redis as they were written.
+Metrics = dict[str, object]
 
 CARRY = "training/async/"
 # The carry-over metrics, in the order the console line shows them.
@@ -33,17 +40,17 @@ CARRY_METRICS = (
 )
 
 
-def step_metrics(trainer: dict[str, Any], selection: Selection | None, n_groups: int, n: int,
-                 counters: dict[str, int], counted_before: dict[str, int], *, waited: float,
-                 overdue: float, update_s: float, step_s: float,
-                 redis_used_memory: int) -> dict[str, Any]:
+def step_metrics(trainer: Mapping[str, object], selection: Selection | None, n_groups: int,
+                 n: int, counters: dict[str, int], counted_before: dict[str, int], *,
+                 waited: float, overdue: float, update_s: float, step_s: float,
+                 redis_used_memory: int) -> Metrics:
     """One step's metrics entry, in the order its line shows them: the trainer's, then the
     selection's carry-over figures (none when the step's selection is not known), then what
     the run's counters moved by since ``counted_before`` (what the last entry counted up
     to), the step's timings and Redis's memory. ``n_groups``: the groups the step trained,
     of ``n`` rollouts each; ``overdue``: the part of ``waited`` spent on groups past the
     age cap."""
-    metrics: dict[str, Any] = dict(trainer)
+    metrics: Metrics = dict(trainer)
     if selection is not None:
         metrics.update({
             CARRY + "n_prev_carry_over_rollouts": selection.prev_carry_over_rollouts,
@@ -79,14 +86,15 @@ def step_metrics(trainer: dict[str, Any], selection: Selection | None, n_groups:
     return metrics
 
 
-def _clean(value: Any) -> Any:
+def _clean(value: object) -> object:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
 
 
 class MetricsSink:
-    def __init__(self, run_dir: Path, run_id: str, cfg: Any, console: bool = True) -> None:
+    def __init__(self, run_dir: Path, run_id: str, cfg: DictConfig,
+                 console: bool = True) -> None:
         self.run_dir = run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl_path = run_dir / "metrics.jsonl"
@@ -112,7 +120,7 @@ class MetricsSink:
             except Exception as exc:  # noqa: BLE001 - metrics must not stop training
                 log.warning("W&B disabled for this run: %s", exc)
 
-    def log(self, step: int, metrics: dict[str, Any]) -> None:
+    def log(self, step: int, metrics: Mapping[str, object]) -> None:
         """One step's line, and its W&B row. Neither stops training when it fails (a full
         disk, W&B's own errors): the metrics are also kept in Redis with the run."""
         record = {"step": step, **{k: _clean(v) for k, v in metrics.items()}}
@@ -158,7 +166,7 @@ class MetricsSink:
         return getattr(self.wandb_run, "dir", None) if self.wandb_run else None
 
 
-def _last_lines(path: Path, n: int) -> list[dict[str, Any]]:
+def _last_lines(path: Path, n: int) -> list[Metrics]:
     """The file's last ``n`` records, as :meth:`MetricsSink.log` wrote them (non-finite
     values as null)."""
     try:
@@ -199,13 +207,13 @@ def _end_cleanly(path: Path) -> None:
         log.warning("cannot check the end of %s: %s", path, exc)
 
 
-def _plain(cfg: Any) -> dict:
+def _plain(cfg: DictConfig) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
-def console_line(step: int, total: int, m: dict[str, Any]) -> str:
+def console_line(step: int, total: int, m: Mapping[str, object]) -> str:
     def g(name: str, fmt: str = "{:.0f}") -> str:
         v = m.get(name)
         return "-" if v is None else fmt.format(v)
@@ -219,7 +227,7 @@ def console_line(step: int, total: int, m: dict[str, Any]) -> str:
             f"step {g('timing/step_seconds', '{:.1f}')}s")
 
 
-def val_line(step: int, m: dict[str, Any]) -> str:
+def val_line(step: int, m: Mapping[str, float]) -> str:
     lo, hi = int(m["val/policy_version_min"]), int(m["val/policy_version_max"])
     versions = f"v{lo}" if lo == hi else f"v{lo}-v{hi}"
     return (f"eval sent after {m['val/sent_at_step']:.0f} updates (policy {versions}): "

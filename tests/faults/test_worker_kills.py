@@ -191,7 +191,7 @@ def test_a_take_over_reports_the_updates_it_lost(stack, tmp_path,  # noqa: F811
     """save_freq 3: the worker that dies in step 2 has written no checkpoint, so its
     successor starts from the initial weights and steps 0 and 1 are lost; the driver and
     the metrics say so."""
-    caplog.set_level(logging.WARNING, logger="app.driver.loop")
+    caplog.set_level(logging.WARNING, logger="app.driver.step")
     rows = kill_trainer_in_step_2(stack, tmp_path, celery_workers, "kill-trainer-lost", 3)
     assert rows[2]["trainer/restored_from_step"] is None
     assert rows[2]["trainer/rolled_back_updates"] == 2
