@@ -238,7 +238,7 @@ class Evaluator:
             self.cancel()
         return None
 
-    def wait(self, poll_s: float = 0.5, on_wait: Callable[[], Any] = lambda: None
+    def wait(self, poll_s: float = 0.5, on_wait: Callable[[], object] = lambda: None
              ) -> dict[str, float] | None:
         """Block until the pending evaluation finished (or was cancelled); its metrics.
         ``on_wait`` runs between polls (the driver's restore of servers that lost the

@@ -27,13 +27,17 @@ import json
 import logging
 import threading
 import time
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import redis
 
 from app.state import carry, keys
 from app.state.connection import outage_for
 from app.state.records import GroupRecord, RunRecord
+
+if TYPE_CHECKING:
+    from app.driver.collector import Collector
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +105,9 @@ def reassert_selection(client: redis.Redis, run_id: str, step: int, chosen: list
     return True
 
 
-def repair(client: redis.Redis, collector: Any, run_id: str, outage: tuple[float, float],
-           step: int, chosen: list[str] | None,
-           last_metrics: dict[str, Any] | None,
+def repair(client: redis.Redis, collector: Collector, run_id: str,
+           outage: tuple[float, float], step: int, chosen: list[str] | None,
+           last_metrics: Mapping[str, object] | None,
            counted: dict[str, int] | None = None) -> dict[str, int]:
     """Redo what the outage may have lost of the driver's writes (the module docstring);
     ``step`` is the step in progress, ``chosen`` its selection if made, ``last_metrics``

@@ -16,13 +16,20 @@ from __future__ import annotations
 import logging
 import re
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
 from app.state import keys
+
+if TYPE_CHECKING:
+    from celery import Celery
+    from celery.result import AsyncResult
+    from omegaconf import DictConfig
+
+    from app.driver.recovery import OutageWatch
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +55,9 @@ class RedisOutageEnded(RuntimeError):
     driver wrote just before it) may be among the writes a crash lost."""
 
 
-def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: float,
-           poll_s: float, outage: Any = None, each_poll: Callable[[], Any] | None = None,
+def _await(client: redis.Redis, result: AsyncResult, heartbeat_key: str, timeout_s: float,
+           poll_s: float, outage: OutageWatch | None = None,
+           each_poll: Callable[[], object] | None = None,
            run_heartbeats: str | None = None) -> dict:
     """``run_heartbeats``: a key pattern of every trainer task of the run; while one of them
     beats, a task not yet taken waits behind it (the worker runs one task at a time: a
@@ -96,7 +104,7 @@ def _await(client: redis.Redis, result: Any, heartbeat_key: str, timeout_s: floa
                 "(trainer.step_timeout_s): is one running on queue 'trainer'?")
 
 
-def _stop_waiting(app: Any, result: Any) -> None:
+def _stop_waiting(app: Celery, result: AsyncResult) -> None:
     """Unsubscribe from a result no longer waited for (answered, or given up for a copy
     sent again), now: Celery otherwise does it when the object is collected, maybe after
     Redis went away, and then waits out the reconnect budget in a finalizer."""
@@ -106,18 +114,19 @@ def _stop_waiting(app: Any, result: Any) -> None:
         log.debug("could not unsubscribe from %s: %s", result.id, exc)
 
 
-def call_trainer(client: redis.Redis, cfg: Any, task: str, run_id: str, label: str,
-                 args: list[Any], poll_s: float = 0.5,
-                 while_running: Callable[[], Any] | None = None, outage: Any = None,
-                 after_outage: Callable[[], Any] | None = None) -> dict:
+def call_trainer(client: redis.Redis, cfg: DictConfig, task: str, run_id: str, label: str,
+                 args: Sequence[str | int], poll_s: float = 0.5,
+                 while_running: Callable[[], object] | None = None,
+                 outage: OutageWatch | None = None,
+                 after_outage: Callable[[], object] | None = None) -> dict:
     """Run trainer task ``task`` and return its result, re-sending it when the worker dies.
 
     ``while_running`` is called right after the first send and then at every poll: work the
     driver does while the trainer does its own (refilling slots that groups free meanwhile).
-    ``outage`` (an ``app.driver.recovery.OutageWatch``): when a Redis outage ends while the
-    task runs, ``after_outage`` is called (the driver redoes its own lost writes) and the
-    task is sent again, not counted as an attempt: a crash may have lost its message, and a
-    copy that ran already answers from its stored result."""
+    When a Redis outage that ``outage`` hears of ends while the task runs, ``after_outage``
+    is called (the driver redoes its own lost writes) and the task is sent again, not
+    counted as an attempt: a crash may have lost its message, and a copy that ran already
+    answers from its stored result."""
     from app.celery_app import celery_app
 
     retries = int(cfg.trainer.step_retries)
