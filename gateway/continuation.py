@@ -23,7 +23,8 @@ error; the agent sends the call again):
 
 The trainer marks its pause as one that carries calls on (``keys.pause_carries_on``); a cut
 answer without that mark (an operator's ``/pause?mode=abort``) reaches the agent as it is.
-Pure functions but :func:`carries_on` and :func:`wait_for_resume`.
+Pure functions but :func:`carries_on` and :func:`wait_for_resume`; the resends themselves
+are ``gateway.carry_on`` (and ``gateway.stream`` for a streamed call).
 """
 
 from __future__ import annotations

@@ -157,3 +157,16 @@ class Continuity:
             return None
         return list(self.tokenizer.encode(whole[cut + len(self.eos_text):],
                                           add_special_tokens=False))
+
+
+def kept_turn(continuity: Continuity | None, body: dict[str, Any],
+              answer: dict[str, Any]) -> tuple[str, str] | None:
+    """What keeps a whole one-choice chat ``answer`` to ``body`` for its conversation's next
+    turn, recorded with the call (``Continuity.turn``); None without token continuity."""
+    choices = answer.get("choices") or []
+    if continuity is None or len(choices) != 1:
+        return None
+    msg = choices[0].get("message") or {}
+    return continuity.turn(body, {"content": msg.get("content"),
+                                  "tool_calls": msg.get("tool_calls")},
+                           choices[0].get("token_ids") or [])

@@ -158,20 +158,22 @@ def test_an_answer_with_reasoning_is_not_carried_on():
     """A continuation's answer is parsed without its first part: past the end of the
     reasoning, vLLM's parser would return the whole tail as reasoning, and the answer (and
     any tool call in it) was lost. Such a call is retried by its agent instead."""
+    import threading
     from types import SimpleNamespace
 
-    from gateway import forward
+    from gateway.carry_on import CarryOn
 
     state = SimpleNamespace(settings=SimpleNamespace(tool_call_parser="hermes",
                                                      retry_after_s=1.0))
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 9}
+    carry = CarryOn(state, "r", "lease", threading.Event(), "chat.completions", body)
     plain = {"choices": [{"index": 0, "message": {"role": "assistant", "content": "The an"},
                           "finish_reason": "abort", "token_ids": [1, 2]}]}
-    assert forward._not_carried_on(state, "r", body, plain) is None
+    assert carry.refusal(plain) is None
     for key in ("reasoning", "reasoning_content"):
         thought = {"choices": [{**plain["choices"][0], "message": {
             "role": "assistant", "content": "The an", key: "Two and two"}}]}
-        refused = forward._not_carried_on(state, "r", body, thought)
+        refused = carry.refusal(thought)
         assert refused is not None and refused.code == "cancelled_by_update", key
         # a stream's: in its deltas (the accumulated answer keeps no reasoning)
         assert cont.reasoned({"choices": [{"index": 0, "delta": {key: "Two"}}]})
