@@ -190,6 +190,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import _thread
     import threading
 
+    from app.driver.step import TrainingFailed
     from app.services.supervisor import RoleFailing, StartupError, Supervisor
 
     config_path = args.config or str(DEMO_CONFIG)
@@ -229,7 +230,7 @@ def run_demo(args: argparse.Namespace) -> int:
         if failing:
             print(f"error: {failing[0]}", file=sys.stderr)
             return 1
-    except StartupError as exc:
+    except (StartupError, TrainingFailed) as exc:  # one line, as `carryover train` says it
         print(f"error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -41,7 +41,7 @@ from app.driver.lease import DriverLease
 from app.driver.metrics import Metrics, MetricsSink, console_line, step_metrics, val_line
 from app.driver.recovery import OutageWatch, repair
 from app.driver.restore import ServerRestore
-from app.driver.trainer_call import call_trainer
+from app.driver.trainer_call import TrainerLost, call_trainer, update_memory_knobs
 from app.state import keys
 from app.state.policy import current_version
 from app.state.records import RunRecord
@@ -216,9 +216,12 @@ class Driver:
             return call_trainer(
                 self.client, self.cfg, "workers.trainer.tasks.train_step", self.run_id,
                 str(self.step), [self.run_id, self.step], while_running=self._while_training,
-                outage=self.watch, after_outage=self.after_outage)
+                outage=self.watch, after_outage=self.after_outage,
+                if_lost=update_memory_knobs(self.cfg))
         except (Starved, TrainingFailed):
             raise  # the driver's own refill, not the trainer
+        except TrainerLost as exc:  # the update killed every worker that took it up
+            raise TrainingFailed(f"step {self.step}: {exc}") from exc
         except Exception as exc:
             raise TrainingFailed(f"update {self.step} failed in the trainer worker: "
                                  f"{exc.__class__.__name__}: {exc}") from exc

@@ -9,6 +9,10 @@ means the worker died mid-task; the driver sends the task again (up to
 checkpoint. Liveness, not a clock, decides: ``trainer.step_timeout_s`` bounds only the wait
 for some trainer worker to take the task. Trainer tasks are idempotent, so a slow-but-alive
 worker finishing the first copy costs only a cached answer to the second.
+
+A task whose every attempt killed its worker (an update too big for memory, which the
+kernel's OOM killer ends with SIGKILL) fails with one line naming what ended the worker each
+time: the exits the supervisor recorded (``keys.role_exits``) since the task was first sent.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -23,6 +28,7 @@ import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
 from app.state import keys
+from app.state.records import RoleExit
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -35,6 +41,9 @@ log = logging.getLogger(__name__)
 
 
 RESULT_GRACE_S = 3.0
+# what bounds the memory of an update's micro-batches (docs/gpu.md, "Micro-batch memory")
+UPDATE_MEMORY_KNOBS = ("ppo_max_token_len_per_gpu", "micro_batch_memory_gb",
+                       "ppo_micro_batch_size_per_gpu")
 
 
 def glob_escape(text: str) -> str:
@@ -44,6 +53,41 @@ def glob_escape(text: str) -> str:
 
 class TrainerLost(RuntimeError):
     """The trainer worker died during the task (its heartbeat expired)."""
+
+
+def update_memory_knobs(cfg: DictConfig) -> str:
+    """The settings that bound an update's memory, with their values, for a give-up line."""
+    actor = cfg.actor_rollout_ref.actor
+    named = [f"actor_rollout_ref.actor.{k} ({'null' if actor.get(k) is None else actor.get(k)})"
+             for k in UPDATE_MEMORY_KNOBS]
+    return (f"an update's memory is bounded by {', '.join(named[:-1])} and {named[-1]}: "
+            'see docs/gpu.md, "Micro-batch memory"')
+
+
+def trainer_exits(client: redis.Redis, since: str) -> list[RoleExit]:
+    """The trainer's exits recorded since the stream id ``since``, oldest first; one whose
+    record was written twice (a lost reply) once."""
+    found = [RoleExit.from_hash(fields)
+             for _, fields in client.xrange(keys.role_exits(), min=since)]
+    return list({(e.host, e.pid, e.at): e for e in found if e.role == "trainer"}.values())
+
+
+def _exits_said(exits: list[RoleExit]) -> str:
+    if not exits:
+        return ("no exit of the trainer worker was recorded, only its heartbeat expired (the "
+                "exits of a worker started by `carryover up` or `carryover demo` are): see "
+                "its log, and `dmesg` for an OOM kill")
+    if len(exits) == 1:
+        return f"1 exit recorded: {exits[0].describe()}"
+    causes = ", ".join(f"{cause} x{n}" if n > 1 else cause
+                       for cause, n in Counter(e.cause for e in exits).items())
+    return f"{len(exits)} exits recorded ({causes}), the last: {exits[-1].describe()}"
+
+
+def _redis_now(client: redis.Redis) -> str:
+    """Redis's clock as a stream id: the exits recorded from now on are at or after it."""
+    seconds, micros = client.time()
+    return f"{int(seconds) * 1000 + int(micros) // 1000}-0"
 
 
 class TrainerTimeout(RuntimeError):
@@ -118,7 +162,8 @@ def call_trainer(client: redis.Redis, cfg: DictConfig, task: str, run_id: str, l
                  args: Sequence[str | int], poll_s: float = 0.5,
                  while_running: Callable[[], object] | None = None,
                  outage: OutageWatch | None = None,
-                 after_outage: Callable[[], object] | None = None) -> dict:
+                 after_outage: Callable[[], object] | None = None,
+                 if_lost: str = "") -> dict:
     """Run trainer task ``task`` and return its result, re-sending it when the worker dies.
 
     ``while_running`` is called right after the first send and then at every poll: work the
@@ -126,11 +171,13 @@ def call_trainer(client: redis.Redis, cfg: DictConfig, task: str, run_id: str, l
     When a Redis outage that ``outage`` hears of ends while the task runs, ``after_outage``
     is called (the driver redoes its own lost writes) and the task is sent again, not
     counted as an attempt: a crash may have lost its message, and a copy that ran already
-    answers from its stored result."""
+    answers from its stored result. ``if_lost`` ends the message of the ``TrainerLost``
+    raised when every attempt killed the worker (the settings that would spare it)."""
     from app.celery_app import celery_app
 
     retries = int(cfg.trainer.step_retries)
     key = keys.trainer_heartbeat(run_id, label)
+    since = _redis_now(client)  # the worker's exits from here on are this task's
     attempt = 0
     first = True
     while True:
@@ -152,8 +199,10 @@ def call_trainer(client: redis.Redis, cfg: DictConfig, task: str, run_id: str, l
             continue
         except TrainerLost as exc:
             if attempt == retries:
-                raise TrainerLost(f"{exc}; gave up after {retries + 1} attempts "
-                                  f"(trainer.step_retries {retries})") from None
+                said = _exits_said(trainer_exits(client, since))
+                raise TrainerLost(f"the trainer worker died in each of {retries + 1} attempts "
+                                  f"(trainer.step_retries {retries}); {said}"
+                                  + (f"; {if_lost}" if if_lost else "")) from None
             log.warning("%s (%s %s): sending it again (attempt %d of %d)", exc, task, label,
                         attempt + 2, retries + 1)
             attempt += 1

@@ -9,12 +9,15 @@ children (vLLM's engine core, gunicorn's workers, Celery's pool) go with it.
 A role that exits while the stack runs is started again (``watch``), after a backoff that
 doubles on each quick failure; its peers carry on meanwhile (a dead rollout worker's tasks
 are requeued by the others, a dead trainer's step is re-sent by the driver). Restarts are
-logged and counted in Redis for ``carryover status``. Only a role that keeps failing right
+logged and counted in Redis for ``carryover status``, and each exit is recorded there with
+what ended it (``app.services.exits``: a signal, an exit code, the kernel's OOM kill), which
+the driver names when a step kept killing the trainer. Only a role that keeps failing right
 after its start (``MAX_QUICK_FAILURES`` times in a row) stops the stack.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -22,13 +25,18 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.config.loader import REPO_ROOT
-from app.services import health
+from app.services import exits, health
 from app.services.commands import ROLES, Command, command_for
+
+if TYPE_CHECKING:
+    import redis
+
+    from app.state.records import RoleExit
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +53,7 @@ MAX_QUICK_FAILURES = 5
 QUICK_S = 30.0        # a role that dies within this long after its start failed "quickly"
 BACKOFF_S = (1.0, 30.0)  # first and longest wait before a restart
 LOG_ROTATE_BYTES = 256 * 2**20  # a role's log past this is rotated when the role starts
+EXITS_UNWRITTEN = 100  # exits kept while Redis cannot take them (the newest)
 
 
 def _ready_check(cfg: Any, role: str) -> Callable[[], bool]:
@@ -128,6 +137,8 @@ class Supervisor:
         # this supervisor's own fields in the restart counts (several share one Redis)
         self.count_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._count_deferred = False
+        self.oom_kills_at_start: dict[str, int | None] = {}  # the cgroup's, at each start
+        self.unwritten_exits: list[RoleExit] = []  # seen, not in Redis yet
 
     def log_path(self, role: str) -> Path:
         return self.log_dir / f"{role}.log"
@@ -170,6 +181,7 @@ class Supervisor:
             logfile.close()
         self.procs[cmd.role] = proc
         self.started_at[cmd.role] = time.monotonic()
+        self.oom_kills_at_start[cmd.role] = exits.cgroup_oom_kills()
         log.info("%s: started pid %d (log %s)", cmd.role, proc.pid, self.log_path(cmd.role))
 
     @staticmethod
@@ -238,6 +250,7 @@ class Supervisor:
             self._look(restarted)
         finally:  # the restarts made before a role failed for good are counted too
             self._count_restarts()
+            self._write_exits()
         return restarted
 
     def _look(self, restarted: list[str]) -> None:
@@ -248,6 +261,12 @@ class Supervisor:
                     self.quick_failures[role] = 0  # it ran: the next failure starts afresh
                 continue
             if role not in self.restart_due:
+                how = f"exited with code {proc.returncode}"
+                if role not in self.start_errors:  # a new exit, not a failed restart's
+                    record = exits.role_exit(role, proc, self.oom_kills_at_start.get(role))
+                    self.unwritten_exits.append(record)
+                    del self.unwritten_exits[:-EXITS_UNWRITTEN]
+                    how = f"exited ({record.describe()})"
                 quick = now - self.started_at.get(role, now) <= QUICK_S
                 self.quick_failures[role] = self.quick_failures.get(role, 0) + 1 if quick else 1
                 if self.quick_failures[role] > MAX_QUICK_FAILURES:
@@ -262,7 +281,7 @@ class Supervisor:
                 self.restart_due[role] = now + delay
                 log.warning("%s %s; starting it again in %.0f s (the other roles carry on)",
                             role, "could not be started" if role in self.start_errors
-                            else f"exited with code {proc.returncode}", delay)
+                            else how, delay)
             elif now >= self.restart_due[role]:
                 del self.restart_due[role]
                 self._kill_leftovers(proc)
@@ -297,17 +316,12 @@ class Supervisor:
         if not self.uncounted:
             return
         from app.state import keys
-        from app.state.connection import connect, resolve_redis_url
 
         try:
-            client = connect(resolve_redis_url(self.cfg), retry=None, socket_timeout=1,
-                             socket_connect_timeout=1)
-            try:
+            with self._redis_once() as client:
                 client.hset(keys.role_restarts(), mapping={
                     keys.role_restarts_field(role, self.count_id): n
                     for role, n in self.restarts.items()})
-            finally:
-                client.connection_pool.disconnect()
         except Exception as exc:  # noqa: BLE001 - counting must never stop a restart
             # said once per wait, not at every look
             (log.debug if self._count_deferred else log.info)(
@@ -317,6 +331,33 @@ class Supervisor:
             return
         self.counted = dict(self.restarts)
         self._count_deferred = False
+
+    def _write_exits(self) -> None:
+        """Record the exits seen and not yet recorded, one quick try per look as for the
+        counts (and for the same reason); what Redis could not take waits for a later look.
+        An exit whose reply was lost is recorded twice; the driver counts it once."""
+        if not self.unwritten_exits:
+            return
+        try:
+            with self._redis_once() as client:
+                while self.unwritten_exits:
+                    exits.write_exit(client, self.unwritten_exits[0])
+                    self.unwritten_exits.pop(0)
+        except Exception as exc:  # noqa: BLE001 - recording must never stop a restart
+            log.debug("%d exit(s) not recorded in Redis yet: %s", len(self.unwritten_exits),
+                      exc)
+
+    @contextlib.contextmanager
+    def _redis_once(self) -> Iterator[redis.Redis]:
+        """A client that tries each command once, with a 1 s timeout, and is closed after."""
+        from app.state.connection import connect, resolve_redis_url
+
+        client = connect(resolve_redis_url(self.cfg), retry=None, socket_timeout=1,
+                         socket_connect_timeout=1)
+        try:
+            yield client
+        finally:
+            client.connection_pool.disconnect()
 
     def watch_forever(self, every_s: float = 1.0,
                       stop: Callable[[], bool] = lambda: False) -> None:

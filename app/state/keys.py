@@ -265,6 +265,13 @@ def role_of_restarts_field(field: str) -> str:
     return field.split("@", 1)[0]
 
 
+def role_exits() -> str:
+    """STREAM of RoleExit (its fields), one entry per exit of a role's process the
+    supervisor saw (capped); the entry ids are Redis's clock. Read by the driver, which
+    names the trainer's exits since it sent a step it gives up on."""
+    return PREFIX + "services:exits"
+
+
 def redis_outages() -> str:
     """LIST of JSON OutageRecord, newest first (capped): each process that lost its Redis
     connection and got it back pushes one once Redis answers; read by ``carryover status``."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import signal
+import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Self
 
@@ -293,3 +295,45 @@ class OutageRecord:
     @classmethod
     def from_json(cls, raw: str) -> OutageRecord:
         return cls(**json.loads(raw))
+
+
+@dataclass
+class RoleExit(_HashRecord):
+    """A role's process that exited while its stack ran (XADD keys.role_exits). Writer: the
+    supervisor that started it (``app.services.exits``), as it sees the exit. Reader: the
+    driver, which names the trainer's when it gives up on a step that kept killing it."""
+
+    role: str
+    host: str
+    pid: int
+    code: int               # its exit status as Popen gives it: -N = ended by signal N
+    at: float = 0.0         # epoch seconds, the supervisor's clock
+    oom: str = ""           # the kernel's "Killed process <pid>" line, "" when none
+    oom_kills: int = 0      # OOM kills in the supervisor's memory cgroup while it ran (its
+                            # children's too: no pid to tell them by)
+    kernel_log: str = ""    # why the kernel's log could not be read; "" when it was
+
+    @property
+    def cause(self) -> str:
+        if self.code >= 0:
+            return f"exit code {self.code}"
+        try:
+            return f"{signal.Signals(-self.code).name} (signal {-self.code})"
+        except ValueError:
+            return f"signal {-self.code}"
+
+    def describe(self) -> str:
+        """One clause: which process, when, what ended it and what the kernel said."""
+        out = (f"{self.cause}, pid {self.pid} on {self.host} at "
+               f"{time.strftime('%H:%M:%S', time.gmtime(self.at))} UTC")
+        if self.oom:
+            return out + f', the kernel: "{self.oom}"'
+        if self.oom_kills:
+            out += (f", the OOM killer ended {self.oom_kills} process(es) in its memory "
+                    "cgroup meanwhile")
+        elif self.kernel_log:
+            out += (f", the kernel's log could not be read ({self.kernel_log}): `dmesg` as "
+                    "root shows whether the OOM killer ended it")
+        elif self.code == -signal.SIGKILL:
+            out += ", no OOM kill of it in the kernel's log"
+        return out
