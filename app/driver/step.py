@@ -165,7 +165,7 @@ class Driver:
         t_step = time.monotonic()
         self.version = current_version(self.client)
         carried_in = self.carried
-        # top up: the slots that the last selection and cancellations freed
+        # top up: groups past the age cap cancelled, every free slot filled
         self.collector.cancel_stale(self.step)
         self.collector.top_up(self.version)
         # wait, select
