@@ -29,6 +29,8 @@ def test_an_evaluation_is_timed_at_the_update_it_measured():
     assert curve(steps, evals) == [(0.0, 0.2), (3.0, 0.5), (4.0, 0.9)]
     assert minutes_to(curve(steps, evals), 0.5) == 3.0
     assert minutes_to(curve(steps, evals), 0.95) is None
+    # the evaluation before training is where the run starts, not where it arrives
+    assert minutes_to(curve(steps, evals), 0.1) == 3.0
 
 
 def test_a_run_that_never_gets_there_is_the_slowest():
@@ -51,3 +53,16 @@ def test_the_threshold_is_the_synchronous_final_minus_five_points():
     assert a["sample_age_max_steps"]["median"] == 2.0
     text = table(result)
     assert "8.00x sooner" in text and "minutes_to_threshold" in text
+
+
+def test_a_synchronous_run_that_did_not_learn_sets_no_threshold_its_start_meets():
+    """Its final success minus 0.05 is below where every run started: the threshold is set
+    above the start, and a run that never gets there is reported as never."""
+    learned = run([30] * 4, {0: 0.27, 3: 0.77, 4: 0.83}, carried=8)
+    flat = run([100] * 4, {0: 0.30, 3: 0.23, 4: 0.30})
+    result = compare({"async": [learned], "sync": [flat]})
+    assert result["threshold"] == 0.4  # 0.30 + 0.1, not 0.25
+    assert result["modes"]["async"]["minutes_to_threshold"]["median"] == 1.5
+    assert result["modes"]["sync"]["minutes_to_threshold"]["median"] is None
+    assert "speedup_to_threshold" not in result
+    assert "never" in table(result)
