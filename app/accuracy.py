@@ -41,9 +41,9 @@ def curve(steps: list[dict], evals: list[dict]) -> list[tuple[float, float]]:
 
 def minutes_to(points: list[tuple[float, float]], threshold: float) -> float | None:
     """Minutes of training until held-out success first reached ``threshold`` after an
-    update; None if never. The evaluation before training is the start, not an arrival: a
-    threshold the base model already meets is reached by no training."""
-    return next((m for m, s in points[1:] if s >= threshold - 1e-9), None)
+    update; None if never. An evaluation before training (at 0 minutes) is the start, not an
+    arrival: a threshold the base model already meets is reached by no training."""
+    return next((m for m, s in points if m > 0 and s >= threshold - 1e-9), None)
 
 
 def run_summary(steps: list[dict], evals: list[dict], threshold: float | None = None
@@ -103,9 +103,11 @@ def default_threshold(runs: dict[str, list[list[dict[str, Any]]]]) -> float | No
     curves = [p for p in (curve(*split_rows(r)) for r in base) if p]
     if not curves:
         return None
-    start = statistics.median(p[0][1] for p in curves)
     final = statistics.median(p[-1][1] for p in curves)
-    return round(max(final - 0.05, start + MIN_GAIN), 4)
+    starts = [p[0][1] for p in curves if p[0][0] == 0]  # an evaluation before training
+    start = statistics.median(starts) if starts else 0.0
+    # at most 1: a base model already near the top leaves a threshold every run can reach
+    return round(min(max(final - 0.05, start + MIN_GAIN), 1.0), 4)
 
 
 def compare(runs: dict[str, list[list[dict[str, Any]]]], threshold: float | None = None

@@ -28,7 +28,7 @@ def test_the_long_agent_trains_in_both_modes_and_carries_over_when_asynchronous(
     val.write_text("\n".join(held_out[:4]) + "\n")
     overrides = stack_overrides(tmp_path) + [
         f"logging.dir={tmp_path / 'runs'}", f"trainer.weights_dir={tmp_path / 'weights'}",
-        f"data.val_files={val}", "trainer.test_freq=0",
+        f"data.val_files={val}", "trainer.test_freq=3",  # before training and after the last
         # two groups of four per update, four in flight: a short suite with the same tail
         "data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
         "agentlightning.async_rollout.async_train_batch_size=4",

@@ -66,3 +66,12 @@ def test_a_synchronous_run_that_did_not_learn_sets_no_threshold_its_start_meets(
     assert result["modes"]["sync"]["minutes_to_threshold"]["median"] is None
     assert "speedup_to_threshold" not in result
     assert "never" in table(result)
+
+
+def test_without_an_evaluation_before_training_the_first_one_counts():
+    rows = run([60, 60, 60, 60, 60, 60], {3: 0.9, 6: 0.95})
+    steps = [r for r in rows if "val/success_rate" not in r]
+    evals = [r for r in rows if "val/success_rate" in r]
+    assert minutes_to(curve(steps, evals), 0.85) == 3.0
+    result = compare({"sync": [rows]})
+    assert result["threshold"] == 0.9  # the final 0.95 - 0.05; no start to stay above
