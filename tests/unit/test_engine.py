@@ -4,6 +4,7 @@ change nothing, a non-finite gradient is skipped, bf16 compute keeps fp32 master
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -221,21 +222,47 @@ def test_dynamic_batch_size_gives_the_same_gradient(one_rank):
 
 
 @pytest.mark.parametrize("dynamic", [False, True])
-def test_rows_longer_than_the_token_bound_run_alone(one_rank, dynamic):
+def test_rows_longer_than_the_token_bound_run_alone(one_rank, dynamic, caplog):
     """A bound of 4 tokens, below every row: the old-log-prob pass and the update still run,
     with the same gradient. Cut by count, every forward holds one row; verl's token-count
-    cut, which refuses a bound below its longest row, gets that row's length."""
+    cut, which refuses a bound below its longest row, gets that row's length. The trainer
+    warns once, naming the settings, and the step's metrics carry the bound."""
     _, metrics, _ = one_rank
     short = engine(f"actor_rollout_ref.actor.use_dynamic_bsz={str(dynamic).lower()}",
                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4")
     shapes = forward_shapes(short)
     vb = to_verl_batch(samples(), 0)
-    m = short.update(vb, 0)
+    with caplog.at_level(logging.WARNING, logger="workers.trainer.engine"):
+        m = short.update(vb, 0)
+        short.update(vb, 1)
     assert m["actor/grad_norm"] == pytest.approx(metrics["actor/grad_norm"], rel=1e-5)
     longest = int((vb.prompt_mask.sum(1) + vb.response_attention.sum(1)).max())
     assert max(width for _, width in shapes) == longest
     if not dynamic:
-        assert {rows for rows, _ in shapes} == {1} and len(shapes) == 2 * len(vb)
+        assert {rows for rows, _ in shapes} == {1} and len(shapes) == 4 * len(vb)
+    assert m["actor/max_token_len_per_gpu"] == 4.0
+    warned = [r.getMessage() for r in caplog.records if "micro-batch bound" in r.getMessage()]
+    assert len(warned) == 1  # the second step's rows are no longer
+    assert f"a row of {longest} tokens is longer than the micro-batch bound of 4" in warned[0]
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" in warned[0]
+    assert "actor_rollout_ref.actor.micro_batch_memory_gb" in warned[0]
+
+
+def test_the_auto_bound_sets_aside_the_fsdp_units_gathered(one_rank):
+    """tiny-qwen2 (untied) as verl wraps it: the root (the final norm), the embedding, two
+    decoder layers, the head. The auto bound sets aside the gradient and AdamW state and the
+    root with the two largest units gathered, and the metrics carry the bound it gave."""
+    from workers.trainer import token_budget as tb
+
+    trainer, metrics, _ = one_rank
+    layer = (128 * 128 + 128) + 2 * (128 * 64 + 64) + 128 * 128 + 3 * 128 * 512 + 2 * 128
+    units = trainer.ranks.call("fsdp_units")[0]
+    assert units == [128, 27 * 128, layer, layer, 27 * 128]
+    assert sum(units) == trainer.parameter_count()
+    bound = trainer.ranks.call("token_bound")[0]
+    assert bound["reserve_bytes"] == tb.step_reserve(units, sum(units), 1) == \
+        12 * sum(units) + 8 * (128 + 2 * layer)
+    assert metrics["actor/max_token_len_per_gpu"] == bound["max_token_len"] > 1000
 
 
 def test_kl_loss_uses_a_frozen_reference():

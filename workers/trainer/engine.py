@@ -115,7 +115,7 @@ def _bound_origin(bound: dict[str, Any]) -> str:
     if "available_bytes" not in bound:
         return f"micro_batch_memory_gb {budget} / {per_token}"
     return (f"micro_batch_memory_gb auto: {budget} of {bound['available_bytes'] / 1e9:.2f} GB "
-            f"available / {per_token}")
+            f"available less {bound['reserve_bytes'] / 1e9:.2f} GB the step adds / {per_token}")
 
 
 class _OneCallAtATime:
@@ -169,6 +169,7 @@ class EngineTrainer:
                  "rows of like length, as many as fit", self.max_token_len,
                  _bound_origin(self.token_bound))
         self.skipped_steps = 0
+        self.longest_warned = self.max_token_len  # rows up to this long were warned of
 
     @property
     def size(self) -> int:
@@ -191,6 +192,21 @@ class EngineTrainer:
         if self.spec.bypass is not None and self.size > 1:
             fit = max(fit, 2)
         return layout(len(lengths), self.size, min(self.spec.micro_batch_size or fit, fit))
+
+    def _warn_if_longer(self, lengths: list[int]) -> None:
+        """A row longer than the token bound runs alone in its micro-batch, and its memory is
+        bounded by nothing: said once, and again for a longer row."""
+        longest = max(lengths, default=0)
+        if longest <= self.longest_warned:
+            return
+        self.longest_warned = longest
+        log.warning("a row of %d tokens is longer than the micro-batch bound of %d tokens "
+                    "(%s): such rows run one to a micro-batch. To fit them, set "
+                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu (tokens) or "
+                    "actor_rollout_ref.actor.micro_batch_memory_gb (GB) higher if the memory "
+                    "allows, or turn on actor_rollout_ref.actor.enable_gradient_checkpointing "
+                    "(docs/gpu.md, Micro-batch memory)", longest, self.max_token_len,
+                    _bound_origin(self.token_bound))
 
     def _max_tokens(self, lengths: list[int]) -> int:
         """The token bound each rank gets for verl's token-count cut: never below the
@@ -270,6 +286,7 @@ class EngineTrainer:
         # normalisers are the token count and global_batch_size: not run
         has_tokens = (mask.sum(1) > 0).tolist()
         all_lengths = _lengths(trained)
+        self._warn_if_longer(all_lengths[: trained.real])
         metrics: dict[str, list[float]] = {}
         skipped = 0
         for _ in range(int(actor.ppo_epochs)):
@@ -297,6 +314,7 @@ class EngineTrainer:
         out_metrics["actor/lr"] = lr
         out_metrics["actor/skipped_steps"] = float(skipped)
         out_metrics["actor/skipped_steps_total"] = float(self.skipped_steps)
+        out_metrics["actor/max_token_len_per_gpu"] = float(self.max_token_len)
         real = vb.response_mask[: vb.real]
         out_metrics["actor/advantage_abs_mean"] = float(
             (fields["advantages"][: vb.real].abs() * real).sum() / real.sum().clamp(min=1))

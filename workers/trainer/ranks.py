@@ -140,10 +140,11 @@ class RankEngine:
             out["budget_bytes"] = int(spec.micro_batch_memory_gb * tb.GB)
         else:
             out["available_bytes"] = tb.available_bytes(spec.device)
+            out["reserve_bytes"] = tb.step_reserve(
+                self.fsdp_units(), self.trainable_count(),
+                dist.get_world_size() if dist.is_initialized() else 1)
             out["budget_bytes"] = tb.auto_budget(
-                out["available_bytes"], self.parameter_count(), self.trainable_count(),
-                dist.get_world_size() if dist.is_initialized() else 1,
-                tb.sharing_ranks(spec.device))
+                out["available_bytes"], out["reserve_bytes"], tb.sharing_ranks(spec.device))
         out["max_token_len"] = tb.max_token_len(out["budget_bytes"], per_token)
         return out
 
@@ -273,6 +274,22 @@ class RankEngine:
     def parameter_count(self) -> int:
         # a DTensor's numel is the full tensor's: the same on every rank
         return sum(p.numel() for p in self.actor.engine.module.parameters())
+
+    def fsdp_units(self) -> list[int]:
+        """The actor's parameters by FSDP unit (what one all-gather brings together), full
+        size, the root's first: a parameter counts for the innermost unit holding it, and the
+        root keeps those of no other unit (the final norm; a tied embedding)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.actor.engine.module
+        # modules() lists a unit before the units inside it
+        units = [module] + [m for m in module.modules()
+                            if isinstance(m, FSDPModule) and m is not module]
+        owner = {id(p): i for i, unit in enumerate(units) for p in unit.parameters()}
+        sizes = [0] * len(units)
+        for p in module.parameters():  # a tied weight once
+            sizes[owner[id(p)]] += p.numel()
+        return sizes
 
     def trainable_count(self) -> int:
         """Parameters the optimizer updates (a LoRA adapter's only, with ``lora_rank``)."""

@@ -5,6 +5,10 @@ activations every decoder layer keeps for the backward pass, and the logits over
 vocabulary with their log-softmax and gradients. Weights, gradients and optimizer state do
 not grow with it. So the bound is the memory a micro-batch may take
 (``actor.micro_batch_memory_gb``) divided by what one token costs (``bytes_per_token``).
+By default that memory is a share of what a rank has left once its engine is built and what
+a step adds besides the micro-batches is set aside (``step_reserve``): the rank's shard of
+the gradients and optimizer state, and the few FSDP units held gathered at a time, never the
+whole model (FSDP2 gathers one unit, a decoder layer, at a time).
 
 The coefficients come from the peak resident memory of verl 0.9.1's update on CPU (fp32, the
 padded forward, sdpa) on Llama/Qwen2 shapes of 2 to 30 layers, hidden 128 to 1,152,
@@ -17,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import resource
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,10 +33,15 @@ INTERMEDIATE_PER_LAYER = 5
 # per token, float32 copies of the vocabulary: the logits, their log-softmax, the
 # gradients of both
 LOGIT_COPIES = 4
-# bytes per parameter a step adds after the engine is built: the full parameters gathered
-# and the full gradients before their reduce-scatter (counted whole, as on one rank) ...
+# bytes a step adds after the engine is built, per parameter of an FSDP unit held gathered:
+# the unit's parameters in the compute dtype and its full gradients before their
+# reduce-scatter (float32: 4 + 4; bfloat16: 2 + 2, and the float32 copy FSDP reduces, 4)
 GATHERED_BYTES_PER_PARAM = 8
-# ... and, per trainable parameter on this rank, its gradient shard and AdamW's two moments
+# units held gathered at once besides the root: the one running and the next, which FSDP2
+# gathers ahead (implicit prefetching, forward and backward)
+UNITS_GATHERED_AT_ONCE = 2
+# per trainable parameter, divided among the ranks: the gradient shard and AdamW's two
+# moments, float32 (verl keeps fp32 master weights)
 STATE_BYTES_PER_TRAINABLE = 12
 # share of what is left that micro-batches may take by default: the estimate is not exact,
 # allocators keep freed memory, and on a shared host the other processes grow too
@@ -161,14 +171,25 @@ def available_bytes(device: str, root: Path = Path("/sys/fs/cgroup"),
     return min(found) if found else 0
 
 
-def auto_budget(available: int, params: int, trainable: int, world: int,
-                sharing: int) -> int:
-    """``micro_batch_memory_gb: auto`` in bytes: ``AUTO_SHARE`` of what is ``available``
-    once the step's own growth is set aside, split among the ``sharing`` ranks that draw on
-    the same memory (ranks on one host's CPU)."""
-    growth = GATHERED_BYTES_PER_PARAM * params + \
+def step_reserve(units: Sequence[int], trainable: int, world: int) -> int:
+    """Bytes a step adds to one rank's memory once the engine is built, the micro-batches
+    aside: this rank's shard of the gradients and of AdamW's moments, and the FSDP units held
+    gathered at once, each with its full gradients: the root (``units[0]``, which FSDP2 keeps
+    gathered from the forward through the backward) and the ``UNITS_GATHERED_AT_ONCE``
+    largest others. ``units``: each unit's parameters, full size (``RankEngine.fsdp_units``);
+    ``world``: the ranks the optimizer state is sharded over."""
+    root, *others = units or [0]
+    gathered = root + sum(sorted(others, reverse=True)[:UNITS_GATHERED_AT_ONCE])
+    return GATHERED_BYTES_PER_PARAM * gathered + \
         STATE_BYTES_PER_TRAINABLE * trainable // max(world, 1)
-    return max(0, int(AUTO_SHARE * (available - growth) / max(sharing, 1)))
+
+
+def auto_budget(available: int, reserve: int, sharing: int) -> int:
+    """``micro_batch_memory_gb: auto`` in bytes: ``AUTO_SHARE`` of what is ``available``
+    once every rank drawing on that memory (``sharing``: ranks on one host's CPU) has set its
+    ``step_reserve`` aside, split among them."""
+    sharing = max(sharing, 1)
+    return max(0, int(AUTO_SHARE * (available - sharing * reserve) / sharing))
 
 
 def max_token_len(budget: int, per_token: int) -> int:
