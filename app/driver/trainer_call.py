@@ -75,8 +75,9 @@ def trainer_exits(client: redis.Redis, since: str) -> list[RoleExit]:
 def _exits_said(exits: list[RoleExit]) -> str:
     if not exits:
         return ("no exit of the trainer worker was recorded, only its heartbeat expired (the "
-                "exits of a worker started by `carryover up` or `carryover demo` are): see "
-                "its log, and `dmesg` for an OOM kill")
+                "exits of a worker started by `carryover up` or `carryover demo` are; not "
+                "those of one started outside that supervisor: by hand, by `make up`/`honcho "
+                "start`, or by Kubernetes): see its log, and `dmesg` for an OOM kill")
     if len(exits) == 1:
         return f"1 exit recorded: {exits[0].describe()}"
     causes = ", ".join(f"{cause} x{n}" if n > 1 else cause

@@ -138,6 +138,7 @@ class Supervisor:
         self.count_id = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
         self._count_deferred = False
         self.oom_kills_at_start: dict[str, int | None] = {}  # the cgroup's, at each start
+        self.kmsg_at_start: dict[str, int | None] = {}  # the kernel log's last record, too
         self.unwritten_exits: list[RoleExit] = []  # seen, not in Redis yet
 
     def log_path(self, role: str) -> Path:
@@ -167,6 +168,9 @@ class Supervisor:
         except OSError as exc:
             raise StartupError(f"{cmd.role}: cannot open its log {self.log_path(cmd.role)}: "
                                f"{exc.strerror or exc}") from exc
+        # the kernel's witnesses as they stand before the start: what they show later is
+        # this run of the role's
+        oom_kills, kmsg_at = exits.cgroup_oom_kills(), exits.kmsg_position()
         try:
             proc = subprocess.Popen(
                 # CARRYOVER_ROLE names the process in what it records (a Redis outage it rode)
@@ -181,7 +185,8 @@ class Supervisor:
             logfile.close()
         self.procs[cmd.role] = proc
         self.started_at[cmd.role] = time.monotonic()
-        self.oom_kills_at_start[cmd.role] = exits.cgroup_oom_kills()
+        self.oom_kills_at_start[cmd.role] = oom_kills
+        self.kmsg_at_start[cmd.role] = kmsg_at
         log.info("%s: started pid %d (log %s)", cmd.role, proc.pid, self.log_path(cmd.role))
 
     @staticmethod
@@ -263,7 +268,8 @@ class Supervisor:
             if role not in self.restart_due:
                 how = f"exited with code {proc.returncode}"
                 if role not in self.start_errors:  # a new exit, not a failed restart's
-                    record = exits.role_exit(role, proc, self.oom_kills_at_start.get(role))
+                    record = exits.role_exit(role, proc, self.oom_kills_at_start.get(role),
+                                             self.kmsg_at_start.get(role))
                     self.unwritten_exits.append(record)
                     del self.unwritten_exits[:-EXITS_UNWRITTEN]
                     how = f"exited ({record.describe()})"

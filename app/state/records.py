@@ -312,6 +312,8 @@ class RoleExit(_HashRecord):
     oom_kills: int = 0      # OOM kills in the supervisor's memory cgroup while it ran (its
                             # children's too: no pid to tell them by)
     kernel_log: str = ""    # why the kernel's log could not be read; "" when it was
+    kernel_log_unmatched: str = ""  # why the log, read, could not be matched to this exit
+                            # (the kernel's pid for it unknown, records lost); "" when it was
 
     @property
     def cause(self) -> str:
@@ -334,6 +336,10 @@ class RoleExit(_HashRecord):
         elif self.kernel_log:
             out += (f", the kernel's log could not be read ({self.kernel_log}): `dmesg` as "
                     "root shows whether the OOM killer ended it")
+        elif self.kernel_log_unmatched:
+            out += (f", the kernel's log could not be matched to it "
+                    f"({self.kernel_log_unmatched}): `dmesg` on the host shows whether the OOM "
+                    "killer ended it")
         elif self.code == -signal.SIGKILL:
             out += ", no OOM kill of it in the kernel's log"
         return out

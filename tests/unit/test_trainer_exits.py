@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import threading
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from celery.exceptions import TimeoutError as CeleryTimeout
@@ -19,6 +22,7 @@ from app.driver.trainer_call import TrainerLost, call_trainer
 from app.services import supervisor as sv
 from app.services.commands import Command
 from app.state import keys
+from app.state.records import RoleExit
 
 OOM_LINE = ("Out of memory: Killed process {pid} (celery) total-vm:31235284kB, "
             "anon-rss:29876543kB, file-rss:0kB, shmem-rss:0kB, UID:0 pgtables:60000kB "
@@ -108,12 +112,19 @@ def test_a_trainer_sigkilled_in_every_attempt_is_named_when_the_driver_gives_up(
 
 def test_a_trainer_no_supervisor_watched_is_said_to_have_left_no_record(
         dying_trainer, redis_client, cfg):
-    """A trainer worker started by hand: the driver knows only that its heartbeat
-    expired, says so, and still names the knobs."""
+    """A trainer worker started outside the supervisor: the driver knows only that its
+    heartbeat expired, says so, and still names the knobs."""
     message = give_up(redis_client, cfg)
     assert "died in each of 3 attempts" in message
     assert "no exit of the trainer worker was recorded" in message
     assert "actor_rollout_ref.actor.micro_batch_memory_gb (" in message
+
+
+def test_no_exit_recorded_names_the_starts_that_record_none():
+    said = trainer_call._exits_said([])
+    assert said.startswith("no exit of the trainer worker was recorded")
+    for start in ("by hand", "`make up`/`honcho start`", "by Kubernetes"):
+        assert start in said
 
 
 def test_exits_recorded_before_the_task_was_sent_are_not_its(dying_trainer, redis_client,
@@ -144,7 +155,7 @@ def test_an_exit_says_what_the_kernel_said(tmp_path):
 
 
 def test_the_oom_kill_of_a_pid_is_found_in_the_kernel_log(tmp_path):
-    from app.services.exits import oom_kill_line
+    from app.services.exits import kmsg_position, oom_kill_line
 
     kmsg = tmp_path / "kmsg"
     kmsg.write_text(
@@ -153,10 +164,120 @@ def test_the_oom_kill_of_a_pid_is_found_in_the_kernel_log(tmp_path):
         "6,102,2100,-;oom-kill:constraint=CONSTRAINT_NONE,task=celery,pid=4242,uid=0\n"
         f"3,103,2200,-;{OOM_LINE.format(pid=4242)}\n"
         " SUBSYSTEM=memory\n")
-    assert oom_kill_line(4242, kmsg) == (OOM_LINE.format(pid=4242), "")
-    assert oom_kill_line(42, kmsg) == ("", "")  # readable: no OOM kill of that pid
-    line, why = oom_kill_line(4242, tmp_path / "absent")
+    assert kmsg_position(kmsg) == 103
+    assert oom_kill_line(4242, 101, kmsg) == (OOM_LINE.format(pid=4242), "", "")
+    assert oom_kill_line(42, 101, kmsg) == ("", "", "")  # readable: no OOM kill of that pid
+    # written before the role started: another process that had the pid
+    assert oom_kill_line(777, 101, kmsg) == ("", "", "")
+    assert oom_kill_line(4242, 103, kmsg) == ("", "", "")
+    # records after the start overwritten before the exit was read: not a "no"
+    line, why, unmatched = oom_kill_line(42, 95, kmsg)
+    assert line == why == "" and "overwritten" in unmatched
+    line, why, _ = oom_kill_line(4242, 0, tmp_path / "absent")
     assert line == "" and "absent" in why  # unreadable: said, never raised
+    assert kmsg_position(tmp_path / "absent") is None
+    kmsg.write_text("")
+    assert kmsg_position(kmsg) == -1  # readable, empty: every later record counts
+
+
+def test_pids_are_the_kernels_only_in_the_initial_pid_namespace(tmp_path):
+    from app.services.exits import pids_are_the_kernels
+
+    status = tmp_path / "status"
+    status.write_text("Name:\tcarryover\nNSpid:\t812\t7\n")
+    assert not pids_are_the_kernels(Path("/proc/self/ns/pid"), status)  # nested
+    status.write_text("Name:\tcarryover\nNSpid:\t7\n")
+    ns = tmp_path / "ns"  # another namespace: one pid shown, not the kernel's
+    ns.write_text("")
+    assert not pids_are_the_kernels(ns, status)
+    assert not pids_are_the_kernels(tmp_path / "absent", status)
+    assert not pids_are_the_kernels(Path("/proc/self/ns/pid"), tmp_path / "absent")
+
+
+class KernelLog:
+    """``os`` as ``app.services.exits`` sees it, with ``/dev/kmsg`` read from ``path``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(os, name)
+
+    def open(self, path: object, flags: int, *args: int) -> int:
+        return os.open(self.path if str(path) == "/dev/kmsg" else path, flags, *args)
+
+
+def _exit_under_supervisor(cfg, tmp_path, monkeypatch, kernel: Path,
+                           logged: Callable[[int], str]):
+    """The RoleExit a supervisor records for a trainer it started and that was SIGKILLed,
+    the kernel's log (``kernel``) then holding ``logged(pid)``."""
+    from app.services import exits
+
+    monkeypatch.setattr(exits, "os", KernelLog(kernel))
+    monkeypatch.setattr(sv, "command_for", lambda cfg, role: Command(role, ["sleep", "60"]))
+    sup = sv.Supervisor(cfg, log_dir=tmp_path)
+    try:
+        sup._spawn(sv.command_for(cfg, "trainer"))
+        proc = sup.procs["trainer"]
+        kernel.write_text(logged(proc.pid))
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        sup._look([])
+        return sup.unwritten_exits[-1]
+    finally:
+        sup.stop(grace=2)
+
+
+def test_an_old_oom_kill_of_a_reused_pid_is_not_this_exit_s(cfg, tmp_path, monkeypatch):
+    """The kernel's log still holds the OOM kill of an earlier process that had the pid:
+    this SIGKILL (not the OOM killer's) is not blamed on it; one logged after the start is."""
+    from app.services import exits
+
+    monkeypatch.setattr(exits, "pids_are_the_kernels", lambda *_: True, raising=False)
+    kernel = tmp_path / "kmsg"
+    kernel.write_text("6,0,1,-;Linux version\n6,1,2,-;eth0: link up\n")  # at the start
+    record = _exit_under_supervisor(
+        cfg, tmp_path, monkeypatch, kernel,
+        lambda pid: f"6,0,1,-;Linux version\n3,1,2,-;{OOM_LINE.format(pid=pid)}\n"
+                    "6,2,3,-;eth0: link down\n")
+    assert record.oom == ""
+    assert "no OOM kill of it in the kernel's log" in record.describe()
+    kernel.write_text("6,0,1,-;Linux version\n6,1,2,-;eth0: link up\n")
+    record = _exit_under_supervisor(
+        cfg, tmp_path, monkeypatch, kernel,
+        lambda pid: f"6,0,1,-;Linux version\n6,1,2,-;eth0: link up\n"
+                    f"3,2,3,-;{OOM_LINE.format(pid=pid)}\n")
+    assert record.oom == OOM_LINE.format(pid=record.pid)
+
+
+def test_in_a_pid_namespace_of_its_own_the_log_is_said_not_to_match(cfg, tmp_path,
+                                                                   monkeypatch):
+    """In a container the kernel logs host pids: a log without the supervisor's pid for the
+    trainer is no sign that no OOM kill ended it."""
+    from app.services import exits
+
+    monkeypatch.setattr(exits, "pids_are_the_kernels", lambda *_: False, raising=False)
+    kernel = tmp_path / "kmsg"
+    kernel.write_text("6,0,1,-;Linux version\n")
+    record = _exit_under_supervisor(
+        cfg, tmp_path, monkeypatch, kernel,
+        lambda pid: "6,0,1,-;Linux version\n3,1,2,-;" + OOM_LINE.format(pid=pid + 90000)
+        + "\n")
+    said = record.describe()
+    assert "no OOM kill" not in said
+    assert "the kernel's log could not be matched to it (the supervisor runs in a pid " \
+        "namespace of its own" in said
+    assert RoleExit.from_hash(record.to_hash()) == record
+
+
+def test_a_log_unreadable_at_the_start_is_not_read_at_the_exit(monkeypatch):
+    from app.services import exits
+
+    monkeypatch.setattr(exits, "pids_are_the_kernels", lambda *_: True)
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    record = exits.role_exit("trainer", proc, None, None)
+    assert record.oom == "" and "not readable when the role started" in record.kernel_log
 
 
 def test_the_memory_cgroups_oom_kill_count_is_read_where_it_is(tmp_path):
