@@ -6,7 +6,10 @@ its own, in the order given (alternating, so a slow minute hits both):
 
 - **speed**: the update (old log-probs, then forward + backward + AdamW) on a batch shaped
   like the long-running agent's (two-turn rows, ``bench.real_model.batch``): seconds and
-  trained tokens/s (the best of ``--updates`` after the first);
+  trained tokens/s (the best of ``--updates`` after the first). The micro-batches' token
+  bound is pinned (``TOKEN_BOUND``, reported as ``max_token_len_per_gpu``): ``auto`` derives
+  it from the memory free at the engine's build, so with little free memory the two dtypes
+  could run different micro-batches and the comparison would measure that instead;
 - **the probe gap**: the teacher-forced probe's log-probs computed by this engine against the
   same weights computed in fp32 (mean absolute difference, nats per token): what the weight
   sync's probe sees on top of the served dtype's own gap;
@@ -35,6 +38,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "var" / "models" / "smollm2-135m-instruct"
+# ppo_max_token_len_per_gpu for every setting: above any batch here, so the micro-batches are
+# ppo_micro_batch_size_per_gpu's rows whatever the memory free
+TOKEN_BOUND = 65536
 
 
 def arith_rows(tokenizer: Any, count: int) -> tuple[list[list[int]], list[list[int]], list[float]]:
@@ -56,12 +62,22 @@ def arith_rows(tokenizer: Any, count: int) -> tuple[list[list[int]], list[list[i
     return prompts, answers, rewards
 
 
+def bench_config(dtype: str, threads: int) -> Any:
+    """The long-running agent's configuration on the CPU, in compute ``dtype`` on
+    ``threads`` threads, with the token bound pinned."""
+    from app.config import load_config
+
+    return load_config(str(REPO / "config" / "long-agent.yaml"), [
+        "trainer.device=cpu", f"trainer.cpu_threads={threads}",
+        f"actor_rollout_ref.actor.fsdp_config.param_dtype={dtype}",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={TOKEN_BOUND}"])
+
+
 def one(dtype: str, threads: int, rows: int, updates: int, learn: int) -> dict[str, Any]:
     os.environ.setdefault("WANDB_MODE", "disabled")
     import torch
     from transformers import AutoTokenizer
 
-    from app.config import load_config
     from bench.real_model import batch
     from workers.trainer import weights
     from workers.trainer.batch import Sample
@@ -69,11 +85,10 @@ def one(dtype: str, threads: int, rows: int, updates: int, learn: int) -> dict[s
     from workers.trainer.verl_batch import to_verl_batch
 
     torch.manual_seed(0)
-    cfg = load_config(str(REPO / "config" / "long-agent.yaml"), [
-        "trainer.device=cpu", f"trainer.cpu_threads={threads}",
-        f"actor_rollout_ref.actor.fsdp_config.param_dtype={dtype}"])
+    cfg = bench_config(dtype, threads)
     trainer = EngineTrainer(cfg, str(MODEL))
-    out: dict[str, Any] = {"param_dtype": dtype, "cpu_threads": threads}
+    out: dict[str, Any] = {"param_dtype": dtype, "cpu_threads": threads,
+                           "max_token_len_per_gpu": trainer.max_token_len}
 
     # the probe gap: this engine's probe log-probs against fp32 maths on the same weights
     ids = weights.probe_ids(MODEL)
