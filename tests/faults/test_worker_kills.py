@@ -6,6 +6,10 @@
 - The trainer worker killed mid-update while the gateway is paused: the pause lease ends
   within ``trainer.heartbeat_s``, the driver re-sends the step, the new worker restores the
   last checkpoint and loads its weights into vLLM (verified by the probe) before training.
+- The trainer worker killed inside the same step's update on every attempt (what the OOM
+  killer does to an update too big for memory): the supervisor starts it again each time and
+  records its exits, and after ``trainer.step_retries`` re-sends the run fails with one line
+  naming the step, the signal and the settings that bound an update's memory.
 """
 
 from __future__ import annotations
@@ -184,6 +188,64 @@ def test_trainer_worker_killed_mid_update(stack, tmp_path, celery_workers):  # n
     # step 1 began by waiting for the checkpoint step 0 left writing
     assert rows[1]["timing/trainer_background_checkpoint_seconds"] > 0
     assert rows[1]["timing/trainer_wait_for_checkpoint_seconds"] >= 0
+
+
+def test_a_step_that_kills_every_trainer_fails_the_run_saying_why(stack, tmp_path,  # noqa: F811
+                                                                   celery_workers):
+    from app.driver.step import TrainingFailed
+
+    samples = [{"sleep": 0.2} for _ in range(8)]
+    run_cfg = make_cfg(tmp_path, samples, "data.train_batch_size=2",
+                       "agentlightning.async_rollout.async_train_batch_size=4",
+                       "trainer.total_steps=2", "trainer.save_freq=1",
+                       f"trainer.checkpoint_dir={tmp_path / 'ckpt'}",
+                       "trainer.heartbeat_s=2", "trainer.step_retries=1",
+                       "trainer.pause_during_update=true")
+    run_id = "kill-trainer-every-time"
+    # the supervisor watches its roles, as under `carryover up`: it starts the killed
+    # trainer again and records how it ended
+    stop = threading.Event()
+    watcher = threading.Thread(target=celery_workers.watch_forever,
+                               kwargs={"every_s": 0.2, "stop": stop.is_set}, daemon=True)
+    watcher.start()
+    thread, out = train_in_thread(run_cfg, run_id)
+    step_1 = keys.trainer_heartbeat(run_id, "1")
+    killed: list[int] = []
+    try:
+        wait_for(lambda: stack.llen(keys.run_metrics(run_id)) >= 1, 120, "step 0",
+                 detail=lambda: _state(stack, celery_workers, run_id))
+        adm = Admission(stack)
+        for attempt in range(2):  # trainer.step_retries 1
+            wait_for(lambda: not stack.exists(step_1) and not stack.exists(keys.paused()),
+                     30, "the dead worker's heartbeat and pause to expire")
+            # a call held in flight: the update's drain waits for it, under the pause
+            status, lease, _ = adm.admit(f"{run_id}-inflight-{attempt}")
+            wait_for(lambda: stack.exists(step_1) and stack.exists(keys.paused()), 180,
+                     f"attempt {attempt + 1} at step 1's update", poll=0.002,
+                     detail=lambda: _state(stack, celery_workers, run_id))
+            killed.append(celery_workers.procs["trainer"].pid)
+            os.killpg(killed[-1], signal.SIGKILL)
+            if status == 1:
+                adm.release(lease)
+        thread.join(60)
+        assert not thread.is_alive(), "the run did not fail after the last attempt"
+        # the supervisor has started the last one's successor (the next tests' trainer)
+        wait_for(lambda: celery_workers.procs["trainer"].poll() is None
+                 and "trainer" not in celery_workers.restart_due, 30, "the trainer's restart")
+    finally:
+        stop.set()
+        watcher.join(10)
+    error = out.get("error")
+    assert isinstance(error, TrainingFailed), error
+    said = str(error)
+    assert "\n" not in said
+    assert said.startswith("step 1: the trainer worker died in each of 2 attempts "
+                           "(trainer.step_retries 1); 2 exits recorded (SIGKILL (signal 9) "
+                           f"x2), the last: SIGKILL (signal 9), pid {killed[-1]} on "), said
+    assert "actor_rollout_ref.actor.ppo_max_token_len_per_gpu (" in said
+    assert "actor_rollout_ref.actor.micro_batch_memory_gb (" in said
+    assert "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu (" in said
+    assert stack.llen(keys.run_metrics(run_id)) == 1  # step 1 never recorded
 
 
 def test_a_take_over_reports_the_updates_it_lost(stack, tmp_path,  # noqa: F811
