@@ -1,7 +1,8 @@
 """The driver's collection loop without a trainer: top up, wait, select, repeat.
 
 What the ``overhead`` and ``scale`` benchmarks time: the same ``Collector`` calls as
-``app.driver.loop``, with the update left out, so what remains is orchestration.
+``app.driver.step`` (a step's top-up, collection and selection), with the update left
+out, so what remains is orchestration.
 """
 
 from __future__ import annotations
