@@ -21,7 +21,9 @@ def sup(tmp_path, monkeypatch):
     monkeypatch.setattr(sv, "command_for", lambda cfg, role: Command(role, programs[role]))
     monkeypatch.setattr(sv, "BACKOFF_S", (0.2, 1.0))
     monkeypatch.setattr(sv.Supervisor, "_count_restarts", lambda self: None)
-    # the session's own ports: a user's stack may be running on the defaults
+    # the stand-ins listen on nothing: no port is checked, so neither a user's stack on the
+    # default ports nor the session's own gateway on its ports is in their way
+    monkeypatch.setattr(sv, "_listen_address", lambda cfg, role: None)
     s = sv.Supervisor(load_config(None, env_overrides()), log_dir=tmp_path)
     for role in programs:
         s._spawn(sv.command_for(s.cfg, role))

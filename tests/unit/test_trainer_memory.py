@@ -51,9 +51,14 @@ def _child(limit_mb: int) -> None:
         resp = [rng.randint(3, 26) for _ in range(32)]
         samples.append(Sample([1] + [rng.randint(3, 26) for _ in range(ROW_TOKENS - 33)], resp,
                               [-3.0] * len(resp), float(i % 2), f"g{i // 4}", 1.0, 0, f"r{i}"))
+    batch = to_verl_batch(samples, trainer.pad_id)
+    # the peak is measured from here: the first engine's build may have peaked higher (and
+    # the process's lifetime peak, ru_maxrss, with it) than the update does. Writing 5 to
+    # clear_refs sets the high-water mark VmHWM back to the resident size now.
+    Path("/proc/self/clear_refs").write_text("5")
     rss = _vm("VmRSS")
-    metrics = trainer.update(to_verl_batch(samples, trainer.pad_id), 0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    metrics = trainer.update(batch, 0)
+    peak = _vm("VmHWM")
     print(json.dumps({"grad_norm": metrics["actor/grad_norm"], "peak_growth": peak - rss,
                       "max_token_len": getattr(trainer, "max_token_len", None)}))
 
