@@ -15,7 +15,7 @@ import statistics
 from collections.abc import Iterable
 from typing import Any
 
-CARRY = "training/async/"
+from app.driver.metrics import CARRY
 
 
 def split_rows(rows: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:

@@ -19,11 +19,7 @@ SMOLLM2 = REPO_ROOT / "var" / "models" / "smollm2-135m-instruct"
 
 
 def _vm(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name == key:
-            return int(rest.split()[0]) * 1024
-    raise KeyError(key)
+    return tb.proc_kb(Path("/proc/self/status"), [key])[key]
 
 
 def test_bytes_per_token_of_smollm2():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from app.config import load_config
 from app.config.loader import REPO_ROOT
+from workers.trainer.token_budget import proc_kb
 
 TINY = str(REPO_ROOT / "var" / "models" / "tiny-qwen2")
 LIMIT_MB = 512
@@ -21,11 +22,7 @@ ROWS, ROW_TOKENS = 64, 500
 
 
 def _vm(key: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        name, _, rest = line.partition(":")
-        if name == key:
-            return int(rest.split()[0]) * 1024
-    raise KeyError(key)
+    return proc_kb(Path("/proc/self/status"), [key])[key]
 
 
 def _child(limit_mb: int) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 import os
 import resource
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -86,14 +86,23 @@ def _read_int(path: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def proc_kb(path: Path, names: Iterable[str]) -> dict[str, int]:
+    """The fields ``names`` of a /proc file of ``Name:  <n> kB`` lines (``/proc/meminfo``,
+    ``/proc/self/status``), in bytes; a field the file lacks is left out."""
+    wanted = set(names)
+    out = {}
+    for line in path.read_text().splitlines():
+        name, _, rest = line.partition(":")
+        if name in wanted:
+            out[name] = int(rest.split()[0]) * 1024
+    return out
+
+
 def _meminfo_available(meminfo: Path) -> int | None:
     try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        return proc_kb(meminfo, ["MemAvailable"]).get("MemAvailable")
     except (OSError, ValueError, IndexError):
-        pass
-    return None
+        return None
 
 
 def _own_cgroup(proc_cgroup: Path) -> tuple[str | None, str | None]:
@@ -139,14 +148,9 @@ def _cgroup_headroom(root: Path, proc_cgroup: Path) -> int | None:
 def _rlimit_headroom() -> int | None:
     """What ``ulimit -d`` / ``-v`` (RLIMIT_DATA, RLIMIT_AS) still allow this process."""
     try:
-        status = Path("/proc/self/status").read_text().splitlines()
+        used = proc_kb(Path("/proc/self/status"), ["VmData", "VmSize"])
     except OSError:
         return None
-    used = {}
-    for line in status:
-        key, _, rest = line.partition(":")
-        if key in ("VmData", "VmSize"):
-            used[key] = int(rest.split()[0]) * 1024
     out = None
     for limit_name, key in (("RLIMIT_DATA", "VmData"), ("RLIMIT_AS", "VmSize")):
         soft, _ = resource.getrlimit(getattr(resource, limit_name))

@@ -24,6 +24,7 @@ from safetensors.torch import save_file
 
 from app.config.settings import served_dtype
 from workers.trainer.server_http import server_session
+from workers.trainer.token_budget import proc_kb
 
 log = logging.getLogger(__name__)
 
@@ -130,11 +131,8 @@ def export_root(weights_dir: Path, in_memory: bool, urls: list[str], export_byte
 
 def _meminfo() -> tuple[int, int]:
     """(MemAvailable, MemTotal) in bytes; (0, 0) where /proc/meminfo does not say."""
-    values = {}
     try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            name, _, rest = line.partition(":")
-            values[name] = int(rest.split()[0]) * 1024
+        values = proc_kb(Path("/proc/meminfo"), ["MemAvailable", "MemTotal"])
     except (OSError, ValueError, IndexError):
         return 0, 0
     return values.get("MemAvailable", 0), values.get("MemTotal", 0)
