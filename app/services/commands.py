@@ -55,6 +55,7 @@ def project_bin(name: str) -> str:
 def redis_command(cfg: Any) -> Command:
     if is_external(cfg):
         return Command("redis", [], idle_reason="external Redis ($REDIS_URL or redis.url)")
+    _check_shared_secret(cfg, "redis")
     data_dir = (REPO_ROOT / cfg.redis.dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
@@ -108,8 +109,46 @@ def _check_reachable(cfg: Any, role: str) -> None:
                                "there"])
 
 
+def _beyond_loopback(host: str) -> bool:
+    """``host`` (a bind address; Redis takes several, space-separated, each perhaps marked
+    optional with a leading ``-``) lets other machines in."""
+    return any(not is_loopback(h.lstrip("-")) for h in (str(host).split() or [""]))
+
+
+# role -> (its bind address, the secret every host must share, its variable, the file a
+# host generates its own into when neither is set, who on other hosts needs it)
+_SHARED_SECRETS = {
+    "redis": ("redis.host", "redis.password", "REDIS_PASSWORD", None,
+              "anyone who reaches its port could read and rewrite every run's state"),
+    "inference": ("inference.host", "inference.api_key", "CARRYOVER_INFERENCE_API_KEY",
+                  "var/inference-api-key",
+                  "the gateway and the trainer on other hosts would be refused"),
+    "gateway": ("gateway.host", "gateway.admin_token", "CARRYOVER_ADMIN_TOKEN",
+                "var/admin-token",
+                "a trainer or driver on another host would be refused its admin routes "
+                "(pause, resume, state)"),
+}
+
+
+def _check_shared_secret(cfg: Any, role: str) -> None:
+    """A role bound beyond loopback serves other hosts, which must know its secret: the
+    config (or the environment) names it, one for every host. A secret generated into var/
+    is this machine's alone, and Redis without a password would be open to all."""
+    bind, secret, env, generated, without = _SHARED_SECRETS[role]
+    host = str(cfg[role].host)
+    if not _beyond_loopback(host) or cfg[role].get(secret.partition(".")[2]) \
+            or os.environ.get(env):
+        return
+    mine = f" (the one generated into {generated} is this machine's alone)" if generated \
+        else ""
+    raise ConfigError([f"{secret}: not set, and {bind} {host!r} opens the {role} server "
+                       f"beyond this machine: {without}{mine}; set {secret} (or ${env}) "
+                       f"to the same value on every host, or bind {bind} to 127.0.0.1"])
+
+
 def inference_command(cfg: Any) -> Command:
     _check_reachable(cfg, "inference")
+    _check_shared_secret(cfg, "inference")
     inf = cfg.inference
     device = resolve_device(str(inf.device))
     model = model_dir(cfg).resolve()
@@ -203,6 +242,7 @@ def inference_command(cfg: Any) -> Command:
 
 def gateway_command(cfg: Any) -> Command:
     _check_reachable(cfg, "gateway")
+    _check_shared_secret(cfg, "gateway")
     argv = [
         project_bin("gunicorn"),
         "-c", str(REPO_ROOT / "gateway" / "gunicorn.conf.py"),

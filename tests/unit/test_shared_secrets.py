@@ -1,0 +1,84 @@
+"""A role bound beyond loopback serves other hosts, so its secret must be one every host
+knows: started without it (config or environment), the role is refused with one line naming
+the key to set."""
+
+from __future__ import annotations
+
+import pytest
+
+from app.config import ConfigError, load_config
+from app.services.commands import command_for
+
+GUARD = "inference.dev_routes_guard=a network policy admits the gateway and trainer only"
+
+# role -> (its bind key, the secret's key, the secret's variable)
+ROLES = {
+    "redis": ("redis.host", "redis.password", "REDIS_PASSWORD"),
+    "inference": ("inference.host", "inference.api_key", "CARRYOVER_INFERENCE_API_KEY"),
+    "gateway": ("gateway.host", "gateway.admin_token", "CARRYOVER_ADMIN_TOKEN"),
+}
+
+
+@pytest.fixture(autouse=True)
+def _no_secrets_in_the_environment(monkeypatch):
+    for _, _, env in ROLES.values():
+        monkeypatch.delenv(env, raising=False)
+
+
+def _cfg(*overrides: str):
+    return load_config(None, [GUARD, *overrides])
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+@pytest.mark.parametrize("host", ["0.0.0.0", "10.1.2.3", "node-1.internal"])
+def test_a_role_beyond_loopback_without_its_shared_secret_is_refused(role, host):
+    bind, secret, env = ROLES[role]
+    with pytest.raises(ConfigError) as err:
+        command_for(_cfg(f"{bind}={host}"), role)
+    [line] = err.value.problems
+    assert line.startswith(f"{secret}: not set, and {bind} {host!r} opens the {role} server "
+                           "beyond this machine")
+    assert f"set {secret} (or ${env})" in line
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+def test_the_secret_from_the_config_or_the_environment_lets_it_start(role, monkeypatch):
+    bind, secret, env = ROLES[role]
+    command_for(_cfg(f"{bind}=0.0.0.0", f"{secret}=one-for-every-host"), role)
+    monkeypatch.setenv(env, "one-for-every-host")
+    command_for(_cfg(f"{bind}=0.0.0.0"), role)
+
+
+@pytest.mark.parametrize("role", sorted(ROLES))
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost", "::1"])
+def test_a_role_on_loopback_needs_no_shared_secret(role, host):
+    bind, _, _ = ROLES[role]
+    command_for(_cfg(f"{bind}={host}"), role)
+
+
+def test_redis_bound_to_loopback_and_another_address_needs_its_password():
+    with pytest.raises(ConfigError, match=r"^redis\.password: not set"):
+        command_for(_cfg("redis.host=127.0.0.1 10.1.2.3"), "redis")
+    command_for(_cfg("redis.host=127.0.0.1 -::1"), "redis")
+
+
+def test_an_external_redis_is_not_started_here_and_not_checked():
+    cmd = command_for(_cfg("redis.host=0.0.0.0", "redis.url=redis://10.1.2.3:6379/0"), "redis")
+    assert cmd.idle_reason
+
+
+def test_carryover_serve_refuses_it_with_one_line(capsys):
+    from app.cli import main
+
+    assert main(["serve", "gateway", GUARD, "gateway.host=0.0.0.0"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("config error: gateway.admin_token: not set, and gateway.host")
+
+
+def test_carryover_up_refuses_it_before_any_role_starts(tmp_path):
+    from app.services.supervisor import Supervisor
+
+    sup = Supervisor(_cfg("redis.host=0.0.0.0"), log_dir=tmp_path)
+    with pytest.raises(ConfigError, match=r"^redis\.password: not set"):
+        sup.start()
+    assert sup.procs == {}
