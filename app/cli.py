@@ -63,23 +63,41 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from app.services.health import (
+        EXITS_SHOWN,
         check_all,
         environment,
         format_table,
         gateway_disagreements,
+        mark_unroutable,
+        recent_exits,
         redis_outages,
         role_restarts,
+        unroutable,
     )
 
     cfg = _load(args)
     _export_config_env(args)
     print("  ".join(f"{what}: {value}" for what, value in environment()))
     rows = check_all(cfg)
+    routes = unroutable(cfg)
+    mark_unroutable(rows, routes)
     print(format_table(rows))
+    for url, why in routes.items():
+        print(f"not routed by the gateway: inference {url}: {why}")
+    if routes and len(routes) == len(cfg.inference.urls):
+        print("the gateway answers every model call with 503 (no inference server is "
+              "reachable) until a server is routed again")
     restarts = role_restarts(cfg)
     if restarts:
         print("restarted after exiting: " + ", ".join(f"{role} x{n}"
                                                       for role, n in sorted(restarts.items())))
+    exits, recorded = recent_exits(cfg, EXITS_SHOWN)
+    if exits:
+        print(f"role exits recorded: {recorded}" + (f", the last {len(exits)}:"
+                                                    if recorded > len(exits) else ":"))
+    for gone in exits:
+        day = time.strftime("%Y-%m-%d", time.gmtime(gone.at))
+        print(f"  {gone.role} ({day}): {gone.describe()}")
     for outage in redis_outages(cfg)[-5:]:
         began = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(outage["down_at"]))
         print(f"redis outage at {began}: {outage['seconds']:.1f} s, ridden out by "

@@ -14,10 +14,12 @@ import requests
 
 from app.config.secrets import inference_api_key
 from app.state.connection import connect, redact, resolve_redis_url
+from app.state.records import RoleExit
 
 log = logging.getLogger(__name__)
 
 WORKER_QUEUES = ("rollout", "groups", "trainer")
+EXITS_SHOWN = 5  # the role exits `carryover status` lists, newest last
 
 
 @dataclass
@@ -26,6 +28,8 @@ class PartStatus:
     ok: bool
     detail: str
     version: str = ""
+    url: str = ""    # an inference server's: the one ``inference.urls`` names
+    label: str = ""  # its STATUS when neither "up" nor "DOWN" says it (``UNROUTED``)
 
 
 def check_redis(cfg: Any, timeout: float = 2.0) -> PartStatus:
@@ -54,10 +58,131 @@ def check_inference(cfg: Any, timeout: float = 2.0) -> list[PartStatus]:
             expected = cfg.inference.served_model_name
             ok = expected in names
             detail = f"{url} model={','.join(names)}" + ("" if ok else f" (expected {expected})")
-            out.append(PartStatus("inference", ok, detail, f"vllm {version}"))
+            held = weights_held(url, inference_api_key(cfg), timeout)
+            if held is not None:
+                detail += f" weights={held}"
+            out.append(PartStatus("inference", ok, detail, f"vllm {version}", url=url))
         except Exception as exc:  # noqa: BLE001
-            out.append(PartStatus("inference", False, f"{url}: {exc.__class__.__name__}"))
+            out.append(PartStatus("inference", False, f"{url}: {exc.__class__.__name__}",
+                                  url=url))
     return out
+
+
+def weights_held(url: str, api_key: str = "", timeout: float = 2.0) -> str | None:
+    """What the server at ``url`` says it serves (vLLM's ``/weight_info``, which a trainer's
+    load sets to the policy version): ``policy version N``, or ``base model`` for the
+    weights it started with ("default"); None where it does not say."""
+    try:
+        resp = requests.get(url.rstrip("/") + "/weight_info", timeout=timeout,
+                            headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+        held = str(resp.json()["weight_version"]) if resp.status_code == 200 else None
+    except (requests.RequestException, ValueError, KeyError, TypeError):
+        return None
+    if held is None:
+        return None
+    return f"policy version {held}" if held.isdigit() else \
+        "base model" if held == "default" else held
+
+
+def unroutable(cfg: Any, timeout: float = 2.0) -> dict[str, str]:
+    """The servers of ``inference.urls`` the gateway routes no call to, each with why and
+    what ends it: those Redis marks stale (``keys.upstreams_stale``: down or restarted, and
+    not yet given the run's weights), and those the running gateway's health checks skip
+    (its ``/admin/state``, one worker process's view). {} where neither answers."""
+    from app.state import keys
+    from app.state.policy import current_version
+
+    urls = [u.rstrip("/") for u in cfg.inference.urls]
+    out: dict[str, str] = {}
+    try:
+        client = connect(resolve_redis_url(cfg), socket_timeout=timeout,
+                         socket_connect_timeout=timeout, retry=None)
+        stale = client.smembers(keys.upstreams_stale())
+        need = client.get(keys.upstreams_need_weights())
+        published = client.hgetall(keys.policy_published())
+        current = current_version(client)
+    except Exception:  # noqa: BLE001 - status reports what it can
+        stale, need, published, current = set(), None, {}, 0
+    for url in urls:
+        if url in stale:
+            out[url] = _why_stale(cfg, url, need, published, current)
+    known, routed = _gateway_routes(cfg, timeout)
+    for url in urls:
+        if url in known and url not in routed and url not in out:
+            out[url] = ("the gateway skips it: its health check failed, or the engine was left "
+                        "paused or asleep with no pause held (the trainer worker's upstream "
+                        "keeper takes it back); the gateway's log says which")
+    return out
+
+
+def _why_stale(cfg: Any, url: str, need: str | None, published: dict[str, str],
+               current: int) -> str:
+    """Why a stale server waits, and for what."""
+    model = cfg.inference.served_model_name
+    mine = bool(published) and published.get("model") == model
+    version = int(published["version"]) if mine else None
+    if need is not None:  # said of one server ("<url>: why"); the others wait for the same
+        why = need[len(url) + 2:] if need.startswith(url + ": ") else need
+        return ("stale, and the trainer worker's upstream keeper cannot give it the run's "
+                f"weights ({why}): it waits for a run; `carryover train` "
+                "makes the trainer serve its weights (a new run's: the base model; "
+                "--resume RUN_ID: that run's last checkpoint)")
+    if version is not None and current > version:
+        return (f"stale: policy version {current} was loaded but never verified (its step "
+                f"failed) and the last verified one is {version}; the next update loads it")
+    if version is not None:
+        return (f"stale (it went down or restarted): the trainer worker's upstream keeper "
+                f"loads policy version {version} into it once it answers")
+    return ("stale (it went down or restarted): the trainer worker's upstream keeper takes it "
+            "back with the weights it started with (no weights of "
+            f"{model!r} were published)")
+
+
+def _gateway_routes(cfg: Any, timeout: float) -> tuple[set[str], set[str]]:
+    """(the servers the running gateway knows, those it routes to), from its
+    ``/admin/state``; both empty where it does not answer."""
+    from app.config.secrets import admin_token
+
+    try:
+        resp = requests.get(cfg.gateway.url.rstrip("/") + "/admin/state", timeout=timeout,
+                            headers={"Authorization": f"Bearer {admin_token(cfg)}"})
+        body = resp.json() if resp.status_code == 200 else {}
+    except (requests.RequestException, ValueError):
+        return set(), set()
+    known, healthy = body.get("upstreams"), body.get("upstreams_healthy")
+    if not isinstance(known, list) or not isinstance(healthy, list):
+        return set(), set()
+    return {str(u).rstrip("/") for u in known}, {str(u).rstrip("/") for u in healthy}
+
+
+def mark_unroutable(rows: list[PartStatus], routes: dict[str, str]) -> None:
+    """The inference rows of servers that answer but get no call say ``UNROUTED``."""
+    for row in rows:
+        if row.part == "inference" and row.ok and row.url.rstrip("/") in routes:
+            row.label = "UNROUTED"
+
+
+def recent_exits(cfg: Any, count: int = 5, timeout: float = 2.0
+                 ) -> tuple[list[RoleExit], int]:
+    """The last ``count`` role exits the supervisors recorded (``keys.role_exits``), oldest
+    first, one whose record was written twice (a lost reply) once; and how many the stream
+    holds in all. ([], 0) if Redis is down."""
+    from app.state import keys
+
+    try:
+        client = connect(resolve_redis_url(cfg), socket_timeout=timeout,
+                         socket_connect_timeout=timeout, retry=None)
+        # a few more than asked: duplicates are dropped after the read
+        raw = client.xrevrange(keys.role_exits(), count=2 * count)
+        total = int(client.xlen(keys.role_exits()))
+    except Exception:  # noqa: BLE001 - status reports what it can
+        return [], 0
+    seen: dict[tuple[str, int, float], RoleExit] = {}
+    for _, fields in raw:
+        rec = RoleExit.from_hash(fields)
+        seen.setdefault((rec.host, rec.pid, rec.at), rec)
+    newest = list(seen.values())[:count]
+    return newest[::-1], total
 
 
 def check_gateway(cfg: Any, timeout: float = 2.0) -> PartStatus:
@@ -205,7 +330,7 @@ def check_all(cfg: Any) -> list[PartStatus]:
 
 def format_table(rows: list[PartStatus]) -> str:
     header = ("PART", "STATUS", "VERSION", "DETAIL")
-    lines = [(r.part, "up" if r.ok else "DOWN", r.version, r.detail) for r in rows]
+    lines = [(r.part, r.label or ("up" if r.ok else "DOWN"), r.version, r.detail) for r in rows]
     widths = [max(len(x[i]) for x in [header, *lines]) for i in range(3)]
     return "\n".join(
         "  ".join(col.ljust(w) for col, w in zip(x[:3], widths, strict=True)) + "  " + x[3]
