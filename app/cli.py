@@ -146,6 +146,7 @@ def _interrupt_on_signals() -> None:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from app.services.health import RoutingWatch
     from app.services.supervisor import RoleFailing, StartupError, Supervisor
 
     _interrupt_on_signals()
@@ -159,8 +160,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             return 1
         print("all parts up; a role that exits is started again; Ctrl-C stops them all",
               flush=True)
+        # a server the gateway routes nothing to (waiting for a run's weights) is said
+        routing = RoutingWatch(cfg, lambda line: print(line, flush=True))
         try:
-            sup.watch_forever()
+            sup.watch_forever(each=routing)
         except RoleFailing as exc:
             print(f"stopping: {exc}", file=sys.stderr)
             return 1

@@ -7,6 +7,8 @@ calls with short timeouts so a down part is reported, not waited on.
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,6 +155,35 @@ def _gateway_routes(cfg: Any, timeout: float) -> tuple[set[str], set[str]]:
     if not isinstance(known, list) or not isinstance(healthy, list):
         return set(), set()
     return {str(u).rstrip("/") for u in known}, {str(u).rstrip("/") for u in healthy}
+
+
+class RoutingWatch:
+    """For ``carryover up``: says, as it changes, which inference servers the gateway routes
+    no call to and why (``unroutable``), so a stack that serves nothing until a run comes
+    says so instead of only "all parts up". Looks every ``every_s`` at most."""
+
+    def __init__(self, cfg: Any, say: Callable[[str], None], every_s: float = 5.0,
+                 timeout: float = 1.0) -> None:
+        self.cfg, self.say, self.every_s, self.timeout = cfg, say, every_s, timeout
+        self.said: dict[str, str] = {}
+        self._next = float("-inf")
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            return
+        self._next = now + self.every_s
+        try:
+            found = unroutable(self.cfg, self.timeout)
+        except Exception as exc:  # noqa: BLE001 - never stops the supervisor's watch
+            log.debug("could not tell which servers the gateway routes to: %s", exc)
+            return
+        for url, why in found.items():
+            if self.said.get(url) != why:
+                self.say(f"inference {url} gets no call from the gateway: {why}")
+        for url in self.said.keys() - found.keys():
+            self.say(f"inference {url} is routed again")
+        self.said = found
 
 
 def mark_unroutable(rows: list[PartStatus], routes: dict[str, str]) -> None:

@@ -366,9 +366,14 @@ class Supervisor:
             client.connection_pool.disconnect()
 
     def watch_forever(self, every_s: float = 1.0,
-                      stop: Callable[[], bool] = lambda: False) -> None:
+                      stop: Callable[[], bool] = lambda: False,
+                      each: Callable[[], None] | None = None) -> None:
+        """``watch`` every ``every_s`` until ``stop``; ``each`` after every look (it must
+        not raise, nor wait long)."""
         while not stop():
             self.watch()
+            if each is not None:
+                each()
             time.sleep(every_s)
 
     def stop(self, grace: float = 20.0) -> None:

@@ -135,3 +135,55 @@ def test_status_lists_the_last_role_exits(redis_client, status):
 def test_status_lists_no_exits_when_none_were_recorded(redis_client, status):
     _, out = status()
     assert "role exits recorded" not in out
+
+
+def test_carryover_up_says_when_a_server_gets_no_call_and_when_it_is_routed_again(
+        redis_client, monkeypatch):
+    url = "http://127.0.0.1:9"
+    cfg = load_config(None, [*env_overrides(), f"inference.urls=[{url}]",
+                             "inference.served_model_name=policy"])
+    said: list[str] = []
+    watch = health.RoutingWatch(cfg, said.append, every_s=0)
+    watch()
+    assert said == []  # routed: nothing to say
+    redis_client.sadd(keys.upstreams_stale(), url)
+    redis_client.set(keys.upstreams_need_weights(), f"{url}: the export is gone")
+    watch()
+    watch()  # said once, not at every look
+    assert len(said) == 1 and said[0].startswith(
+        f"inference {url} gets no call from the gateway: stale, and the trainer worker's "
+        "upstream keeper cannot give it the run's weights (the export is gone): it waits for "
+        "a run")
+    redis_client.srem(keys.upstreams_stale(), url)
+    watch()
+    assert said[1:] == [f"inference {url} is routed again"]
+
+
+def test_carryover_up_watches_the_routing_while_it_runs(monkeypatch):
+    from app import cli
+    from app.services import supervisor as sv
+
+    looks: list[object] = []
+
+    class Sup:
+        def __init__(self, cfg: object) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def start(self, progress: object = None) -> None:
+            pass
+
+        def watch_forever(self, each=None, **_: object) -> None:
+            looks.append(each)
+            raise KeyboardInterrupt
+
+    monkeypatch.setenv("CARRYOVER_OVERRIDES", json.dumps(env_overrides()))
+    monkeypatch.setattr(sv, "Supervisor", Sup)
+    monkeypatch.setattr(cli, "_interrupt_on_signals", lambda: None)
+    assert cli.main(["up"]) == 0
+    assert len(looks) == 1 and isinstance(looks[0], health.RoutingWatch)
