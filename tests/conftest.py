@@ -173,11 +173,11 @@ def real_trainer():
     """A test that builds the trainer worker's resident trainer in this process: closed
     after it, so the next test starts without one."""
     yield
-    from workers.trainer import service
+    from workers.trainer import resident
 
-    if service._resident is not None:
-        service._resident.close()
-    service._resident = None
+    if resident._resident is not None:
+        resident._resident.close()
+    resident._resident = None
 
 
 @pytest.fixture

@@ -23,9 +23,11 @@ from app.state.records import CapturedCall, GroupRecord, SiblingResult
 from gateway.upstream import Upstreams
 from tests.conftest import free_port, standin_gateway
 from tests.faults.test_worker_kills import wait_for
-from workers.trainer import service, weights
+from workers.trainer import resident, weights
+from workers.trainer.errors import StepError
 from workers.trainer.keeper import UpstreamKeeper
 from workers.trainer.settings import TrainerSettings
+from workers.trainer.step import train_step
 
 
 @pytest.fixture(scope="module")
@@ -105,16 +107,16 @@ def test_an_engine_that_did_not_sleep_fails_the_step_before_the_update(
     run_id = "sleepless"
     _prepared_run(redis_client, run_id, _collocated_cfg(upstream, tmp_path))
     redis_client.set(keys.policy_version(), 7)
-    service._resident = service.Resident(run_id, _untouchable(), weights.PROBE_IDS,
-                                         published=True)
+    resident._resident = resident.Resident(run_id, _untouchable(), weights.PROBE_IDS,
+                                           published=True)
     try:
-        with pytest.raises(service.StepError, match="did not go to sleep"):
-            service.train_step(redis_client, run_id, 0)
+        with pytest.raises(StepError, match="did not go to sleep"):
+            train_step(redis_client, run_id, 0)
         assert not Pause(redis_client).is_paused()  # resumed
         assert redis_client.get(keys.policy_version()) == "7"
         assert redis_client.get(keys.run_step_result(run_id, 0)) is None
     finally:  # the module's later tests start from a well-behaved stand-in, no trainer
-        service._resident = None
+        resident._resident = None
         behave(upstream, "ok")
 
 
@@ -141,8 +143,8 @@ def test_the_memory_goes_back_in_verls_order(upstream, redis_client, tmp_path, r
     cfg = _collocated_cfg(upstream, tmp_path, "trainer.probe_tolerance=100")
     _prepared_run(redis_client, run_id, cfg)
     # the servers already hold this trainer's weights (no first load of them)
-    service.resident_trainer(run_id, cfg, TrainerSettings.from_config(cfg)).published = True
-    m = service.train_step(redis_client, run_id, 0)
+    resident.resident_trainer(run_id, cfg, TrainerSettings.from_config(cfg)).published = True
+    m = train_step(redis_client, run_id, 0)
     assert events(upstream) == ["sleep", "wake_up:weights", "collective_rpc:reload_weights",
                                 "reset_prefix_cache", "wake_up:kv_cache"]
     assert requests.get(upstream + "/is_sleeping", timeout=5).json()["is_sleeping"] is False
@@ -174,11 +176,11 @@ def test_a_load_slower_than_its_timeout_is_not_resumed(upstream, redis_client, t
     cfg = _collocated_cfg(upstream, tmp_path, "trainer.probe_tolerance=100", *mode,
                           "trainer.reload_timeout_s=1.5", "inference.startup_timeout_s=1")
     _prepared_run(redis_client, run_id, cfg)
-    service.resident_trainer(run_id, cfg, TrainerSettings.from_config(cfg)).published = True
+    resident.resident_trainer(run_id, cfg, TrainerSettings.from_config(cfg)).published = True
     requests.post(upstream + "/standin/reload", json={"delay_s": 3}, timeout=5)
     try:
         with pytest.raises(weights.WeightSyncError, match="did not answer within 2 s"):
-            service.train_step(redis_client, run_id, 0)
+            train_step(redis_client, run_id, 0)
         paused = requests.get(upstream + "/is_paused", timeout=5).json()["is_paused"]
         assert paused is (placement == "keep")
         assert "resume" not in events(upstream)
@@ -241,14 +243,14 @@ def _orphaned_once_the_lease_ends(redis_client, upstream: str, gateway, keeper, 
     paused) is that update's own and left alone; once the lease has run out the gateway
     routes no call to the engine, and the next trainer task finds it."""
     assert Pause(redis_client).is_paused()
-    assert keeper.tick() == [] and service.take_back_orphans(redis_client, settings) == []
+    assert keeper.tick() == [] and resident.take_back_orphans(redis_client, settings) == []
     gateway.check_health(timeout_s=2)
     assert held() and gateway.pick("r") == upstream
     wait_for(lambda: not Pause(redis_client).is_paused(), 3 * lease_s,
              "the dead trainer's pause to end")
     gateway.check_health(timeout_s=2)
     assert gateway.pick("r") is None   # held with no pause: a call would hang or crash it
-    assert service.take_back_orphans(redis_client, settings) == [upstream]   # the next task
+    assert resident.take_back_orphans(redis_client, settings) == [upstream]   # the next task
 
 
 def test_an_engine_left_asleep_by_a_killed_trainer_is_woken(upstream, redis_client, tmp_path):

@@ -11,7 +11,8 @@ import pytest
 
 from app.state import keys
 from app.state.pause import Admission, AdmitStatus, Pause
-from workers.trainer import service
+from workers.trainer.errors import StepError
+from workers.trainer.gateway_pause import require_pause
 
 
 @pytest.fixture
@@ -72,11 +73,11 @@ def test_a_lost_pause_stops_the_step_before_the_weights(clean):
     adm.pause(pause_ttl_s=0.2)
     time.sleep(0.4)
     assert adm.extend_pause(0.2) is False  # what the trainer's beat sees
-    with pytest.raises(service.StepError, match="pause was lost before loading"):
-        service.require_pause(adm, "loading the new weights")
+    with pytest.raises(StepError, match="pause was lost before loading"):
+        require_pause(adm, "loading the new weights")
     mine = Pause(clean)
     mine.pause(pause_ttl_s=30)
-    service.require_pause(mine, "loading the new weights")  # held: goes on
+    require_pause(mine, "loading the new weights")  # held: goes on
 
 
 def test_the_mark_that_carries_cut_calls_on_lives_and_ends_with_its_pause(clean):

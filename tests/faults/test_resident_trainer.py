@@ -20,8 +20,9 @@ from app.state import keys
 from tests.conftest import free_port, standin_gateway
 from tests.faults.test_engine_sleep import _prepared_run
 from tests.unit.test_engine import max_diff
-from workers.trainer import service
+from workers.trainer import resident
 from workers.trainer.settings import TrainerSettings
+from workers.trainer.step import train_step
 
 
 @pytest.fixture(scope="module")
@@ -43,8 +44,8 @@ def _cfg(url: str, tmp_path, *overrides: str):
 
 
 def _weights() -> dict:
-    assert service._resident is not None
-    return {k: v.clone() for k, v in service._resident.trainer.full_weights().items()}
+    assert resident._resident is not None
+    return {k: v.clone() for k, v in resident._resident.trainer.full_weights().items()}
 
 
 def test_a_retry_of_a_step_that_failed_after_its_update_publishes_that_update(
@@ -56,11 +57,11 @@ def test_a_retry_of_a_step_that_failed_after_its_update_publishes_that_update(
     cfg = _cfg(f"http://127.0.0.1:{free_port()}", tmp_path)  # nobody listens: the load fails
     _prepared_run(redis_client, run_id, cfg)
     settings = TrainerSettings.from_config(cfg)
-    first = service.resident_trainer(run_id, cfg, settings)
+    first = resident.resident_trainer(run_id, cfg, settings)
     first.published = True  # the servers hold these weights: no first load of them
     before = _weights()
     with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
-        service.train_step(redis_client, run_id, 0)
+        train_step(redis_client, run_id, 0)
     assert redis_client.get(keys.run_step_result(run_id, 0)) is None
     updated = _weights()
     assert max_diff(before, updated) > 0  # the update ran before the load failed
@@ -69,8 +70,8 @@ def test_a_retry_of_a_step_that_failed_after_its_update_publishes_that_update(
     # the server is back; the driver sends the step again
     redis_client.hset(keys.run(run_id), "config",
                       json.dumps(OmegaConf.to_container(_cfg(upstream, tmp_path))))
-    m = service.train_step(redis_client, run_id, 0)
-    assert service._resident is first and max_diff(updated, _weights()) == 0
+    m = train_step(redis_client, run_id, 0)
+    assert resident._resident is first and max_diff(updated, _weights()) == 0
     assert redis_client.get(keys.run_step_result(run_id, 0)) is not None
     assert {k: m[k] for k in update_metrics} == update_metrics  # the update's own figures
     assert not first.unrecorded and first.steps_done == 1
@@ -84,12 +85,12 @@ def test_a_retry_of_another_step_starts_from_the_recorded_weights(redis_client, 
     cfg = _cfg(f"http://127.0.0.1:{free_port()}", tmp_path)
     _prepared_run(redis_client, run_id, cfg)
     settings = TrainerSettings.from_config(cfg)
-    first = service.resident_trainer(run_id, cfg, settings)
+    first = resident.resident_trainer(run_id, cfg, settings)
     first.published = True
     before = _weights()
     with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
-        service.train_step(redis_client, run_id, 0)
-    again = service.resident_trainer(run_id, cfg, settings, step=1)
+        train_step(redis_client, run_id, 0)
+    again = resident.resident_trainer(run_id, cfg, settings, step=1)
     assert again is not first and not again.published
     assert max_diff(before, _weights()) == 0
 
@@ -102,9 +103,9 @@ def test_a_run_taken_up_from_its_checkpoint_reports_the_updates_lost(
     cfg = _cfg(upstream, tmp_path)
     _prepared_run(redis_client, run_id, cfg)
     redis_client.hset(keys.run(run_id), "step", 3)
-    m = service.init_run(redis_client, run_id)
+    m = resident.init_run(redis_client, run_id)
     assert m["trainer/rolled_back_updates"] == 3 and m["trainer/restored_from_step"] is None
-    assert service._resident.rollback["trainer/rolled_back_updates"] == 3
+    assert resident._resident.rollback["trainer/rolled_back_updates"] == 3
 
 
 def test_updates_recorded_past_the_drivers_count_are_reported_lost_too(
@@ -117,7 +118,7 @@ def test_updates_recorded_past_the_drivers_count_are_reported_lost_too(
     _prepared_run(redis_client, run_id, cfg)
     redis_client.hset(keys.run(run_id), "step", 3)
     redis_client.set(keys.run_step_result(run_id, 3), json.dumps({"policy/version": 4}))
-    m = service.init_run(redis_client, run_id)
+    m = resident.init_run(redis_client, run_id)
     assert m["trainer/rolled_back_updates"] == 4 and m["trainer/restored_from_step"] is None
 
 
@@ -126,21 +127,21 @@ def test_a_restarted_driver_keeps_the_updates_since_the_last_checkpoint(
     run_id = "kept-run"
     cfg = _cfg(upstream, tmp_path)
     _prepared_run(redis_client, run_id, cfg)
-    service.init_run(redis_client, run_id)
+    resident.init_run(redis_client, run_id)
     initial = _weights()
-    service.train_step(redis_client, run_id, 0)
-    trained, kept = _weights(), service._resident
+    train_step(redis_client, run_id, 0)
+    trained, kept = _weights(), resident._resident
     assert max_diff(initial, trained) > 0
     # the driver restarts (--resume) and asks the same worker to take the run up again:
     # no checkpoint holds step 0's update, and it is not thrown away
-    m = service.init_run(redis_client, run_id)
-    assert service._resident is kept and max_diff(trained, _weights()) == 0
+    m = resident.init_run(redis_client, run_id)
+    assert resident._resident is kept and max_diff(trained, _weights()) == 0
     assert m["policy/version"] > 0  # the servers were given the kept weights again
     # another trainer worker trained step 1 meanwhile: this one's weights are behind it,
     # so the run's are loaded (here no checkpoint yet: the initial weights)
     redis_client.set(keys.run_step_result(run_id, 1), json.dumps({}))
-    service.init_run(redis_client, run_id)
-    assert service._resident is not kept and max_diff(initial, _weights()) == 0
+    resident.init_run(redis_client, run_id)
+    assert resident._resident is not kept and max_diff(initial, _weights()) == 0
 
 
 def test_a_checkpoint_past_the_runs_record_is_passed_over(upstream, redis_client, tmp_path,
@@ -153,31 +154,31 @@ def test_a_checkpoint_past_the_runs_record_is_passed_over(upstream, redis_client
     run_id = "past-run"
     cfg = _cfg(upstream, tmp_path, "trainer.save_freq=1")
     _prepared_run(redis_client, run_id, cfg)
-    service.init_run(redis_client, run_id)
+    resident.init_run(redis_client, run_id)
     initial = _weights()
-    service.train_step(redis_client, run_id, 0)
+    train_step(redis_client, run_id, 0)
     trained = _weights()
-    service.close_resident()  # the worker restarts; its checkpoint write is finished
+    resident.close_resident()  # the worker restarts; its checkpoint write is finished
     assert (tmp_path / "c" / run_id / "step_000001" / "meta.json").exists()
     result = redis_client.get(keys.run_step_result(run_id, 0))
     # the driver died after the step's record, before counting it: the checkpoint is kept
-    service.init_run(redis_client, run_id)
-    assert service._resident.restored_step == 1 and max_diff(trained, _weights()) == 0
-    service.close_resident()
+    resident.init_run(redis_client, run_id)
+    assert resident._resident.restored_step == 1 and max_diff(trained, _weights()) == 0
+    resident.close_resident()
     # the crash lost the record: the run holds no update, nor may the trainer; the
     # checkpoint is set aside (else the pruning would delete the step's new one first, and
     # a later restart could load it)
     redis_client.delete(keys.run_step_result(run_id, 0))
-    service.init_run(redis_client, run_id)
-    assert service._resident.restored_step is None and max_diff(initial, _weights()) == 0
+    resident.init_run(redis_client, run_id)
+    assert resident._resident.restored_step is None and max_diff(initial, _weights()) == 0
     names = [p.name for p in (tmp_path / "c" / run_id).iterdir()]
     assert "step_000001" not in names and any(n.startswith("passed_over-step_000001")
                                               for n in names)
-    service.close_resident()
+    resident.close_resident()
     # the same for a step sent again to a new worker
     redis_client.delete(keys.group_trained(f"{run_id}-g0"))
-    service.train_step(redis_client, run_id, 0)
-    assert service._resident.restored_step is None and result is not None
+    train_step(redis_client, run_id, 0)
+    assert resident._resident.restored_step is None and result is not None
 
 
 def test_a_failed_step_keeps_the_published_export(upstream, redis_client, tmp_path,
@@ -188,14 +189,14 @@ def test_a_failed_step_keeps_the_published_export(upstream, redis_client, tmp_pa
     run_id = "keep-one"
     cfg = _cfg(upstream, tmp_path, "trainer.keep_weight_versions=1")
     _prepared_run(redis_client, run_id, cfg)
-    service.init_run(redis_client, run_id)
+    resident.init_run(redis_client, run_id)
     published = Path(redis_client.hget(keys.policy_published(), "path"))
     assert published.is_dir()
     # the same run, its only server gone: the step exports, then cannot load
     _prepared_run(redis_client, run_id, _cfg(f"http://127.0.0.1:{free_port()}", tmp_path,
                                              "trainer.keep_weight_versions=1"))
     with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
-        service.train_step(redis_client, run_id, 0)
+        train_step(redis_client, run_id, 0)
     assert redis_client.get(keys.run_step_result(run_id, 0)) is None
     assert (published.parent / "v000002").is_dir()   # the step did export
     assert Path(redis_client.hget(keys.policy_published(), "path")) == published
@@ -215,7 +216,7 @@ def test_a_version_bump_lost_in_a_redis_crash_is_put_back(upstream, redis_client
     cfg = _cfg(upstream, tmp_path)
     _prepared_run(redis_client, run_id, cfg)
     redis_client.set(keys.policy_version(), 5)   # the run's numbers went that far
-    version = service.init_run(redis_client, run_id)["policy/version"]
+    version = resident.init_run(redis_client, run_id)["policy/version"]
     assert version == 6
     redis_client.set(keys.policy_version(), version - 1)   # the crash lost the bump
     assert published_here.check(redis_client) == version - 1
@@ -227,7 +228,7 @@ def test_a_version_bump_lost_in_a_redis_crash_is_put_back(upstream, redis_client
     assert redis_client.hgetall(keys.policy_published()) == record
     # a store emptied on purpose starts the numbers again: the old ones are not restored
     redis_client.delete(keys.policy_version())
-    assert service.init_run(redis_client, run_id)["policy/version"] == 1
+    assert resident.init_run(redis_client, run_id)["policy/version"] == 1
     assert published_here.check(redis_client) is None
     assert int(redis_client.get(keys.policy_version())) == 1
 
@@ -244,7 +245,7 @@ def test_a_run_start_resumes_an_engine_a_dead_trainer_left_paused(upstream, redi
     _prepared_run(redis_client, run_id, _cfg(upstream, tmp_path))
     requests.post(upstream + "/pause", params={"mode": "keep"}, timeout=5).raise_for_status()
     try:
-        service.init_run(redis_client, run_id)
+        resident.init_run(redis_client, run_id)
         assert requests.get(upstream + "/is_paused", timeout=5).json()["is_paused"] is False
         assert not redis_client.sismember(keys.upstreams_stale(), upstream)
     finally:
@@ -270,14 +271,14 @@ def test_servers_the_keeper_cannot_restore_get_the_runs_weights_from_the_trainer
     cfg = _cfg(upstream, tmp_path)
     settings = TrainerSettings.from_config(cfg)
     _prepared_run(redis_client, run_id, cfg)
-    service.init_run(redis_client, run_id)
+    resident.init_run(redis_client, run_id)
     initial = _weights()
-    service.train_step(redis_client, run_id, 0)
+    train_step(redis_client, run_id, 0)
     published = redis_client.hgetall(keys.policy_published())
     trained_version = int(published["version"])
     assert weights.loaded_version(upstream) == str(trained_version)
     # the reboot (a warm stop of the worker frees an export in /dev/shm too)
-    service.close_resident()
+    resident.close_resident()
     shutil.rmtree(published["path"], ignore_errors=True)
     assert not Path(published["path"]).exists()
     requests.post(upstream + "/update_weight_version", json={"new_version": "default"},
@@ -290,7 +291,7 @@ def test_servers_the_keeper_cannot_restore_get_the_runs_weights_from_the_trainer
     # the driver, waiting for step 1's groups, asks the trainer worker
     _prepared_run(redis_client, run_id, cfg, step=1)
     redis_client.hset(keys.run(run_id), "step", 1)   # the driver's count of updates done
-    restored = service.restore_servers(redis_client, run_id)
+    restored = resident.restore_servers(redis_client, run_id)
     assert restored["trainer/rolled_back_updates"] == 1
     assert restored["trainer/restored_from_step"] is None
     version = restored["trainer/restored_policy_version"]
@@ -300,13 +301,13 @@ def test_servers_the_keeper_cannot_restore_get_the_runs_weights_from_the_trainer
     assert not redis_client.exists(keys.upstreams_need_weights())
     assert not redis_client.sismember(keys.upstreams_stale(), upstream)
     assert keeper.tick() == []   # nothing left to restore
-    assert service.restore_servers(redis_client, run_id) == {}   # nor to ask for
+    assert resident.restore_servers(redis_client, run_id) == {}   # nor to ask for
     # the next step trains on the restored weights and reports what was lost
-    step = service.train_step(redis_client, run_id, 1)
+    step = train_step(redis_client, run_id, 1)
     assert step["trainer/rolled_back_updates"] == 1
     assert step["policy/version"] == version + 1
     _prepared_run(redis_client, run_id, cfg, step=2)   # reported once
-    assert "trainer/rolled_back_updates" not in service.train_step(redis_client, run_id, 2)
+    assert "trainer/rolled_back_updates" not in train_step(redis_client, run_id, 2)
 
 
 def test_a_final_checkpoint_that_failed_to_save_is_saved_when_the_run_is_taken_up(
@@ -320,7 +321,7 @@ def test_a_final_checkpoint_that_failed_to_save_is_saved_when_the_run_is_taken_u
     run_id = "final-save"
     cfg = _cfg(upstream, tmp_path, "trainer.total_steps=1")
     _prepared_run(redis_client, run_id, cfg)
-    service.init_run(redis_client, run_id)
+    resident.init_run(redis_client, run_id)
     real_save = checkpoint.save_checkpoint
 
     def full_disk(*args, **kwargs):
@@ -328,19 +329,19 @@ def test_a_final_checkpoint_that_failed_to_save_is_saved_when_the_run_is_taken_u
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", full_disk)
     with pytest.raises(OSError, match="No space"):
-        service.train_step(redis_client, run_id, 0)
+        train_step(redis_client, run_id, 0)
     assert redis_client.get(keys.run_step_result(run_id, 0)) is not None  # recorded
     trained = _weights()
     monkeypatch.setattr(checkpoint, "save_checkpoint", real_save)  # space freed
     redis_client.hset(keys.run(run_id), "step", 1)  # the driver counted the step
-    service.init_run(redis_client, run_id)
+    resident.init_run(redis_client, run_id)
     latest = checkpoint.latest_checkpoint(tmp_path / "c", run_id)
     assert latest is not None and checkpoint.checkpoint_step(latest) == 1
     # it holds the update: a new trainer restored from it has the same weights
-    service.close_resident()
-    service.init_run(redis_client, run_id)
-    assert service._resident.restored_step == 1 and max_diff(trained, _weights()) == 0
-    service.close_resident()
+    resident.close_resident()
+    resident.init_run(redis_client, run_id)
+    assert resident._resident.restored_step == 1 and max_diff(trained, _weights()) == 0
+    resident.close_resident()
 
 
 def test_a_run_taken_up_while_its_checkpoint_is_written_waits_for_it(
@@ -357,7 +358,7 @@ def test_a_run_taken_up_while_its_checkpoint_is_written_waits_for_it(
     run_id = "pending-save"
     cfg = _cfg(upstream, tmp_path, "trainer.save_freq=1", "trainer.checkpoint_in_background=true")
     _prepared_run(redis_client, run_id, cfg)
-    service.init_run(redis_client, run_id)
+    resident.init_run(redis_client, run_id)
     real_save = checkpoint.save_checkpoint
     saving, saves = threading.Event(), []
 
@@ -368,10 +369,10 @@ def test_a_run_taken_up_while_its_checkpoint_is_written_waits_for_it(
         return real_save(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint, "save_checkpoint", slow_save)
-    service.train_step(redis_client, run_id, 0)
-    assert service._resident.saves.pending and saving.wait(10)
+    train_step(redis_client, run_id, 0)
+    assert resident._resident.saves.pending and saving.wait(10)
     redis_client.hset(keys.run(run_id), "step", 1)
-    service.init_run(redis_client, run_id)  # the same worker: its trainer is kept
+    resident.init_run(redis_client, run_id)  # the same worker: its trainer is kept
     assert saves == [1]  # written once, by the background save
     assert checkpoint.checkpoint_step(checkpoint.latest_checkpoint(tmp_path / "c", run_id)) == 1
-    service.close_resident()
+    resident.close_resident()

@@ -14,7 +14,7 @@ from app.state import keys
 from app.state.pause import Pause
 from app.state.records import CapturedCall, GroupRecord, SiblingResult
 from tests.conftest import free_port
-from workers.trainer import service
+from workers.trainer.step import train_step
 
 
 def test_gateway_resumed_after_failure_mid_update(redis_client, tmp_path):
@@ -43,7 +43,7 @@ def test_gateway_resumed_after_failure_mid_update(redis_client, tmp_path):
     redis_client.rpush(keys.run_step_groups(run_id, 0), gid)
     redis_client.set(keys.policy_version(), 5)
     with pytest.raises(Exception, match="Connection|connect|refused"):  # noqa: B017
-        service.train_step(redis_client, run_id, 0)
+        train_step(redis_client, run_id, 0)
     assert not Pause(redis_client).is_paused()
     assert redis_client.get(keys.policy_version()) == "5"
     assert redis_client.get(keys.run_step_result(run_id, 0)) is None

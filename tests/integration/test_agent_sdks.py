@@ -436,7 +436,7 @@ def test_a_streamed_anthropic_message_is_carried_on_across_a_weight_load(
     from transformers import AutoTokenizer
 
     from app.state.pause import Pause
-    from workers.trainer import drain, service
+    from workers.trainer import drain, publish
 
     rid, token, base = new_rollout(gw)
     # greedy (a rollout's own temperature, as an evaluation's): at temperature 1 the model
@@ -470,7 +470,7 @@ def test_a_streamed_anthropic_message_is_carried_on_across_a_weight_load(
         assert metrics["training/async/proxy_continued_calls"] == 1
         time.sleep(0.5)
         assert t.is_alive() and "final" not in got  # the agent still reads its message
-        service.switch_weights(redis_client, [smollm2_server], MODEL, version + 1, held, 60, 1)
+        publish.switch_weights(redis_client, [smollm2_server], MODEL, version + 1, held, 60, 1)
     finally:
         pause.resume()
     t.join(120)

@@ -104,8 +104,8 @@ def test_a_step_of_rollouts_that_all_failed_before_their_first_call_goes_through
     first model call (a sandbox that would not start): nothing to train, and the step goes
     through empty. As an error it failed again at every ``--resume``, for ever."""
     from app.config import load_config
-    from workers.trainer.service import StepError, claim
     from workers.trainer.settings import TrainerSettings
+    from workers.trainer.step import StepError, claim
 
     settings = TrainerSettings.from_config(load_config(None, ["controller.on_failure=zero_reward"]))
     run = "empty-step-run"

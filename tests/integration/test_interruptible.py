@@ -28,7 +28,7 @@ from app.state import keys
 from app.state.pause import Pause
 from app.state.records import CapturedCall
 from bench.reference import PolicyTrainer
-from workers.trainer import drain, service, weights
+from workers.trainer import drain, publish, weights
 
 pytestmark = pytest.mark.slow
 MODEL = REPO_ROOT / "var" / "models" / "tiny-qwen2"
@@ -182,7 +182,7 @@ def test_keep_freezes_long_calls_across_a_real_weight_load(gw, new_rollout, cfg,
     assert all(t.is_alive() for t in threads)  # nothing was cancelled or failed
 
     assert held.frozen_calls
-    loaded = service.switch_weights(gw, [vllm_service], path, 4, held, 30, 1)
+    loaded = publish.switch_weights(gw, [vllm_service], path, 4, held, 30, 1)
     assert loaded == [vllm_service] and held.urls == []
     adm.resume()
     for t in threads:
@@ -227,7 +227,7 @@ def test_abort_gives_a_retryable_error_and_the_call_is_sent_again(gw, new_rollou
     assert gw.llen(keys.rollout_calls(rid)) == 0 and gw.llen(keys.rollout_calls(rid_p)) == 0
 
     assert not held.frozen_calls
-    service.switch_weights(gw, [vllm_service], path, 4, held, 30, 1)
+    publish.switch_weights(gw, [vllm_service], path, 4, held, 30, 1)
     adm.resume()
     again: dict = {}
     _, tok_p, base_p = plain["rollout"]
@@ -266,7 +266,7 @@ def test_continue_carries_cut_calls_on_across_a_real_weight_load(
     assert all(t.is_alive() for t in threads[:3])  # the agents still wait for their answers
     assert not held.frozen_calls  # nothing holds the KV cache: the engine could sleep
 
-    service.switch_weights(gw, [vllm_service], path, 4, held, 30, 1)
+    publish.switch_weights(gw, [vllm_service], path, 4, held, 30, 1)
     adm.resume()
     for t in threads:
         t.join(120)

@@ -10,7 +10,7 @@ from app.config import load_config
 from app.config.loader import REPO_ROOT
 from app.config.settings import launcher
 from tests.unit.test_engine import assert_same_step, step_of
-from workers.trainer import service
+from workers.trainer import resident
 from workers.trainer.engine import EngineTrainer
 from workers.trainer.settings import TrainerSettings
 
@@ -40,14 +40,14 @@ def test_two_runs_in_one_worker_on_two_ray_ranks_take_the_same_step_as_one_local
     settings = TrainerSettings.from_config(cfg)
     ray.init(num_cpus=2, include_dashboard=False)
     try:
-        first = service.resident_trainer("ray-run-1", cfg, settings)
+        first = resident.resident_trainer("ray-run-1", cfg, settings)
         assert first.trainer.size == 2
-        second = service.resident_trainer("ray-run-2", cfg, settings)  # closes the first
+        second = resident.resident_trainer("ray-run-2", cfg, settings)  # closes the first
         assert second is not first and second.trainer.size == 2
-        service._resident = None
+        resident._resident = None
         assert_same_step(local, step_of(second.trainer))
     finally:
-        if service._resident is not None:
-            service._resident.close()
-            service._resident = None
+        if resident._resident is not None:
+            resident._resident.close()
+            resident._resident = None
         ray.shutdown()

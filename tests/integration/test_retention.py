@@ -34,7 +34,7 @@ def test_a_groups_training_claim_lives_a_week(redis_client):
     """A group is claimed for one step (``group_trained``): a retry of that step claims it
     again, another step does not, and the claim expires with the run's other guards
     instead of staying for ever."""
-    from workers.trainer.service import _claim_groups
+    from workers.trainer.step import _claim_groups
 
     r = redis_client
     gid = "claim-g0"
@@ -71,7 +71,7 @@ def test_a_step_stored_by_a_trainer_killed_before_releasing_is_released_when_sen
 
     from app.config import load_config
     from app.driver.collector import Collector
-    from workers.trainer import service
+    from workers.trainer.step import train_step
 
     r = redis_client
     data = tmp_path / "d.jsonl"
@@ -85,6 +85,6 @@ def test_a_step_stored_by_a_trainer_killed_before_releasing_is_released_when_sen
     r.hset(keys.group(gid), "status", "selected")
     r.rpush(keys.run_step_groups(run, 0), gid)
     r.set(keys.run_step_result(run, 0), json.dumps({"actor/pg_loss": 0.5}))  # then killed
-    assert service.train_step(r, run, 0) == {"actor/pg_loss": 0.5}
+    assert train_step(r, run, 0) == {"actor/pg_loss": 0.5}
     assert not r.exists(keys.rollout_calls(rid))
     assert 0 < r.ttl(keys.group(gid)) <= 120

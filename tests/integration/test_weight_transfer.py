@@ -24,13 +24,15 @@ from app.config.secrets import inference_api_key
 from app.state import keys
 from bench.stack import free_port, inference_server
 from tests.conftest import REPO, SMOLLM2, SMOLLM2_NAME
-from workers.trainer import service, weights
+from workers.trainer import publish, weights
 from workers.trainer.batch import Sample
 from workers.trainer.engine import EngineTrainer
 from workers.trainer.keeper import UpstreamKeeper
+from workers.trainer.resident import Resident
 from workers.trainer.settings import TrainerSettings
 from workers.trainer.transfer import ShmSender
 from workers.trainer.verl_batch import to_verl_batch
+from workers.trainer.weight_sync.transfer import send_again, transfer_loader
 
 pytestmark = pytest.mark.slow
 
@@ -123,7 +125,7 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
     settings = TrainerSettings.from_config(cfg)
     model = REPO / cfg.actor_rollout_ref.model.path
     trainer = EngineTrainer(cfg, str(model))
-    resident = service.Resident("transfer-test", trainer, weights.probe_ids(model))
+    resident = Resident("transfer-test", trainer, weights.probe_ids(model))
     ids = resident.probe_ids
     before = trainer.probe_log_probs(ids)
     update(trainer, 3)
@@ -148,9 +150,9 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
             watcher.start()
             metrics: dict = {}
             with pytest.raises(weights.WeightSyncError, match="no inference server loaded"):
-                service.switch_weights(
+                publish.switch_weights(
                     redis_client, [url], None, 1, weights.NOTHING_HELD, 30, 0.5,
-                    load=service.transfer_loader(resident, settings, 1, False, metrics))
+                    load=transfer_loader(resident, settings, 1, False, metrics))
             watcher.join()
             assert killed.is_set()
             # stale (the gateway routes around it), the version not bumped, no bucket left
@@ -161,9 +163,9 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
             # while it is down, a step waits for it without gathering the model each time
             waited: dict = {}
             with pytest.raises(weights.WeightSyncError, match="could be reached"):
-                service.switch_weights(
+                publish.switch_weights(
                     redis_client, [url], None, 1, weights.NOTHING_HELD, 2, 0.5,
-                    load=service.transfer_loader(resident, settings, 1, False, waited))
+                    load=transfer_loader(resident, settings, 1, False, waited))
             assert "weight_sync/bytes_moved" not in waited
         # the weights were published by transfer (no export), and the server comes back
         resident.weights_version = 1
@@ -179,8 +181,7 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
             assert redis_client.sismember(keys.upstreams_stale(), url)
             assert "no trainer in this process" in redis_client.get(
                 keys.upstreams_need_weights())
-            keeper.send_weights = lambda u, v, f: service.send_again(resident, settings, u,
-                                                                     v, f)
+            keeper.send_weights = lambda u, v, f: send_again(resident, settings, u, v, f)
             assert keeper.tick() == [url]
             assert not redis_client.sismember(keys.upstreams_stale(), url)
             assert weights.loaded_version(url) == "1"
@@ -202,7 +203,7 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
                 sender.send(breaks_after_five(), torch.float32)
             assert url in sender.result.failed
             assert not glob.glob(f"/dev/shm/carryover-transfer-{os.getpid()}-*")
-            service.send_again(resident, settings, url, 1, False)
+            send_again(resident, settings, url, 1, False)
             assert weights.verify_sync(url, cfg.inference.served_model_name, after, None,
                                        settings.probe_tolerance, ids)[
                 "weight_sync/probe_gap"] < settings.probe_tolerance
@@ -218,7 +219,7 @@ def test_a_server_killed_mid_transfer_fails_the_load_and_the_keeper_sends_it_aga
             resident.weights_version = None
             with pytest.raises(weights.WeightSyncError,
                                match="an update or a checkpoint is under way"):
-                service.send_again(resident, settings, url, 1, False)
+                send_again(resident, settings, url, 1, False)
     finally:
         trainer.close()
         redis_client.delete(keys.policy_published(), keys.upstreams_stale())

@@ -126,7 +126,7 @@ def test_a_failed_save_leaves_no_partial_checkpoint_behind(tmp_path):
 def test_a_checkpoint_that_cannot_be_loaded_gives_way_to_the_one_before(tmp_path):
     """A newest checkpoint torn by a power loss (its files empty) is set aside and the run
     goes on from the one before, instead of failing every resume until a person steps in."""
-    from workers.trainer import service
+    from workers.trainer.resident import close_resident, resident_trainer
     from workers.trainer.settings import TrainerSettings
 
     cfg = load_config(None, ["trainer.device=cpu", "actor_rollout_ref.actor.lr=1e-2",
@@ -139,11 +139,11 @@ def test_a_checkpoint_that_cannot_be_loaded_gives_way_to_the_one_before(tmp_path
     save_checkpoint(a, tmp_path / "ckpt", "run", 2, 2, {})
     (tmp_path / "ckpt" / "run" / "step_000002" / "rng.pt").write_bytes(b"")
     try:
-        resident = service.resident_trainer("run", cfg, TrainerSettings.from_config(cfg))
+        resident = resident_trainer("run", cfg, TrainerSettings.from_config(cfg))
         assert resident.restored_step == 1 and resident.steps_done == 1
         assert same(resident.trainer.full_weights(), after_one)
     finally:
-        service.close_resident()
+        close_resident()
     names = sorted(p.name for p in (tmp_path / "ckpt" / "run").iterdir())
     assert names[0].startswith("step_000001") and names[1].startswith("unreadable-step_000002")
 
@@ -153,7 +153,7 @@ def test_a_checkpoint_that_fails_to_load_for_now_is_kept(tmp_path, monkeypatch):
     rank lost, a file system away) fails the task, which a retry may get past, and the
     checkpoint stays where it is."""
     from workers.trainer import checkpoint as ckpt
-    from workers.trainer import service
+    from workers.trainer.resident import close_resident, resident_trainer
     from workers.trainer.settings import TrainerSettings
 
     cfg = load_config(None, ["trainer.device=cpu", f"trainer.checkpoint_dir={tmp_path / 'ckpt'}"])
@@ -164,11 +164,11 @@ def test_a_checkpoint_that_fails_to_load_for_now_is_kept(tmp_path, monkeypatch):
 
     monkeypatch.setattr(ckpt, "load_checkpoint", busy)
     try:
-        service.resident_trainer("run", cfg, TrainerSettings.from_config(cfg))
+        resident_trainer("run", cfg, TrainerSettings.from_config(cfg))
     except RuntimeError as exc:
         assert "out of memory" in str(exc)
     else:
         raise AssertionError("the load did not fail")
     finally:
-        service.close_resident()
+        close_resident()
     assert [p.name for p in (tmp_path / "ckpt" / "run").iterdir()] == ["step_000001"]

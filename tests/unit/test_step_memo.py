@@ -7,7 +7,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from app.state import keys
-from workers.trainer import service, tasks
+from workers.trainer import resident, tasks
+from workers.trainer import step as trainer_step
 
 
 def test_a_remembered_step_is_answered_only_by_the_trainer_that_holds_it(redis_client,
@@ -19,14 +20,14 @@ def test_a_remembered_step_is_answered_only_by_the_trainer_that_holds_it(redis_c
         client.set(keys.run_step_result(run_id, step), "{}")
         return {"n": len(trained)}
 
-    monkeypatch.setattr(service, "train_step", run_step)
+    monkeypatch.setattr(trainer_step, "train_step", run_step)
     monkeypatch.setattr(tasks, "_trained", {})
-    monkeypatch.setattr(service, "_resident", SimpleNamespace(run_id="memo", generation=1))
+    monkeypatch.setattr(resident, "_resident", SimpleNamespace(run_id="memo", generation=1))
     assert tasks.train_step("memo", 0) == {"n": 1}
     redis_client.delete(keys.run_step_result("memo", 0))  # lost in a Redis crash
     assert tasks.train_step("memo", 0) == {"n": 1} and trained == [0]  # answered
     assert redis_client.get(keys.run_step_result("memo", 0)) is not None  # stored again
     # the trainer was replaced (reloaded from a checkpoint that lacks step 0's update)
-    monkeypatch.setattr(service, "_resident", SimpleNamespace(run_id="memo", generation=2))
+    monkeypatch.setattr(resident, "_resident", SimpleNamespace(run_id="memo", generation=2))
     redis_client.delete(keys.run_step_result("memo", 0))
     assert tasks.train_step("memo", 0) == {"n": 2} and trained == [0, 0]  # trained again

@@ -28,8 +28,6 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
 
 import redis
 import requests
@@ -38,15 +36,12 @@ from app.state import keys
 from app.state.pause import Pause
 from app.state.policy import current_version
 from workers.trainer import weights
+from workers.trainer.weight_sync import NeedsTrainer, Sender, weight_sync_of
 
 log = logging.getLogger(__name__)
 
 # Held by a step from pause to resume and by the keeper while it reloads one server.
 publish_lock = threading.Lock()
-
-
-class NeedsTrainer(weights.WeightSyncError):
-    """The published weights cannot be loaded by the keeper: only a trainer can serve them."""
 
 
 def left_held(client: redis.Redis, url: str, sleep_check: bool) -> list[str]:
@@ -75,9 +70,9 @@ class UpstreamKeeper:
                  dp_size: int = 1, sleep_check: bool = False) -> None:
         self.client = client
         self.every_s = every_s
-        # weight_sync transfer: sends the trainer's weights to one server (url, version,
-        # frozen_calls); set by the trainer service while it holds a run's trainer
-        self.send_weights: Callable[[str, int, bool], None] | None = None
+        # sends the trainer's weights to one server where the published record is not
+        # enough (weight transfer); set by the run's way while this process holds its trainer
+        self.send_weights: Sender | None = None
         self._waiting: set[str] = set()   # stale, waiting for an unverified version's step
         self._failing: set[str] = set()   # stale, their restore failed (said once each)
         self._misses: dict[str, int] = {}  # looks in a row a server missed (health())
@@ -253,26 +248,11 @@ class UpstreamKeeper:
             # calls frozen in an engine a failed step left paused: their KV goes with the
             # old weights, so they recompute it on the new ones
             frozen = weights.in_state(url, weights.PAUSE)
-            version = int(published["version"])
-            path = Path(published["path"]) if published.get("path") else None
-            if path is not None and not path.is_dir():
-                raise NeedsTrainer(f"the export of policy version {version} ({path}) is gone "
-                                   "(a reboot empties /dev/shm)")
-            if path is not None and published.get("adapter"):  # LoRA: the adapter alone
-                weights.load_adapter(url, published["adapter"], path,
-                                     self.reload_timeout_s, frozen_calls=frozen, version=version)
-            elif path is not None:
-                weights.reload_weights(url, path, self.reload_timeout_s,
-                                       frozen_calls=frozen, version=version)
-            elif self.send_weights is not None:
-                self.send_weights(url, version, frozen)
-            else:
-                raise NeedsTrainer(
-                    f"policy version {version} went to the servers by weight transfer and no "
-                    "trainer in this process can send it again (the trainer worker restarted)")
+            way = weight_sync_of(published)
+            way.reload(url, published, self.reload_timeout_s, frozen, self.send_weights)
             self._no_step_began(url)
             weights.resume_if_paused(url)
-            weights.verify_sync(url, published.get("adapter") or self.model_name,
+            weights.verify_sync(url, way.served_in(published, self.model_name),
                                 json.loads(published["probe"]),
                                 None, self.tolerance,
                                 json.loads(published.get("probe_ids", "null")), self.dp_size)
@@ -285,7 +265,7 @@ class UpstreamKeeper:
         if published:
             log.warning("inference server %s is back: loaded and verified policy version %s "
                         "(%s)", url, published["version"],
-                        published["path"] or "by weight transfer")
+                        weight_sync_of(published).source(published))
         else:
             log.warning("inference server %s is back (no weights published yet: it serves the "
                         "initial model, as it should)", url)

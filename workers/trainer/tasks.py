@@ -48,8 +48,8 @@ TRAINED_KEPT = 8
 
 @celery_app.task(name="workers.trainer.tasks.train_step", acks_late=False)
 def train_step(run_id: str, step: int) -> dict:
-    from workers.trainer.service import resident_generation
-    from workers.trainer.service import train_step as run_step
+    from workers.trainer.resident import resident_generation
+    from workers.trainer.step import train_step as run_step
 
     _watch_outages()
     client = task_redis()
@@ -70,7 +70,7 @@ def train_step(run_id: str, step: int) -> dict:
 
 @celery_app.task(name="workers.trainer.tasks.init_run", acks_late=False)
 def init_run(run_id: str) -> dict:
-    from workers.trainer.service import init_run as init
+    from workers.trainer.resident import init_run as init
 
     _watch_outages()
     return init(task_redis(), run_id)
@@ -78,7 +78,7 @@ def init_run(run_id: str) -> dict:
 
 @celery_app.task(name="workers.trainer.tasks.restore_servers", acks_late=False)
 def restore_servers(run_id: str) -> dict:
-    from workers.trainer.service import restore_servers as restore
+    from workers.trainer.resident import restore_servers as restore
 
     _watch_outages()
     return restore(task_redis(), run_id)
@@ -110,8 +110,8 @@ def _start_upstream_keeper(sender: Any = None, **_: Any) -> None:
 def _close_resident(sender: Any = None, **_: Any) -> None:
     """A worker that stops (warm shutdown) finishes its checkpoint write and frees what its
     run held, its exports in shared memory among them."""
-    if "workers.trainer.service" not in sys.modules:
+    if "workers.trainer.resident" not in sys.modules:
         return  # a rollout or groups worker, or a trainer that never took a task
-    from workers.trainer.service import close_resident
+    from workers.trainer.resident import close_resident
 
     close_resident()
