@@ -6,9 +6,16 @@ gevent workers: a model call can be held for minutes (long generations, hold mod
 the sync worker class would time out or serialise.
 """
 
-from app.config import service_config
+import sys
+
+from app.config import ConfigError, service_config
+from app.services.commands import check_shared_secret
 
 _cfg = service_config()
+try:  # started by the Procfile's line too, not only by `carryover serve gateway`
+    check_shared_secret(_cfg, "gateway")
+except ConfigError as _exc:
+    sys.exit("\n".join(f"config error: {line}" for line in _exc.problems))
 
 bind = f"{_cfg.gateway.host}:{_cfg.gateway.port}"
 workers = int(_cfg.gateway.workers)

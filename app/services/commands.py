@@ -55,7 +55,7 @@ def project_bin(name: str) -> str:
 def redis_command(cfg: Any) -> Command:
     if is_external(cfg):
         return Command("redis", [], idle_reason="external Redis ($REDIS_URL or redis.url)")
-    _check_shared_secret(cfg, "redis")
+    check_shared_secret(cfg, "redis")
     data_dir = (REPO_ROOT / cfg.redis.dir).resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
     argv = [
@@ -130,7 +130,7 @@ _SHARED_SECRETS = {
 }
 
 
-def _check_shared_secret(cfg: Any, role: str) -> None:
+def check_shared_secret(cfg: Any, role: str) -> None:
     """A role bound beyond loopback serves other hosts, which must know its secret: the
     config (or the environment) names it, one for every host. A secret generated into var/
     is this machine's alone, and Redis without a password would be open to all."""
@@ -148,7 +148,7 @@ def _check_shared_secret(cfg: Any, role: str) -> None:
 
 def inference_command(cfg: Any) -> Command:
     _check_reachable(cfg, "inference")
-    _check_shared_secret(cfg, "inference")
+    check_shared_secret(cfg, "inference")
     inf = cfg.inference
     device = resolve_device(str(inf.device))
     model = model_dir(cfg).resolve()
@@ -242,7 +242,7 @@ def inference_command(cfg: Any) -> Command:
 
 def gateway_command(cfg: Any) -> Command:
     _check_reachable(cfg, "gateway")
-    _check_shared_secret(cfg, "gateway")
+    check_shared_secret(cfg, "gateway")
     argv = [
         project_bin("gunicorn"),
         "-c", str(REPO_ROOT / "gateway" / "gunicorn.conf.py"),

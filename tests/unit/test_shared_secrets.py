@@ -82,3 +82,21 @@ def test_carryover_up_refuses_it_before_any_role_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"^redis\.password: not set"):
         sup.start()
     assert sup.procs == {}
+
+
+def test_the_gateway_started_by_gunicorn_itself_refuses_it_too(monkeypatch):
+    """The Procfile starts the gateway with gunicorn, not through ``carryover serve``."""
+    import json
+    import runpy
+
+    from app.config.loader import REPO_ROOT, env_overrides
+
+    conf = str(REPO_ROOT / "gateway" / "gunicorn.conf.py")
+    monkeypatch.setenv("CARRYOVER_OVERRIDES", json.dumps([*env_overrides(), GUARD,
+                                                          "gateway.host=0.0.0.0"]))
+    with pytest.raises(SystemExit) as stopped:
+        runpy.run_path(conf)
+    assert str(stopped.value.code).startswith(
+        "config error: gateway.admin_token: not set, and gateway.host '0.0.0.0'")
+    monkeypatch.setenv("CARRYOVER_ADMIN_TOKEN", "one-for-every-host")
+    assert runpy.run_path(conf)["bind"].startswith("0.0.0.0:")
