@@ -99,6 +99,16 @@ def namespaces(prefix: str = PREFIX) -> list[str]:
     return [n for n in names if n.startswith(prefix)]
 
 
+def root_network() -> str:
+    """The root namespace's links, addresses and routes (what the harness must not change)."""
+    links = _ip("-o", "link", "show", check=False).stdout.splitlines()
+    addrs = _ip("-o", "addr", "show", check=False).stdout.splitlines()
+    routes = _ip("route", "show", "table", "all", check=False).stdout.splitlines()
+    # a link's name and flags, without its counters or state changes' noise
+    names = sorted(line.split(" link/")[0].split(" qdisc")[0] for line in links)
+    return "\n".join([*names, *sorted(addrs), *sorted(routes)])
+
+
 def missing_capability() -> str | None:
     """Why this machine cannot build the harness (None: it can): the namespaces, bridge and
     veth pairs need root (CAP_NET_ADMIN and CAP_SYS_ADMIN) and iproute2's ``ip``."""
@@ -135,6 +145,7 @@ class Cluster:
         self.config = self.run_dir / "multihost.yaml"
         self.secrets_file = self.run_dir / "secrets.json"
         self.started: list[str] = []  # hosts whose roles up() started
+        self.root_before = ""  # the root namespace's network before up() (root_network)
 
     # -- names and addresses
     def ns(self, host: str) -> str:
@@ -291,6 +302,7 @@ class Cluster:
         if left:
             raise HarnessError(f"namespaces of a stack are there already ({', '.join(left)}): "
                                "`scripts/multihost.sh down` first")
+        self.root_before = root_network()
         if self.run_dir.exists():
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, mode=0o700)
