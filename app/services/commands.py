@@ -125,25 +125,46 @@ _SHARED_SECRETS = {
                   "the gateway and the trainer on other hosts would be refused"),
     "gateway": ("gateway.host", "gateway.admin_token", "CARRYOVER_ADMIN_TOKEN",
                 "var/admin-token",
-                "a trainer or driver on another host would be refused its admin routes "
-                "(pause, resume, state)"),
+                "`carryover status` and `carryover train` on another host would be refused "
+                "its admin routes"),
 }
+# the roles that call the inference servers, with the servers' key
+_KEY_SENDERS = ("gateway", "trainer")
+
+
+def shared_secret_problems(cfg: Any, role: str) -> list[str]:
+    """What ``role`` lacks to start on this host beside others, one line each. A role bound
+    beyond loopback serves other hosts, which must know its secret: the config (or the
+    environment) names it, one for every host; a secret generated into var/ is this
+    machine's alone, and Redis without a password would be open to all. A role that calls
+    an inference server on another host sends it that server's key, which therefore must be
+    named too."""
+    out = []
+    if role in _SHARED_SECRETS:
+        bind, secret, env, generated, without = _SHARED_SECRETS[role]
+        host = str(cfg[role].host)
+        if _beyond_loopback(host) and not cfg[role].get(secret.partition(".")[2]) \
+                and not os.environ.get(env):
+            mine = f" (the one generated into {generated} is this machine's alone)" \
+                if generated else ""
+            out.append(f"{secret}: not set, and {bind} {host!r} opens the {role} server "
+                       f"beyond this machine: {without}{mine}; set {secret} (or ${env}) to "
+                       f"the same value on every host, or bind {bind} to 127.0.0.1")
+    far = [u for u in cfg.inference.urls if not is_loopback(urlsplit(u).hostname or "")]
+    if role in _KEY_SENDERS and far and not cfg.inference.get("api_key") \
+            and not os.environ.get("CARRYOVER_INFERENCE_API_KEY"):
+        out.append(f"inference.api_key: not set, and inference.urls names a server on another "
+                   f"host ({', '.join(far)}), which would refuse the {role}'s calls made with "
+                   "this machine's own key (generated into var/inference-api-key); set "
+                   "inference.api_key (or $CARRYOVER_INFERENCE_API_KEY) to the servers' key")
+    return out
 
 
 def check_shared_secret(cfg: Any, role: str) -> None:
-    """A role bound beyond loopback serves other hosts, which must know its secret: the
-    config (or the environment) names it, one for every host. A secret generated into var/
-    is this machine's alone, and Redis without a password would be open to all."""
-    bind, secret, env, generated, without = _SHARED_SECRETS[role]
-    host = str(cfg[role].host)
-    if not _beyond_loopback(host) or cfg[role].get(secret.partition(".")[2]) \
-            or os.environ.get(env):
-        return
-    mine = f" (the one generated into {generated} is this machine's alone)" if generated \
-        else ""
-    raise ConfigError([f"{secret}: not set, and {bind} {host!r} opens the {role} server "
-                       f"beyond this machine: {without}{mine}; set {secret} (or ${env}) "
-                       f"to the same value on every host, or bind {bind} to 127.0.0.1"])
+    """Raise ``ConfigError`` with ``shared_secret_problems``, if any."""
+    problems = shared_secret_problems(cfg, role)
+    if problems:
+        raise ConfigError(problems)
 
 
 def inference_command(cfg: Any) -> Command:
@@ -261,6 +282,7 @@ def worker_command(cfg: Any, role: str) -> Command:
     elif role == "groups":
         extra = ["-Q", "groups", "-n", "groups@%h", "--pool", "threads", "-c", "2"]
     elif role == "trainer":
+        check_shared_secret(cfg, role)
         # solo: the model and optimizer stay resident in this one process.
         extra = ["-Q", "trainer", "-n", "trainer@%h", "--pool", "solo"]
     else:

@@ -100,3 +100,32 @@ def test_the_gateway_started_by_gunicorn_itself_refuses_it_too(monkeypatch):
         "config error: gateway.admin_token: not set, and gateway.host '0.0.0.0'")
     monkeypatch.setenv("CARRYOVER_ADMIN_TOKEN", "one-for-every-host")
     assert runpy.run_path(conf)["bind"].startswith("0.0.0.0:")
+
+
+@pytest.mark.parametrize("role", ["gateway", "trainer"])
+def test_a_role_calling_a_server_on_another_host_needs_the_servers_key(role, monkeypatch):
+    far = "inference.urls=[http://127.0.0.1:8100,http://10.1.2.3:8100]"
+    with pytest.raises(ConfigError) as err:
+        command_for(_cfg(far), role)
+    [line] = err.value.problems
+    assert line.startswith("inference.api_key: not set, and inference.urls names a server on "
+                           f"another host (http://10.1.2.3:8100), which would refuse the "
+                           f"{role}'s calls")
+    command_for(_cfg(far, "inference.api_key=the-servers-key"), role)
+    command_for(_cfg("inference.urls=[http://127.0.0.1:8100,http://localhost:8101]"), role)
+    monkeypatch.setenv("CARRYOVER_INFERENCE_API_KEY", "the-servers-key")
+    command_for(_cfg(far), role)
+
+
+def test_the_roles_that_call_no_server_need_no_key():
+    far = "inference.urls=[http://10.1.2.3:8100]"
+    for role in ("rollout", "groups", "flower", "redis"):
+        command_for(_cfg(far), role)
+
+
+def test_a_gateway_beyond_loopback_and_before_a_far_server_is_told_both():
+    with pytest.raises(ConfigError) as err:
+        command_for(_cfg("gateway.host=0.0.0.0", "inference.urls=[http://10.1.2.3:8100]"),
+                    "gateway")
+    assert [line.split(":")[0] for line in err.value.problems] == ["gateway.admin_token",
+                                                                   "inference.api_key"]
