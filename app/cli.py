@@ -93,8 +93,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                                                       for role, n in sorted(restarts.items())))
     exits, recorded = recent_exits(cfg, EXITS_SHOWN)
     if exits:
-        print(f"role exits recorded: {recorded}" + (f", the last {len(exits)}:"
-                                                    if recorded > len(exits) else ":"))
+        print("role exits recorded" + (f" (the last {len(exits)} of {recorded} records)"
+                                       if recorded > len(exits) else "") + ":")
     for gone in exits:
         day = time.strftime("%Y-%m-%d", time.gmtime(gone.at))
         print(f"  {gone.role} ({day}): {gone.describe()}")

@@ -130,7 +130,7 @@ def test_status_lists_the_last_role_exits(redis_client, status):
     write_exit(redis_client, _exit(7, role="rollout"))  # written twice: a lost reply
     _, out = status()
     lines = out.splitlines()
-    start = lines.index("role exits recorded: 8, the last 5:")
+    start = lines.index("role exits recorded (the last 5 of 8 records):")
     listed = lines[start + 1:start + 6]
     assert [line.split("pid ")[1].split()[0] for line in listed] == ["3", "4", "5", "6", "7"]
     assert listed[-1].startswith("  rollout (2027-01-15): SIGKILL (signal 9), pid 7 on node-1")
