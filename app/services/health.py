@@ -121,13 +121,14 @@ def _why_stale(cfg: Any, url: str, need: str | None, published: dict[str, str],
                current: int) -> str:
     """Why a stale server waits, and for what."""
     model = cfg.inference.served_model_name
-    mine = bool(published) and published.get("model") == model
+    mine = bool(published) and published.get("model") == model \
+        and str(published.get("version", "")).isdigit()
     version = int(published["version"]) if mine else None
     if need is not None:  # said of one server ("<url>: why"); the others wait for the same
         why = need[len(url) + 2:] if need.startswith(url + ": ") else need
         return ("stale, and the trainer worker's upstream keeper cannot give it the run's "
-                f"weights ({why}): it waits for a run; `carryover train` "
-                "makes the trainer serve its weights (a new run's: the base model; "
+                f"weights ({why}): it waits for a run, whose driver has the trainer serve "
+                "the run's weights (`carryover train`: a new run's, the base model; "
                 "--resume RUN_ID: that run's last checkpoint)")
     if version is not None and current > version:
         return (f"stale: policy version {current} was loaded but never verified (its step "

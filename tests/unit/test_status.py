@@ -75,8 +75,8 @@ def test_status_names_a_server_the_gateway_does_not_route_to_and_why(redis_clien
     assert "weights=base model" in row  # what it serves meanwhile, labelled
     assert (f"not routed by the gateway: inference {url}: stale, and the trainer worker's "
             "upstream keeper cannot give it the run's weights (the export of policy version 3 "
-            "(/dev/shm/carryover/v3) is gone (a reboot empties /dev/shm)): it waits for a run; "
-            "`carryover train`") in out
+            "(/dev/shm/carryover/v3) is gone (a reboot empties /dev/shm)): it waits for a run, "
+            "whose driver has the trainer serve the run's weights (`carryover train`") in out
     assert "the gateway answers every model call with 503" in out
     assert code == 0  # not a part down: the stack is ready for the run that brings it back
 
