@@ -144,7 +144,7 @@ class Cluster:
         self.start_timeout_s = start_timeout_s
         self.config = self.run_dir / "multihost.yaml"
         self.secrets_file = self.run_dir / "secrets.json"
-        self.started: list[str] = []  # hosts whose roles up() started
+        self.procs: dict[tuple[str, str], subprocess.Popen] = {}  # (host, role): started
         self.root_before = ""  # the root namespace's network before up() (root_network)
 
     # -- names and addresses
@@ -327,16 +327,16 @@ class Cluster:
 
     def _start(self, roles: Iterable[str], host: str) -> None:
         commands = procfile()
-        self.started.append(host)
         for role in roles:
-            self.popen(host, commands[role], log=self.log(host, role))
+            self.procs[host, role] = self.popen(host, commands[role], log=self.log(host, role))
 
     def expected_nodes(self) -> set[str]:
         return {f"{role}@{h.name}" for h in HOSTS for role in h.roles if role in WORKER_ROLES}
 
     def _dead_roles(self) -> list[str]:
-        """Hosts started whose namespace has no process left."""
-        return [h for h in self.started if not self.pids(h)]
+        """The hosts of the roles started here that exited."""
+        return sorted({host for (host, _), proc in self.procs.items()
+                       if proc.poll() is not None})
 
     def health(self, host: str = "trainer", timeout: float = 120) -> dict[str, Any]:
         """What ``host`` sees of the stack: each service's health check and the Celery
