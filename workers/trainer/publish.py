@@ -28,7 +28,7 @@ from app.state.cached_reads import POLICY_VERSION_MAX_AGE_S
 from app.state.policy import current_version, published_here
 from workers.trainer import weights
 from workers.trainer.settings import TrainerSettings
-from workers.trainer.weight_sync import Loader, weight_sync_for
+from workers.trainer.weight_sync import Loader, WeightSync, weight_sync_for
 from workers.trainer.weight_sync.base import Metrics
 from workers.trainer.weight_sync.disk import disk_loader
 
@@ -43,6 +43,7 @@ class Published:
     version: int
     path: Path | None   # the export (None: sent by weight transfer)
     loaded: list[str]   # the servers that hold it
+    way: WeightSync     # how it went: what its verification checks and records
 
 
 def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
@@ -82,7 +83,7 @@ def publish(client: redis.Redis, settings: TrainerSettings, resident: Resident,
                             wake_kv_cache, load)
     timings[sync.timing] = time.monotonic() - t
     resident.weights_version = version
-    return Published(version, path, loaded)
+    return Published(version, path, loaded, sync)
 
 
 def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
@@ -95,7 +96,7 @@ def verify(client: redis.Redis, settings: TrainerSettings, resident: Resident,
 
     A probe that fails leaves the version bumped: the servers do hold that version's
     weights, only not verified ones, and the step fails."""
-    sync = weight_sync_for(settings)
+    sync = published.way
     t = time.monotonic()
     ids = resident.probe_ids
     expected = resident.trainer.probe_log_probs(ids)
