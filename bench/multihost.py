@@ -41,7 +41,8 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = REPO / ".venv" / "bin"
-PREFIX = os.environ.get("CARRYOVER_MH_PREFIX", "co-")
+FAMILY = "co-"  # every stack's namespaces start so (`down --all` finds them)
+PREFIX = os.environ.get("CARRYOVER_MH_PREFIX", FAMILY)
 SUBNET = os.environ.get("CARRYOVER_MH_SUBNET", "10.77.0")  # a /24
 RUN_DIR = Path(os.environ.get("CARRYOVER_MH_DIR")
                or Path(tempfile.gettempdir()) / "carryover-multihost")
@@ -107,6 +108,16 @@ def root_network() -> str:
     # a link's name and flags, without its counters or state changes' noise
     names = sorted(line.split(" link/")[0].split(" qdisc")[0] for line in links)
     return "\n".join([*names, *sorted(addrs), *sorted(routes)])
+
+
+def stack_prefixes(family: str = FAMILY) -> list[str]:
+    """The prefixes of the stacks whose namespaces are there (``co-``, ``co-t<pid>-``)."""
+    out = set()
+    for name in namespaces(family):
+        for suffix in ("sw", *BY_NAME):
+            if name.endswith(suffix):
+                out.add(name[:-len(suffix)])
+    return sorted(out)
 
 
 def missing_capability() -> str | None:
@@ -263,6 +274,11 @@ class Cluster:
         out = _ip("netns", "pids", self.ns(host), check=False).stdout
         return [int(p) for p in out.split()]
 
+    def existing(self) -> list[str]:
+        """This stack's namespaces that are there."""
+        mine = {self.switch, *(self.ns(h.name) for h in HOSTS)}
+        return [n for n in namespaces(self.prefix) if n in mine]
+
     # -- the network
     def _create_network(self) -> None:
         sw = self.switch
@@ -298,7 +314,7 @@ class Cluster:
     def up(self) -> None:
         """Build the network and start every role; returns once every role answers. A
         failure tears it all down again (the logs stay in the run directory) and raises."""
-        left = namespaces(self.prefix)
+        left = self.existing()
         if left:
             raise HarnessError(f"namespaces of a stack are there already ({', '.join(left)}): "
                                "`scripts/multihost.sh down` first")
@@ -375,10 +391,10 @@ class Cluster:
 
     def down(self) -> list[str]:
         """Stop every process in the stack's namespaces (SIGTERM, then SIGKILL after a
-        grace) and delete the namespaces, a crashed run's leftovers included (found by the
-        prefix); returns the namespaces deleted. The run directory (logs) stays, without the
-        secrets."""
-        found = namespaces(self.prefix)
+        grace) and delete the namespaces, a crashed run's leftovers of the same names
+        included; returns the namespaces deleted. The run directory (logs) stays, without
+        the secrets."""
+        found = self.existing()
         hosts = [n for n in found if n != self.switch]
         # the driver and workers first, Redis last, as `carryover up` stops them
         order = {self.ns(h.name): i for i, h in enumerate(reversed(HOSTS))}
@@ -392,7 +408,7 @@ class Cluster:
 
     def status(self) -> str:
         """The namespaces, each host's processes and link, and what the trainer host sees."""
-        found = set(namespaces(self.prefix))
+        found = set(self.existing())
         lines = []
         for host in HOSTS:
             ns = self.ns(host.name)
@@ -494,7 +510,7 @@ def cluster(**kwargs: Any) -> Iterator[Cluster]:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: scripts/multihost.sh up | down | status | cut HOST | heal HOST | "
+    usage = ("usage: scripts/multihost.sh up | down [--all] | status | cut HOST | heal HOST | "
              "exec HOST CMD... | env HOST\n"
              f"hosts: {', '.join(BY_NAME)}; run directory {RUN_DIR} ($CARRYOVER_MH_DIR)")
     if not args or args[0] in ("-h", "--help"):
@@ -519,6 +535,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd == "down":
         found = c.down()
+        if rest == ["--all"]:  # every stack's: test runs' (co-t<pid>-) too
+            for prefix in stack_prefixes():
+                found += Cluster(run_dir=c.run_dir, prefix=prefix).down()
         print(f"deleted: {', '.join(found)}" if found else "nothing to delete")
         return 0
     if cmd == "status":

@@ -4,7 +4,8 @@
 #   scripts/multihost.sh status             namespaces, processes, links, health from the trainer
 #   scripts/multihost.sh exec HOST CMD...   run CMD on HOST (its namespace, config and secrets)
 #   scripts/multihost.sh cut|heal HOST      partition HOST from every other host, or heal it
-#   scripts/multihost.sh down               stop everything, delete the namespaces (leftovers too)
+#   scripts/multihost.sh down [--all]       stop everything, delete the namespaces (a crashed
+#                                           run's too; --all: every co-* stack, test runs' included)
 # Needs root and iproute2. Everything runs at nice 19. Settings (environment):
 # CARRYOVER_MH_DIR (run directory), CARRYOVER_MH_CONFIG (base config, config/demo.yaml),
 # CARRYOVER_MH_PREFIX (namespace prefix, co-), CARRYOVER_MH_START_TIMEOUT_S (900).

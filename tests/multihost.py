@@ -7,18 +7,27 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from bench.multihost import Cluster, HarnessError, missing_capability, namespaces
+from bench.multihost import (
+    Cluster,
+    HarnessError,
+    missing_capability,
+    namespaces,
+    stack_prefixes,
+)
 
 # Set to 1 on a machine that cannot make network namespaces: the multi-host tests skip
 # instead of failing.
 SKIP_ENV = "CARRYOVER_SKIP_MULTIHOST"
-PREFIX = "co-test-"  # apart from a stack started by hand (co-); `multihost.sh down` clears both
+# one session's stack apart from another's and from one started by hand (co-)
+PREFIX = f"co-t{os.getpid()}-"
+STALE = re.compile(r"^co-t(\d+)-$")
 RUN_TIMEOUT_S = float(os.environ.get("CARRYOVER_MH_RUN_TIMEOUT_S", "1200"))
 # the demo task, small: 2 groups of 4 per update, 4 in flight (as tests/integration/test_demo)
 SMALL_RUN = ("data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
@@ -29,8 +38,8 @@ SMALL_RUN = ("data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
 def multihost(tmp_root: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """A stack spread over network namespaces, one per host, for one test module: up before
     its first test, torn down after its last, also when a test failed (its logs stay under
-    the session's temp directory). Leftovers of a crashed test run (namespaces named
-    ``co-test-*``) are cleared first.
+    the session's temp directory). Leftovers of a crashed test session (namespaces named
+    ``co-t<pid>-*`` of a pid no longer running) are cleared first.
 
     A machine that cannot make them (not root, no ``ip`` or ``unshare``, no Linux bridge)
     fails the tests with what it lacks, unless ``$CARRYOVER_SKIP_MULTIHOST=1`` is set, which
@@ -47,7 +56,10 @@ def multihost(tmp_root: Path, request: pytest.FixtureRequest) -> Iterator[Cluste
                     pytrace=False)
     cluster = Cluster(run_dir=tmp_root / f"multihost-{request.module.__name__.rsplit('.', 1)[-1]}",
                       prefix=PREFIX)
-    cluster.down()
+    for prefix in stack_prefixes():
+        stale = STALE.match(prefix)
+        if stale and not Path(f"/proc/{stale.group(1)}").exists():
+            Cluster(run_dir=tmp_root / "multihost-stale", prefix=prefix).down()
     cluster.up()
     try:
         yield cluster

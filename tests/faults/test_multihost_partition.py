@@ -8,6 +8,7 @@ step's."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import statistics
@@ -32,8 +33,8 @@ pytestmark = pytest.mark.slow
 # longer than a step and than services.worker_heartbeat_s (15 s), after which the other
 # rollout host's reaper takes the cut host's unacknowledged siblings
 PARTITION_S = float(os.environ.get("CARRYOVER_MH_PARTITION_S", "45"))
-STEPS = 40
-CUT_AFTER_STEP = 2
+STEPS = 60
+CUT_AFTER_STEP = 5
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)")
 
 
@@ -65,7 +66,7 @@ def test_rollout_host_partitioned_then_healed(multihost, record_property):  # no
             assert time.monotonic() < deadline, f"no step {CUT_AFTER_STEP}:\n{output()}"
             time.sleep(0.2)
         multihost.cut("roll1")
-        cut_at = time.monotonic()
+        cut_at, cut_wall = time.monotonic(), datetime.datetime.now()
         try:
             while time.monotonic() - cut_at < PARTITION_S:
                 assert train.poll() is None, f"the run ended in the partition:\n{output()}"
@@ -101,24 +102,28 @@ def test_rollout_host_partitioned_then_healed(multihost, record_property):  # no
     assert sum(r["training/async/n_dropped_groups"] for r in rows) == 0, rows
     logs = "".join(multihost.log("roll2", role).read_text(errors="replace")
                    for role in ("rollout", "groups"))
-    requeued = len(re.findall(r"rollout worker roll1:\S+ died: requeued its task", logs))
+    requeues = [datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f")
+                for m in re.finditer(r"^\[([\d-]+ [\d:,]+): .*rollout worker roll1:\S+ "
+                                     r"died: requeued its task", logs, re.MULTILINE)]
+    # the cut host held siblings: they were taken up by the other host
+    assert requeues, "none of roll1's tasks was requeued:\n" + multihost.tails(["roll2"])
 
-    # the stall: the longest wait between two steps from the cut on, against an ordinary one
-    times = [t for t, _ in done]
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
-    ordinary = statistics.median(gaps[:len(before) - 1] or gaps)
-    around = [(b - a, s) for (a, _), (b, s) in zip(done, done[1:], strict=False) if b > cut_at]
-    stall, stalled_step = max(around)
-    summary = (f"partition {PARTITION_S:.0f} s: ordinary step {ordinary:.1f} s (median before "
-               f"the cut), longest wait from the cut on {stall:.1f} s (before step "
-               f"{stalled_step}), first step {done[len(before)][0] - cut_at:.1f} s after the "
-               f"cut; {sum(1 for t, _ in done if cut_at < t <= healed_at)} steps in the "
-               f"partition, {len(after_heal)} after the heal; roll1's workers back "
-               f"{back:.1f} s after it; {requeued} of roll1's tasks requeued by roll2")
+    # the stall: the longest wait between two steps in the partition and after it, against
+    # an ordinary one (the demo's tool has a heavy tail: an ordinary wait can be long too)
+    gaps = [(a, b) for (a, _), (b, _) in zip(done, done[1:], strict=False)]
+    ordinary = statistics.median(b - a for a, b in gaps if b <= cut_at)
+    in_cut = max(b - max(a, cut_at) for a, b in gaps if b > cut_at and a <= healed_at)
+    after = max((b - a for a, b in gaps if a > healed_at), default=0.0)
+    first_after_cut = done[len(before)][0] - cut_at
+    requeued_after = (min(requeues) - cut_wall).total_seconds()
+    summary = (f"partition {PARTITION_S:.0f} s: ordinary wait between steps {ordinary:.1f} s "
+               f"(median before the cut); the first step {first_after_cut:.1f} s after the "
+               f"cut; longest wait in the partition {in_cut:.1f} s, after the heal "
+               f"{after:.1f} s; {sum(1 for t, _ in done if cut_at < t <= healed_at)} steps in "
+               f"the partition, {len(after_heal)} after it; roll1's tasks requeued by roll2 "
+               f"{requeued_after:.1f} s after the cut ({len(requeues)}); roll1's workers "
+               f"answered {back:.1f} s after the heal")
     print(summary)
     record_property("partition", summary)
-    for name, value in (("ordinary_step_s", ordinary), ("stall_s", stall),
-                        ("back_after_heal_s", back), ("requeued", requeued)):
-        record_property(name, value)
     tasks = state["tasks"]
     assert tasks.get("rollout@roll2", {}).get("workers.rollout.tasks.run_rollout"), tasks
