@@ -54,3 +54,25 @@ def test_run_across_hosts(multihost):  # noqa: F811
                for h in ("roll1", "roll2")) >= 2 * STEPS, tasks
     assert tasks["trainer@trainer"].get("workers.trainer.tasks.train_step", 0) >= STEPS, tasks
     assert root_network() == multihost.root_before
+
+
+def test_outside_host_reaches_the_services_but_holds_no_credentials(multihost):  # noqa: F811
+    """The outside host is on the network (the gateway's health answers it) and gets neither
+    config nor secrets: Redis, the gateway's admin routes and the inference server's /v1
+    refuse it."""
+    env = multihost.env("outside")
+    assert not {"CARRYOVER_CONFIG", "REDIS_PASSWORD", "CARRYOVER_ADMIN_TOKEN",
+                "CARRYOVER_INFERENCE_API_KEY"} & set(env)
+
+    def http(url: str) -> str:
+        out = multihost.run("outside", ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                        "--max-time", "30", url], timeout=120)
+        return out.stdout.strip()
+
+    gateway, inference = multihost.gateway_url, f"http://{multihost.address('infer')}:8100"
+    assert http(f"{gateway}/healthz") == "200"
+    assert http(f"{gateway}/admin/state") in ("401", "403")
+    assert http(f"{inference}/v1/models") == "401"
+    redis = multihost.run("outside", ["redis-cli", "-h", multihost.address("redis"), "-p",
+                                      "6390", "ping"], timeout=120)
+    assert "NOAUTH" in redis.stdout + redis.stderr, redis
