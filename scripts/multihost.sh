@@ -13,8 +13,12 @@ set -euo pipefail
 
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 python="$repo/.venv/bin/python"
+if [[ $# -gt 0 && "$1" != -h && "$1" != --help && "$(id -u)" != 0 ]]; then
+    echo "error: network namespaces need root (uid $(id -u))" >&2
+    exit 1
+fi
 if [[ ! -x "$python" ]]; then
-    echo "error: $python missing: run scripts/setup.sh first" >&2
+    echo "error: $python not found or not executable (scripts/setup.sh builds it)" >&2
     exit 1
 fi
 cd "$repo"

@@ -47,3 +47,13 @@ def test_hosts_run_procfile_roles_and_the_outside_host_gets_nothing(tmp_path):
     assert set(SECRETS) <= set(cluster.env("roll1"))
     # one veth port name per host fits the kernel's 15 characters
     assert all(len(cluster.port_name(h.name)) <= 15 for h in HOSTS)
+
+
+def test_a_machine_without_the_capability_is_told_what_it_lacks(monkeypatch):
+    import bench.multihost as mh
+
+    monkeypatch.setattr(mh.os, "geteuid", lambda: 1000)
+    assert "not root" in (mh.missing_capability() or "")
+    real = mh.shutil.which
+    monkeypatch.setattr(mh.shutil, "which", lambda name: None if name == "ip" else real(name))
+    assert "no `ip` command" in (mh.missing_capability() or "")
