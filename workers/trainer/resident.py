@@ -11,7 +11,8 @@ the one before. Each task first takes back the engines a dead trainer left pause
 (``take_back_orphans``).
 
 Tasks: ``init_run`` (a run's start or resume), ``restore_servers`` (the keeper could not
-give a restarted server the run's weights); a step's own take-over is in ``step.py``.
+give a restarted server the run's weights); a step (``step.py``) calls ``take_over`` itself
+when this process has not yet published the run's weights.
 """
 
 from __future__ import annotations
