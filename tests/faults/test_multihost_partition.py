@@ -33,7 +33,8 @@ pytestmark = pytest.mark.slow
 # longer than a step and than services.worker_heartbeat_s (15 s), after which the other
 # rollout host's reaper takes the cut host's unacknowledged siblings
 PARTITION_S = float(os.environ.get("CARRYOVER_MH_PARTITION_S", "45"))
-STEPS = 60
+# enough steps that some are left after the heal (a step takes about a second here)
+STEPS = 60 + int(2 * max(PARTITION_S - 45, 0))
 CUT_AFTER_STEP = 5
 STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)")
 
