@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +53,10 @@ def project_bin(name: str) -> str:
     return str(here) if here.exists() else _bin(".venv", name)
 
 
+# the embedded Redis's password, in its data directory (mode 0600)
+AUTH_CONF = "auth.conf"
+
+
 def redis_command(cfg: Any) -> Command:
     if is_external(cfg):
         return Command("redis", [], idle_reason="external Redis ($REDIS_URL or redis.url)")
@@ -71,10 +76,38 @@ def redis_command(cfg: Any) -> Command:
         "--save", "",
         "--protected-mode", "yes",
     ]
+    # The password goes in a config file of the owner's alone, never on the command line:
+    # until redis-server sets its process title, any local process reads its arguments in
+    # /proc/<pid>/cmdline. Rewritten on each start (the password may have changed); removed
+    # when there is none. redis-server takes its config file first, then the options.
+    conf = data_dir / AUTH_CONF
     password = cfg.redis.password or os.environ.get("REDIS_PASSWORD")
     if password:
-        argv += ["--requirepass", password]
+        _write_private(conf, f"requirepass {_redis_quote(str(password))}\n")
+        argv.insert(1, str(conf))
+    else:
+        conf.unlink(missing_ok=True)
     return Command("redis", argv)
+
+
+def _redis_quote(value: str) -> str:
+    """``value`` as one double-quoted argument of a Redis config file: printable ASCII as
+    is, but for the quote and the backslash; those and every other byte as ``\\xHH``."""
+    return '"' + "".join(chr(b) if 0x20 <= b < 0x7f and b not in b'"\\' else f"\\x{b:02x}"
+                         for b in value.encode()) + '"'
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Replace ``path`` with ``text``, readable by its owner only from the start (a new
+    file of mode 0600, renamed over the old one whatever that one's mode)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _port_of(url: str) -> int | None:
