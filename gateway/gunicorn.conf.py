@@ -9,7 +9,7 @@ the sync worker class would time out or serialise.
 import sys
 
 from app.config import ConfigError, service_config
-from app.services.commands import check_shared_secret
+from app.config.secrets import check_shared_secret  # light: no redis before gevent patches
 
 _cfg = service_config()
 try:  # started by the Procfile's line too, not only by `carryover serve gateway`

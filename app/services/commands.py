@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 from app.config.errors import ConfigError
 from app.config.loader import REPO_ROOT, model_dir, repo_path
-from app.config.secrets import inference_api_key
+from app.config.secrets import check_shared_secret, inference_api_key
 from app.config.settings import MAX_LORA_RANKS, lora_rank, sleep_mode, transfer_engine
 from app.config.validate import is_loopback
 from app.services.device import resolve as resolve_device
@@ -140,64 +140,6 @@ def _check_reachable(cfg: Any, role: str) -> None:
             raise ConfigError([f"gateway.port: value {port} is not the port of gateway.url "
                                f"({url}): agents and the trainer would look for the gateway "
                                "there"])
-
-
-def _beyond_loopback(host: str) -> bool:
-    """``host`` (a bind address; Redis takes several, space-separated, each perhaps marked
-    optional with a leading ``-``) lets other machines in."""
-    return any(not is_loopback(h.lstrip("-")) for h in (str(host).split() or [""]))
-
-
-# role -> (its bind address, the secret every host must share, its variable, the file a
-# host generates its own into when neither is set, who on other hosts needs it)
-_SHARED_SECRETS = {
-    "redis": ("redis.host", "redis.password", "REDIS_PASSWORD", None,
-              "anyone who reaches its port could read and rewrite every run's state"),
-    "inference": ("inference.host", "inference.api_key", "CARRYOVER_INFERENCE_API_KEY",
-                  "var/inference-api-key",
-                  "the gateway and the trainer on other hosts would be refused"),
-    "gateway": ("gateway.host", "gateway.admin_token", "CARRYOVER_ADMIN_TOKEN",
-                "var/admin-token",
-                "`carryover status` and `carryover train` on another host would be refused "
-                "its admin routes"),
-}
-# the roles that call the inference servers, with the servers' key
-_KEY_SENDERS = ("gateway", "trainer")
-
-
-def shared_secret_problems(cfg: Any, role: str) -> list[str]:
-    """What ``role`` lacks to start on this host beside others, one line each. A role bound
-    beyond loopback serves other hosts, which must know its secret: the config (or the
-    environment) names it, one for every host; a secret generated into var/ is this
-    machine's alone, and Redis without a password would be open to all. A role that calls
-    an inference server on another host sends it that server's key, which therefore must be
-    named too."""
-    out = []
-    if role in _SHARED_SECRETS:
-        bind, secret, env, generated, without = _SHARED_SECRETS[role]
-        host = str(cfg[role].host)
-        if _beyond_loopback(host) and not cfg[role].get(secret.partition(".")[2]) \
-                and not os.environ.get(env):
-            mine = f" (the one generated into {generated} is this machine's alone)" \
-                if generated else ""
-            out.append(f"{secret}: not set, and {bind} {host!r} opens the {role} server "
-                       f"beyond this machine: {without}{mine}; set {secret} (or ${env}) to "
-                       f"the same value on every host, or bind {bind} to 127.0.0.1")
-    far = [u for u in cfg.inference.urls if not is_loopback(urlsplit(u).hostname or "")]
-    if role in _KEY_SENDERS and far and not cfg.inference.get("api_key") \
-            and not os.environ.get("CARRYOVER_INFERENCE_API_KEY"):
-        out.append(f"inference.api_key: not set, and inference.urls names a server on another "
-                   f"host ({', '.join(far)}), which would refuse the {role}'s calls made with "
-                   "this machine's own key (generated into var/inference-api-key); set "
-                   "inference.api_key (or $CARRYOVER_INFERENCE_API_KEY) to the servers' key")
-    return out
-
-
-def check_shared_secret(cfg: Any, role: str) -> None:
-    """Raise ``ConfigError`` with ``shared_secret_problems``, if any."""
-    problems = shared_secret_problems(cfg, role)
-    if problems:
-        raise ConfigError(problems)
 
 
 def inference_command(cfg: Any) -> Command:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[2]
 
 LIGHT = ["app.cli", "gateway", "gateway.routes.openai", "app.celery_app"]
 
@@ -52,3 +55,15 @@ def test_workers_never_import_the_gateway():
 
 def test_gateway_never_imports_workers():
     assert _imports_of("gateway", ("workers",)) == []
+
+
+def test_the_gateway_config_file_imports_no_redis_before_gevent_patches():
+    """gunicorn reads its config file in the master, before a worker patches with gevent: a
+    ``redis`` (or ``app.state.connection``) imported there keeps unpatched sockets and a
+    thread-local that every greenlet of a worker would share."""
+    code = ("import runpy, sys; runpy.run_path('gateway/gunicorn.conf.py'); "
+            "print(','.join(m for m in ('redis', 'app.state.connection')"
+            " if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True, cwd=str(REPO))
+    assert out.stdout.strip() == ""

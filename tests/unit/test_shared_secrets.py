@@ -4,6 +4,8 @@ the key to set."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from app.config import ConfigError, load_config
@@ -129,3 +131,29 @@ def test_a_gateway_beyond_loopback_and_before_a_far_server_is_told_both():
                     "gateway")
     assert [line.split(":")[0] for line in err.value.problems] == ["gateway.admin_token",
                                                                    "inference.api_key"]
+
+
+def test_the_trainer_worker_started_by_celery_itself_refuses_it_too(monkeypatch, tmp_path):
+    """The Procfile starts the trainer with plain ``celery``: it stops before taking a task,
+    with the same line, instead of being refused by the far servers at its first load."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from app.config.loader import REPO_ROOT, env_overrides
+
+    env = {k: v for k, v in os.environ.items() if k != "CARRYOVER_INFERENCE_API_KEY"}
+    env["CARRYOVER_OVERRIDES"] = json.dumps([*env_overrides(),
+                                             "inference.urls=[http://10.1.2.3:8100]"])
+    celery = str(Path(sys.executable).parent / "celery")
+    argv = [celery, "-A", "app", "worker", "-Q", "trainer", "-n", f"trainer-check-{os.getpid()}@%h",
+            "--pool", "solo"]
+    try:
+        done = subprocess.run(argv, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                              timeout=120)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError("the trainer worker started without the far servers' key") from exc
+    assert done.returncode != 0
+    assert "config error: inference.api_key: not set, and inference.urls names a server on " \
+           "another host (http://10.1.2.3:8100)" in done.stderr

@@ -14,7 +14,7 @@ import logging
 import sys
 from typing import Any
 
-from celery.signals import worker_ready, worker_shutdown
+from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from app.celery_app import celery_app, task_redis
 from app.state import keys
@@ -82,6 +82,23 @@ def restore_servers(run_id: str) -> dict:
 
     _watch_outages()
     return restore(task_redis(), run_id)
+
+
+@worker_init.connect
+def _refuse_without_shared_secret(sender: Any = None, **_: Any) -> None:
+    """A trainer worker started by plain ``celery`` (the Procfile's line) is checked as
+    ``carryover serve trainer`` is: before it takes a task, not at its first weight load,
+    where servers on other hosts would refuse this machine's own key. A ``SystemExit`` is
+    not caught by Celery's signal dispatch, so the worker stops with the one line."""
+    if "trainer" not in (celery_app.amqp.queues.consume_from or {}):
+        return
+    from app.config import ConfigError, service_config
+    from app.config.secrets import check_shared_secret
+
+    try:
+        check_shared_secret(service_config(), "trainer")
+    except ConfigError as exc:
+        sys.exit("\n".join(f"config error: {line}" for line in exc.problems))
 
 
 @worker_ready.connect
