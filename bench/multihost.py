@@ -13,9 +13,11 @@ Each role is its own Procfile line, run in its host's namespace (and a UTS names
 config written into the run directory: the base config (``config/demo.yaml``) plus every
 address, the Redis password on its namespace address, the gateway's admin token and the
 inference server's API key (those three in the environment, never in the file). Namespaces
-share the file system: each host's files (logs, ``$TMPDIR``, the Redis data, the trainer's
-checkpoints and runs) are kept apart in the run directory; what the hosts share is the
-repository (the model) and ``shared/weights`` (the weight exports of ``weight_sync: disk``).
+share the file system: each host's files (logs, the Redis data, the trainer's checkpoints and
+runs) are kept apart in the run directory, and its ``$TMPDIR`` in a short path of its own
+under /tmp (:meth:`Cluster.tmp_dir`: the inference server's RPC sockets go there, and a run
+directory's path is often too long for a socket's); what the hosts share is the repository
+(the model) and ``shared/weights`` (the weight exports of ``weight_sync: disk``).
 
 ``scripts/multihost.sh up|down|status|cut HOST|heal HOST|exec HOST CMD...`` drives it by
 hand; the multi-host tests use :class:`Cluster` directly. Needs root and ``ip``.
@@ -23,12 +25,15 @@ hand; the multi-host tests use :class:`Cluster` directly. Needs root and ``ip``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import secrets
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -51,6 +56,9 @@ BASE_CONFIG = Path(os.environ.get("CARRYOVER_MH_CONFIG") or REPO / "config" / "d
 START_TIMEOUT_S = float(os.environ.get("CARRYOVER_MH_START_TIMEOUT_S", "900"))
 STOP_GRACE_S = 20.0
 BRIDGE = "br0"
+# A run directory holds this file from the moment up() makes it: up() deletes a directory it
+# finds only where it is empty or this harness's (multihost.yaml: one an older up() wrote).
+MARKER = ".carryover-multihost"
 
 
 @dataclass(frozen=True)
@@ -100,14 +108,23 @@ def namespaces(prefix: str = PREFIX) -> list[str]:
     return [n for n in names if n.startswith(prefix)]
 
 
+# what changes on its own while a stack runs: a DHCP address's lifetimes, a route's expiry
+_LIFETIME = re.compile(r"\s+(?:valid_lft|preferred_lft|expires)\s+\S+")
+
+
 def root_network() -> str:
-    """The root namespace's links, addresses and routes (what the harness must not change)."""
+    """The root namespace's links, addresses and routes (what the harness must not change),
+    without what changes on its own: per link its name and flags, per address its link,
+    family and address/prefix, each route without its expiry."""
     links = _ip("-o", "link", "show", check=False).stdout.splitlines()
     addrs = _ip("-o", "addr", "show", check=False).stdout.splitlines()
     routes = _ip("route", "show", "table", "all", check=False).stdout.splitlines()
     # a link's name and flags, without its counters or state changes' noise
     names = sorted(line.split(" link/")[0].split(" qdisc")[0] for line in links)
-    return "\n".join([*names, *sorted(addrs), *sorted(routes)])
+    # "2: eth0    inet 10.0.0.5/24 brd ... valid_lft 86313sec preferred_lft 86313sec"
+    addresses = sorted(" ".join(line.split()[1:4]) for line in addrs if len(line.split()) >= 4)
+    kept = sorted(" ".join(_LIFETIME.sub("", line).split()) for line in routes)
+    return "\n".join([*names, *addresses, *kept])
 
 
 def stack_prefixes(family: str = FAMILY) -> list[str]:
@@ -182,12 +199,51 @@ class Cluster:
         return self.host_dir(host) / "logs" / f"{role}.log"
 
     @property
+    def tmp_root(self) -> Path:
+        """The hosts' temporary directories: a short path under /tmp, named after the run
+        directory, so that a socket's path in it (at most 107 bytes, ``app.services.
+        rpc_sockets``) fits however deep the run directory is."""
+        digest = hashlib.sha256(os.fsencode(self.run_dir)).hexdigest()[:12]
+        return Path("/tmp") / f"co-mh-{digest}"
+
+    def tmp_dir(self, host: str) -> Path:
+        """``host``'s ``$TMPDIR``: the inference server's RPC sockets go there, apart from
+        every other host's and stack's."""
+        return self.tmp_root / host
+
+    def _make_tmp(self, host: str) -> None:
+        """``host``'s ``$TMPDIR``, made where missing; the directory above it must be ours
+        (a predictable name under /tmp: another user could have made it first)."""
+        root = self.tmp_root
+        try:
+            root.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        info = root.lstat()
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            raise HarnessError(f"{root} is not a directory of this user's: remove it")
+        self.tmp_dir(host).mkdir(exist_ok=True)
+
+    def _remove_tmp(self) -> None:
+        root = self.tmp_root
+        try:
+            info = root.lstat()
+        except FileNotFoundError:
+            return
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid():
+            shutil.rmtree(root, ignore_errors=True)
+
+    @property
     def gateway_url(self) -> str:
         return f"http://{self.address('infer')}:8200"
 
     # -- config and secrets
     def _secrets(self) -> dict[str, str]:
-        return json.loads(self.secrets_file.read_text())
+        try:
+            return json.loads(self.secrets_file.read_text())
+        except FileNotFoundError:
+            raise HarnessError(f"no {self.secrets_file}: the stack is not up "
+                               "(`scripts/multihost.sh up`)") from None
 
     def _write_config(self) -> None:
         import yaml
@@ -213,11 +269,12 @@ class Cluster:
 
     def env(self, host: str) -> dict[str, str]:
         """The environment of a process on ``host``: its own $TMPDIR; with credentials, the
-        stack's config and secrets."""
-        tmp = self.host_dir(host) / "tmp"
+        stack's config and secrets (HarnessError when the stack is not up). Times in UTC on
+        every host (log lines' included), whatever the caller's zone."""
         env = {"PATH": f"{BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8",
-               "TMPDIR": str(tmp), "WANDB_MODE": "offline", "OMP_WAIT_POLICY": "PASSIVE"}
+               "HOME": os.environ.get("HOME", "/root"), "LANG": "C.UTF-8", "TZ": "UTC",
+               "TMPDIR": str(self.tmp_dir(host)), "WANDB_MODE": "offline",
+               "OMP_WAIT_POLICY": "PASSIVE"}
         if BY_NAME[host].credentials:
             env["CARRYOVER_CONFIG"] = str(self.config)
             if self.overrides:
@@ -237,8 +294,8 @@ class Cluster:
               **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` on ``host`` (in the repository, a session of its own); its output
         goes to ``log`` when given."""
-        (self.host_dir(host) / "tmp").mkdir(parents=True, exist_ok=True)
         env = {**self.env(host), **kwargs.pop("env", {})}
+        self._make_tmp(host)
         if log is not None:
             log.parent.mkdir(parents=True, exist_ok=True)
             with open(log, "ab") as out:
@@ -311,9 +368,26 @@ class Cluster:
         return "state UP" in out or ",UP" in out.split(">")[0]
 
     # -- the stack
+    def _check_run_dir(self) -> None:
+        """Refuses a run directory up() must not delete: one that is not a directory, or
+        one with files in it that is not this harness's (no marker, no multihost.yaml)."""
+        path = self.run_dir
+        if not path.exists():
+            return
+        if not path.is_dir():
+            raise HarnessError(f"run directory {path} is not a directory: set "
+                               "CARRYOVER_MH_DIR to another path")
+        if any(path.iterdir()) and not (path / MARKER).exists() and not self.config.exists():
+            raise HarnessError(f"run directory {path} is not empty and is not a multi-host "
+                               f"run's (no {MARKER} or multihost.yaml in it): not deleting it; "
+                               "set CARRYOVER_MH_DIR to a new or empty directory")
+
     def up(self) -> None:
         """Build the network and start every role; returns once every role answers. A
-        failure tears it all down again (the logs stay in the run directory) and raises."""
+        failure tears it all down again (the logs stay in the run directory, the secrets
+        do not) and raises. The run directory is deleted first, only where it is empty or
+        an earlier run's (HarnessError otherwise)."""
+        self._check_run_dir()
         left = self.existing()
         if left:
             raise HarnessError(f"namespaces of a stack are there already ({', '.join(left)}): "
@@ -322,14 +396,17 @@ class Cluster:
         if self.run_dir.exists():
             shutil.rmtree(self.run_dir)
         self.run_dir.mkdir(parents=True, mode=0o700)
+        (self.run_dir / MARKER).write_text("a run directory of bench/multihost.py\n")
+        self._remove_tmp()
         for host in HOSTS:
             (self.host_dir(host.name) / "logs").mkdir(parents=True)
-            (self.host_dir(host.name) / "tmp").mkdir()
-        fd = os.open(self.secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({name: secrets.token_urlsafe(24) for name in SECRETS}, f)
-        self._write_config()
         try:
+            for host in HOSTS:
+                self._make_tmp(host.name)
+            fd = os.open(self.secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({name: secrets.token_urlsafe(24) for name in SECRETS}, f)
+            self._write_config()
             self._create_network()
             self._start(("redis",), "redis")
             self._wait(redis_only=True)
@@ -404,6 +481,7 @@ class Cluster:
         for ns in [*hosts, *([self.switch] if self.switch in found else [])]:
             _ip("netns", "del", ns, check=False)
         self.secrets_file.unlink(missing_ok=True)
+        self._remove_tmp()
         return found
 
     def status(self) -> str:
@@ -516,19 +594,22 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(usage)
         return 0 if args else 2
-    c = Cluster()
-    cmd, rest = args[0], args[1:]
+    c = Cluster(run_dir=RUN_DIR, prefix=PREFIX)
+    try:
+        return _command(c, args[0], args[1:], usage)
+    except HarnessError as exc:  # a stack that is not up, a run directory refused
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _command(c: Cluster, cmd: str, rest: list[str], usage: str) -> int:
     if cmd == "up":
         why = missing_capability()
         if why:
             print(f"error: {why}", file=sys.stderr)
             return 1
         started = time.monotonic()
-        try:
-            c.up()
-        except HarnessError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 1
+        c.up()
         print(f"up in {time.monotonic() - started:.0f} s; config {c.config}, logs under "
               f"{c.run_dir}/<host>/logs; gateway {c.gateway_url}\n"
               f"train: scripts/multihost.sh exec trainer carryover train")
@@ -546,6 +627,9 @@ def main(argv: list[str] | None = None) -> int:
     if cmd in ("cut", "heal", "exec", "env") and (not rest or rest[0] not in BY_NAME):
         print(usage, file=sys.stderr)
         return 2
+    if cmd in ("cut", "heal", "exec") and c.ns(rest[0]) not in c.existing():
+        raise HarnessError(f"the stack is not up: no namespace {c.ns(rest[0])} "
+                           "(`scripts/multihost.sh up`)")
     if cmd == "cut":
         c.cut(rest[0])
         return 0
@@ -562,7 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         if len(rest) < 2:
             print(usage, file=sys.stderr)
             return 2
-        proc = c.popen(rest[0], rest[1:])
+        proc = c.popen(rest[0], rest[1:])  # HarnessError without the stack's secrets
         try:
             return proc.wait()
         except KeyboardInterrupt:

@@ -9,12 +9,15 @@ import json
 import os
 import re
 import subprocess
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import pytest
 
 from bench.multihost import (
+    BIN,
+    START_TIMEOUT_S,
     Cluster,
     HarnessError,
     missing_capability,
@@ -29,6 +32,15 @@ SKIP_ENV = "CARRYOVER_SKIP_MULTIHOST"
 PREFIX = f"co-t{os.getpid()}-"
 STALE = re.compile(r"^co-t(\d+)-$")
 RUN_TIMEOUT_S = float(os.environ.get("CARRYOVER_MH_RUN_TIMEOUT_S", "1200"))
+# pytest-timeout's limit for a multi-host test (its fixture's `up` and `down` included, which
+# the first and last test of a module pay): past the harness's own limits, so that one of
+# those (CARRYOVER_MH_START_TIMEOUT_S, CARRYOVER_MH_RUN_TIMEOUT_S) fails first, naming what
+# was slow. The rest covers what those do not bound: up's last health look (up to 120 s),
+# the wait for a healed host (300 s), the look at the run (run_state, up to 390 s) and the
+# stop of every role (20 s of grace and 10 of SIGKILL per host).
+TEST_TIMEOUT_S = START_TIMEOUT_S + RUN_TIMEOUT_S + 1200
+# how long the looks at a run's Celery nodes ask again for those that have not answered
+STATS_BOUND_S = 90.0
 # the demo task, small: 2 groups of 4 per update, 4 in flight (as tests/integration/test_demo)
 SMALL_RUN = ("data.train_batch_size=2", "actor_rollout_ref.rollout.n=4",
              "agentlightning.async_rollout.async_train_batch_size=4")
@@ -86,9 +98,25 @@ def run_id_of(output: str) -> str:
     raise AssertionError(f"no run id in:\n{output[-2000:]}")
 
 
+def node_stats(ask: Callable[[], dict | None], want: Iterable[str], bound_s: float,
+               pause_s: float = 2.0) -> dict:
+    """Celery's ``inspect().stats()`` (``ask``) per node, asked again until every node of
+    ``want`` has answered or ``bound_s`` has passed: a worker at nice 19 on a loaded machine
+    can miss one inspect's reply window. A node's latest reply is kept."""
+    want = set(want)
+    deadline = time.monotonic() + bound_s
+    out: dict = {}
+    while True:
+        out.update(ask() or {})
+        if want <= set(out) or time.monotonic() >= deadline:
+            return out
+        time.sleep(pause_s)
+
+
 # A run's record as the trainer host reads it from Redis and Celery: per step the groups it
-# trained; per group the status of each sibling result and what its trained guard holds;
-# the run's counters; how many tasks of each name each Celery node ran.
+# trained; per group the status and rollout id of each sibling result and what its trained
+# guard holds; the run's counters; how many tasks of each name each Celery node ran (every
+# node of the stack asked until it answered, within STATS_BOUND_S).
 _RUN_STATE = """
 import json, sys
 from app.celery_app import celery_app
@@ -96,7 +124,9 @@ from app.config import service_config
 from app.state import keys
 from app.state.connection import connect, resolve_redis_url
 from app.state.records import SiblingResult
+from tests.multihost import node_stats
 run_id, steps = sys.argv[1], int(sys.argv[2])
+want, bound_s = json.loads(sys.argv[3]), float(sys.argv[4])
 c = connect(resolve_redis_url(service_config()))
 text = lambda v: v.decode() if isinstance(v, bytes) else v
 out = {"steps": {}, "groups": {}, "run": {text(k): text(v) for k, v in
@@ -104,22 +134,34 @@ out = {"steps": {}, "groups": {}, "run": {text(k): text(v) for k, v in
 for step in range(steps):
     out["steps"][step] = [text(g) for g in c.lrange(keys.run_step_groups(run_id, step), 0, -1)]
     for gid in out["steps"][step]:
-        out["groups"][gid] = {
-            "results": [SiblingResult.from_json(v).status
-                        for v in c.hgetall(keys.group_results(gid)).values()],
-            "trained": text(c.get(keys.group_trained(gid)))}
-stats = celery_app.control.inspect(timeout=5).stats() or {}
+        results = [SiblingResult.from_json(v) for v in c.hgetall(keys.group_results(gid)).values()]
+        out["groups"][gid] = {"results": [r.status for r in results],
+                              "rollouts": [r.rollout_id for r in results],
+                              "trained": text(c.get(keys.group_trained(gid)))}
+stats = node_stats(lambda: celery_app.control.inspect(timeout=5).stats(), want, bound_s)
 out["tasks"] = {node: s.get("total", {}) for node, s in stats.items()}
 print(json.dumps(out))
 """
 
 
 def run_state(cluster: Cluster, run_id: str, steps: int) -> dict:
-    code = _RUN_STATE.replace("sys.argv[1], int(sys.argv[2])", f"{run_id!r}, {steps}")
+    """What the trainer host reads of run ``run_id``'s first ``steps`` steps; fails naming
+    the stack's Celery nodes that never answered."""
+    want = cluster.expected_nodes()
+    argv = [str(BIN / "python"), "-c", _RUN_STATE, run_id, str(steps), json.dumps(sorted(want)),
+            str(STATS_BOUND_S)]
     try:
-        return cluster.python("trainer", code)
+        out = cluster.run("trainer", argv, timeout=STATS_BOUND_S + 300)
     except HarnessError as exc:
         raise AssertionError(str(exc)) from None
+    assert out.returncode == 0, f"the look at run {run_id} exited {out.returncode}:\n" \
+        + out.stderr[-3000:]
+    state = json.loads(out.stdout.strip().splitlines()[-1])
+    missing = want - set(state["tasks"])
+    assert not missing, (f"Celery nodes that never answered inspect().stats() in "
+                         f"{STATS_BOUND_S:.0f} s: {sorted(missing)}; answered: "
+                         f"{sorted(state['tasks'])}")
+    return state
 
 
 def assert_trained_once_and_whole(state: dict, steps: int, per_step: int, n: int) -> None:
