@@ -536,12 +536,8 @@ def _bypass_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
     return problems
 
 
-def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
-    """Rules between keys; a rule is checked only when each key it reads is valid alone."""
-
-    def ok(*names: str) -> bool:
-        return not bad.intersection(names)
-
+def _data_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """The batch sizes fit in one another, and the prompts' chat template is a file."""
     problems = []
     tbs = _get(cfg, "data.train_batch_size")
     async_cfg = cfg["agentlightning"]["async_rollout"]
@@ -566,6 +562,12 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
     if ok("inference.chat_template") and template and not repo_path(template).is_file():
         problems.append(f"inference.chat_template: no file {template!r} (a path relative to "
                         f"the repository, or absolute)")
+    return problems
+
+
+def _algorithm_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """The advantage estimator's groups, the over-long penalty and verl's rollout correction."""
+    problems = []
     n = _get(cfg, "actor_rollout_ref.rollout.n")
     est = _get(cfg, "algorithm.adv_estimator")
     if ok("actor_rollout_ref.rollout.n", "algorithm.adv_estimator") and ADV_ESTIMATORS.get(est) \
@@ -597,6 +599,12 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
                             f"{_fmt(rc['rollout_rs_threshold'])} {why}")
     if rc["bypass_mode"] is True:
         problems += _bypass_rules(cfg, ok)
+    return problems
+
+
+def _controller_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """The agent the controller runs: a module:function reference, its settings a mapping."""
+    problems = []
     backend = _get(cfg, "controller.backend")
     agent = _get(cfg, "controller.agent")
     if ok("controller.backend", "controller.agent") and backend == "python" and not re.match(
@@ -608,6 +616,12 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
         )
     if not isinstance(cfg.get("agent"), dict):
         problems.append(f"agent: value {_fmt(cfg.get('agent'))} must be a mapping")
+    return problems
+
+
+def _update_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """A weight update: engines that may sleep, a launcher for every node, a drain that fits."""
+    problems = []
     if ok("inference.sleep_mode", "inference.device") and _get(cfg, "inference.sleep_mode") \
             is True and _get(cfg, "inference.device") == "cpu":
         problems.append("inference.sleep_mode: value true is refused by vLLM on CPU "
@@ -630,7 +644,12 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
                         "true: calls frozen across the update hold the engine's KV cache, which "
                         "a sleeping engine drops; use sleep_mode auto (the engine stays awake and "
                         "the update needs memory beside it) or drain_mode continue, wait or abort")
+    return problems
 
+
+def _evaluation_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """Evaluation on held-out prompts: prompts to evaluate, a temperature that can sample."""
+    problems = []
     if ok("trainer.test_freq", "data.val_files") and _get(cfg, "trainer.test_freq") > 0 \
             and not _get(cfg, "data.val_files"):
         problems.append(f"trainer.test_freq: value {_get(cfg, 'trainer.test_freq')} needs "
@@ -641,15 +660,26 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             and _get(cfg, val + "temperature") == 0:
         problems.append(f"{val}temperature: value 0 cannot sample with {val}do_sample true; "
                         "set a temperature above 0, or do_sample false (greedy)")
+    return problems
+
+
+def _retry_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """Agents retry for longer than an ordinary pause lasts."""
     wait = _get(cfg, "controller.retry_max_wait_s")
     drain = _get(cfg, "gateway.drain_timeout_s")
     beat = _get(cfg, "trainer.heartbeat_s")
     if ok("controller.retry_max_wait_s", "gateway.drain_timeout_s", "trainer.heartbeat_s") \
             and wait < drain + beat:
-        problems.append(
+        return [
             f"controller.retry_max_wait_s: value {wait} must be at least gateway.drain_timeout_s"
             f" + trainer.heartbeat_s ({drain + beat}): agents would give up during an ordinary "
-            "pause")
+            "pause"]
+    return []
+
+
+def _weight_sync_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """New weights reach the servers: dev routes kept guarded, a weight_sync that can work."""
+    problems = []
     host = _get(cfg, "inference.host")
     if ok("inference.host", "inference.dev_routes_guard") and not is_loopback(host) \
             and not _get(cfg, "inference.dev_routes_guard"):
@@ -682,6 +712,12 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             transfer_engine(OmegaConf.create(cfg), "cuda")
         except ConfigError as exc:
             problems += exc.problems
+    return problems
+
+
+def _model_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """The served model: a LoRA adapter it can serve, a default reply that fits its context."""
+    problems = []
     if ok("actor_rollout_ref.model.lora_rank") and _get(cfg, "actor_rollout_ref.model.lora_rank"):
         problems += _lora_rules(cfg, ok)
     max_tokens = _get(cfg, "actor_rollout_ref.rollout.max_tokens")
@@ -692,7 +728,12 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             f"actor_rollout_ref.rollout.max_tokens: value {max_tokens} must be below "
             f"inference.max_model_len ({max_len}): the gateway asks that many tokens for a "
             "call that names none, and refuses a prompt that does not fit beside them")
-    problems += _port_rules(cfg, ok)
+    return problems
+
+
+def _service_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+    """The services beside one another: ports of their own, waits that outlast each other's."""
+    problems = _port_rules(cfg, ok)
     slack = _get(cfg, "controller.kubernetes.deadline_slack_s")
     window = _get(cfg, "controller.kubernetes.watch_timeout_s")
     if ok("controller.kubernetes.deadline_slack_s", "controller.kubernetes.watch_timeout_s") \
@@ -709,6 +750,24 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
             f"inference.startup_timeout_s ({start_s}): a server that restarts during a step "
             "takes up to that long to answer again, and the step would fail (the gateway "
             "paused meanwhile) before it is back")
+    return problems
+
+
+# The groups of rules between keys, in the order their problems are reported.
+CROSS_RULES: tuple[Callable[[dict[str, Any], Callable[..., bool]], list[str]], ...] = (
+    _data_rules, _algorithm_rules, _controller_rules, _update_rules, _evaluation_rules,
+    _retry_rules, _weight_sync_rules, _model_rules, _service_rules)
+
+
+def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
+    """Rules between keys; a rule is checked only when each key it reads is valid alone."""
+
+    def ok(*names: str) -> bool:
+        return not bad.intersection(names)
+
+    problems = []
+    for rules in CROSS_RULES:
+        problems += rules(cfg, ok)
     return problems
 
 

@@ -286,3 +286,54 @@ def test_demo_steps_zero_is_checked_not_dropped():
     assert "trainer.total_steps=0" in out  # refused by validation, not a full-length demo
     with pytest.raises(ConfigError, match="trainer.total_steps: value 0"):
         load_config(None, out)
+
+
+def test_rules_between_keys_report_in_a_fixed_order():
+    # one config breaking rules of every group between keys at once (validate.CROSS_RULES):
+    # the problems come out group by group in that order, each group's in its own order
+    overrides = [
+        "data.train_batch_size=32", "agentlightning.async_rollout.async_train_batch_size=32",
+        "actor_rollout_ref.actor.ppo_mini_batch_size=64", "inference.chat_template=no/such.jinja",
+        "actor_rollout_ref.rollout.n=1", "algorithm.adv_estimator=grpo",
+        "algorithm.rollout_correction.rollout_is=token",
+        "algorithm.rollout_correction.rollout_is_threshold=null",
+        "controller.agent=not_a_reference", "inference.device=cpu", "inference.sleep_mode=true",
+        "trainer.launcher=local", "trainer.nnodes=2", "gateway.drain_mode=keep",
+        "trainer.test_freq=5", "data.val_files=null",
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0", "controller.retry_max_wait_s=1",
+        "inference.host=0.0.0.0", "inference.weight_sync=transfer",
+        "inference.transfer_engine=ipc", "actor_rollout_ref.model.lora_rank=8",
+        "inference.max_model_len=512", "actor_rollout_ref.rollout.max_tokens=512",
+        "gateway.port=18111", "inference.port=18111",
+        "controller.kubernetes.deadline_slack_s=1", "trainer.reload_timeout_s=1",
+    ]
+    expected = [
+        "agentlightning.async_rollout.async_train_batch_size: value 32 must be strictly",
+        "actor_rollout_ref.actor.ppo_mini_batch_size: value 64 is more than",
+        "inference.chat_template: no file 'no/such.jinja'",
+        "actor_rollout_ref.rollout.n: value 1 must be >= 2",
+        "algorithm.rollout_correction.rollout_is_threshold: value null must be",
+        "controller.agent: value 'not_a_reference' must be module:function",
+        "inference.sleep_mode: value true is refused by vLLM on CPU",
+        "trainer.nnodes: value 2 needs verl's Ray worker group",
+        "gateway.drain_mode: value 'keep' cannot work with inference.sleep_mode",
+        "trainer.test_freq: value 5 needs data.val_files",
+        "actor_rollout_ref.rollout.val_kwargs.temperature: value 0 cannot sample",
+        "controller.retry_max_wait_s: value 1 must be at least",
+        "inference.host: value '0.0.0.0' opens the inference server",
+        "inference.weight_sync: value 'transfer' needs the trainer's rank 0",
+        "inference.transfer_engine: value 'ipc' hands GPU memory over",
+        "inference.weight_sync: value 'transfer' sends whole weights",
+        "gateway.drain_mode: value 'keep' cannot work with a LoRA adapter",
+        "actor_rollout_ref.rollout.max_tokens: value 512 must be below",
+        "gateway.port: value 18111 is also inference.port",
+        "controller.kubernetes.deadline_slack_s: value 1 must be at least twice",
+        "trainer.reload_timeout_s: value 1 must be at least",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    problems = info.value.problems
+    assert len(problems) == len(expected), problems
+    for problem, start in zip(problems, expected, strict=True):
+        assert problem.startswith(start), (problem, start)

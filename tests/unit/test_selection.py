@@ -7,6 +7,7 @@ from typing import get_args
 
 import pytest
 
+from app.config import ConfigError, load_config
 from app.config.settings import DrainMode, drain_mode
 from app.driver.selection import oldest_first
 
@@ -28,5 +29,8 @@ def test_every_drain_mode_has_one_strategy():
 def test_the_config_names_every_drain_mode():
     for mode in get_args(DrainMode):
         assert drain_mode(SimpleNamespace(gateway=SimpleNamespace(drain_mode=mode))) == mode
-    with pytest.raises(ValueError, match="'pause' is not one of wait, keep, abort, continue"):
-        drain_mode(SimpleNamespace(gateway=SimpleNamespace(drain_mode="pause")))
+    # the config's validation is the one check of the value, before any settings are read
+    with pytest.raises(ConfigError) as info:
+        load_config(None, ["gateway.drain_mode=pause"])
+    assert info.value.problems == ["gateway.drain_mode: value 'pause' must be one of 'wait', "
+                                   "'keep', 'abort', 'continue'"]
