@@ -12,6 +12,7 @@ from app.driver.metrics import CARRY_METRICS
 from bench.multihost import root_network
 from tests.multihost import (
     SMALL_RUN,
+    TEST_TIMEOUT_S,
     assert_trained_once_and_whole,
     metrics_rows,
     multihost,  # noqa: F401 - fixture
@@ -20,7 +21,7 @@ from tests.multihost import (
     train,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
 STEPS = 3
 
@@ -52,7 +53,8 @@ def test_run_across_hosts(multihost):  # noqa: F811
         assert tasks.get(f"rollout@{host}", {}).get("workers.rollout.tasks.run_rollout"), tasks
     assert sum(tasks.get(f"groups@{h}", {}).get("workers.rollout.tasks.finish_group", 0)
                for h in ("roll1", "roll2")) >= 2 * STEPS, tasks
-    assert tasks["trainer@trainer"].get("workers.trainer.tasks.train_step", 0) >= STEPS, tasks
+    trained = tasks.get("trainer@trainer", {}).get("workers.trainer.tasks.train_step", 0)
+    assert trained >= STEPS, tasks
     assert root_network() == multihost.root_before
 
 
