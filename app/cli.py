@@ -63,7 +63,6 @@ def cmd_config_docs(args: argparse.Namespace) -> int:
 
 def cmd_status(args: argparse.Namespace) -> int:
     from app.services.health import (
-        EXITS_SHOWN,
         check_all,
         environment,
         format_table,
@@ -91,7 +90,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if restarts:
         print("restarted after exiting: " + ", ".join(f"{role} x{n}"
                                                       for role, n in sorted(restarts.items())))
-    exits, recorded = recent_exits(cfg, EXITS_SHOWN)
+    exits, recorded = recent_exits(cfg)
     if exits:
         print("role exits recorded" + (f" (the last {len(exits)} of {recorded} records)"
                                        if recorded > len(exits) else "") + ":")

@@ -194,7 +194,7 @@ def mark_unroutable(rows: list[PartStatus], routes: dict[str, str]) -> None:
             row.label = "UNROUTED"
 
 
-def recent_exits(cfg: Any, count: int = 5, timeout: float = 2.0
+def recent_exits(cfg: Any, count: int = EXITS_SHOWN, timeout: float = 2.0
                  ) -> tuple[list[RoleExit], int]:
     """The last ``count`` role exits the supervisors recorded (``keys.role_exits``), oldest
     first, one whose record was written twice (a lost reply) once; and how many the stream
