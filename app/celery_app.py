@@ -128,7 +128,7 @@ def rollout_slots(conf: object = None, options: dict | None = None, **_: object)
     if isinstance(queues, str):
         queues = queues.split(",")
     if options.get("concurrency") is None and "rollout" in queues:
-        conf.worker_concurrency = int(service_config().services.rollout_concurrency)  # type: ignore[attr-defined]
+        conf.worker_concurrency = service_config().services.rollout_concurrency  # type: ignore[attr-defined]
 
 
 @functools.cache

@@ -14,10 +14,10 @@ import os
 import signal
 import sys
 import time
-from typing import Any
 
 from app.config import ConfigError, load_config, to_yaml
 from app.config.loader import env_overrides, given_keys
+from app.config.schema import Config
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -32,7 +32,7 @@ def _overrides(args: argparse.Namespace) -> list[str]:
     return [*env_overrides(), *args.overrides]
 
 
-def _load(args: argparse.Namespace) -> Any:
+def _load(args: argparse.Namespace) -> Config:
     return load_config(args.config, _overrides(args))
 
 

@@ -15,10 +15,10 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from app.config import ConfigError, load_config
 from app.config.loader import REPO_ROOT, env_overrides
+from app.config.schema import Config
 from app.driver.metrics import CARRY, console_line, val_line
 from app.driver.preflight import preflight
 
@@ -45,7 +45,7 @@ def _overrides(args: argparse.Namespace, sync: bool) -> list[str]:
     return out
 
 
-def _train_one(cfg: Any, label: str) -> dict:
+def _train_one(cfg: Config, label: str) -> dict:
     from tqdm import tqdm
 
     from app.driver.loop import run_dir_for, train

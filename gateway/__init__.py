@@ -7,7 +7,9 @@ so any number of worker processes and hosts act as one gateway.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from app.config.schema import Config
 
 if TYPE_CHECKING:
     from flask import Flask
@@ -18,7 +20,7 @@ __version__ = "0.1.0"
 __all__ = ["create_app"]
 
 
-def create_app(settings: GatewaySettings | None = None, cfg: Any | None = None) -> Flask:
+def create_app(settings: GatewaySettings | None = None, cfg: Config | None = None) -> Flask:
     # imported here, not with the package: gunicorn's master imports the package for its
     # worker class (gateway.worker) before the worker's gevent monkey-patching, which must
     # come before flask and redis are imported

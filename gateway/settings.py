@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from app.config.loader import model_dir, repo_path
+from app.config.schema import Config
 from app.config.secrets import admin_token, inference_api_key
 from app.config.serving import gateway_view
 from app.config.settings import InferenceSettings, adapter_name, lora_rank
@@ -49,7 +50,7 @@ class GatewaySettings:
         return adapter_name(self.model, version) if self.lora and version > 0 else self.model
 
     @classmethod
-    def from_config(cls, cfg: Any) -> GatewaySettings:
+    def from_config(cls, cfg: Config) -> GatewaySettings:
         g = cfg.gateway
         return cls(
             redis_url=resolve_redis_url(cfg),
@@ -67,17 +68,16 @@ class GatewaySettings:
             default_max_tokens=int(cfg.actor_rollout_ref.rollout.max_tokens),
             default_temperature=float(cfg.actor_rollout_ref.rollout.temperature),
             sampling=str(g.sampling),
-            context_check=bool(g.get("context_check", True)),
-            token_continuity=bool(g.get("token_continuity", True)),
+            context_check=g.context_check,
+            token_continuity=g.token_continuity,
             tokenizer_path=str(model_dir(cfg)),
             max_model_len=int(cfg.inference.max_model_len),
             chat_template=str(repo_path(str(cfg.inference.chat_template)))
-            if cfg.inference.get("chat_template") else None,
+            if cfg.inference.chat_template else None,
             sleep_check=InferenceSettings.from_config(cfg).sleep_mode,
             inference_api_key=inference_api_key(cfg),
-            tool_call_parser=str(cfg.inference.tool_call_parser)
-            if cfg.inference.get("tool_call_parser") else None,
-            tool_strict_level=str(cfg.inference.get("tool_strict_level") or "auto"),
+            tool_call_parser=cfg.inference.tool_call_parser or None,
+            tool_strict_level=cfg.inference.tool_strict_level,
             lora=lora_rank(cfg) > 0,
             serves=gateway_view(cfg),
         )

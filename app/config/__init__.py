@@ -1,7 +1,8 @@
 """Configuration: load YAML + overrides over the defaults, validate once, freeze.
 
 The one entry point is :func:`load_config`; everything else in the project receives the
-frozen ``DictConfig`` it returns (or a run's copy of it read back from Redis).
+frozen, typed ``Config`` it returns (``app.config.schema``; a run's copy is read back from
+Redis the same way, ``app.state.runs.run_config``).
 """
 
 from app.config.errors import ConfigError

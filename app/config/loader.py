@@ -1,6 +1,6 @@
 """Load a run's configuration: defaults <- file <- ``a.b.c=value`` overrides.
 
-Invariant: a config returned by :func:`load_config` has passed every rule in
+Invariant: the ``Config`` (app.config.schema) :func:`load_config` returns has passed every rule in
 ``app.config.validate``, holds no unknown key, has its derived values filled in, and is
 read-only.
 """
@@ -14,10 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.config.errors import ConfigError
+from app.config.schema import Config
 from app.config.validate import FREE_FORM_SECTIONS, validate
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -244,8 +245,8 @@ def load_config(
     *,
     base: dict[str, Any] | None = None,
     path_label: str = "--config",
-) -> DictConfig:
-    """Build, validate and freeze a configuration.
+) -> Config:
+    """Build, validate and freeze a configuration: the typed, frozen ``Config``.
 
     ``base`` (a plain dict) replaces the file when given: a run's stored config is reloaded
     this way so workers see exactly what the driver validated.
@@ -283,9 +284,7 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     # resolved once, here: a ${ left in a value (written \${) is text from now on
-    cfg = OmegaConf.create(_literal(plain))
-    OmegaConf.set_readonly(cfg, True)
-    return cfg
+    return Config.of(plain)
 
 
 def _literal(node: Any) -> Any:
@@ -330,7 +329,7 @@ def env_overrides() -> list[str]:
     return overrides
 
 
-def service_config() -> DictConfig:
+def service_config() -> Config:
     """The config every long-running process reads: ``$CARRYOVER_CONFIG`` (a file) plus
     ``$CARRYOVER_OVERRIDES`` (a JSON list of a.b.c=value), over the defaults."""
     import os
@@ -339,5 +338,5 @@ def service_config() -> DictConfig:
                        path_label="$CARRYOVER_CONFIG")
 
 
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg)
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.to_dict(), sort_keys=False, allow_unicode=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from app.config.errors import ConfigError
 from app.config.loader import REPO_ROOT
+from app.config.schema import Config
 from app.config.validate import is_loopback
 
 ADMIN_TOKEN_FILE = REPO_ROOT / "var" / "admin-token"
@@ -44,16 +44,16 @@ def shared_secret(value: str | None, env: str, file: Path) -> str:
     return token
 
 
-def admin_token(cfg: Any) -> str:
+def admin_token(cfg: Config) -> str:
     """``gateway.admin_token`` > $CARRYOVER_ADMIN_TOKEN > var/admin-token."""
     return shared_secret(cfg.gateway.admin_token, "CARRYOVER_ADMIN_TOKEN", ADMIN_TOKEN_FILE)
 
 
-def inference_api_key(cfg: Any) -> str:
+def inference_api_key(cfg: Config) -> str:
     """The key the inference servers demand on ``/v1`` (vLLM's ``VLLM_API_KEY``), sent by
     the gateway and the trainer and never given to agents: ``inference.api_key`` >
     $CARRYOVER_INFERENCE_API_KEY > var/inference-api-key."""
-    return shared_secret(cfg.inference.get("api_key"), "CARRYOVER_INFERENCE_API_KEY",
+    return shared_secret(cfg.inference.api_key, "CARRYOVER_INFERENCE_API_KEY",
                          INFERENCE_KEY_FILE)
 
 
@@ -80,7 +80,7 @@ _SHARED_SECRETS = {
 _KEY_SENDERS = ("gateway", "trainer")
 
 
-def shared_secret_problems(cfg: Any, role: str) -> list[str]:
+def shared_secret_problems(cfg: Config, role: str) -> list[str]:
     """What ``role`` lacks to start on this host beside others, one line each. A role bound
     beyond loopback serves other hosts, which must know its secret: the config (or the
     environment) names it, one for every host; a secret generated into var/ is this
@@ -90,8 +90,8 @@ def shared_secret_problems(cfg: Any, role: str) -> list[str]:
     out = []
     if role in _SHARED_SECRETS:
         bind, secret, env, generated, without = _SHARED_SECRETS[role]
-        host = str(cfg[role].host)
-        if _beyond_loopback(host) and not cfg[role].get(secret.partition(".")[2]) \
+        host = str(cfg.select(f"{role}.host"))
+        if _beyond_loopback(host) and not cfg.select(secret) \
                 and not os.environ.get(env):
             mine = f" (the one generated into {generated} is this machine's alone)" \
                 if generated else ""
@@ -99,7 +99,7 @@ def shared_secret_problems(cfg: Any, role: str) -> list[str]:
                        f"beyond this machine: {without}{mine}; set {secret} (or ${env}) to "
                        f"the same value on every host, or bind {bind} to 127.0.0.1")
     far = [u for u in cfg.inference.urls if not is_loopback(urlsplit(u).hostname or "")]
-    if role in _KEY_SENDERS and far and not cfg.inference.get("api_key") \
+    if role in _KEY_SENDERS and far and not cfg.inference.api_key \
             and not os.environ.get("CARRYOVER_INFERENCE_API_KEY"):
         out.append(f"inference.api_key: not set, and inference.urls names a server on another "
                    f"host ({', '.join(far)}), which would refuse the {role}'s calls made with "
@@ -108,7 +108,7 @@ def shared_secret_problems(cfg: Any, role: str) -> list[str]:
     return out
 
 
-def check_shared_secret(cfg: Any, role: str) -> None:
+def check_shared_secret(cfg: Config, role: str) -> None:
     """Raise ``ConfigError`` with ``shared_secret_problems``, if any."""
     problems = shared_secret_problems(cfg, role)
     if problems:

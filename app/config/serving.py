@@ -17,9 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from omegaconf import OmegaConf
-
 from app.config.loader import repo_path
+from app.config.schema import Config
 from app.config.settings import MAX_LORA_RANKS, lora_rank, served_dtype
 
 # compared as they are, and paths as the gateway resolves them
@@ -41,15 +40,11 @@ _SERVERS: dict[str, Callable[[Any, Any], bool]] = {
 }
 
 
-def gateway_view(cfg: Any) -> dict[str, Any]:
+def gateway_view(cfg: Config) -> dict[str, Any]:
     """The values of the keys a gateway serves by, as JSON values."""
-    view: dict[str, Any] = {}
-    for key in _PLAIN:
-        value = OmegaConf.select(cfg, key)
-        view[key] = OmegaConf.to_container(value, resolve=True) \
-            if OmegaConf.is_config(value) else value
+    view: dict[str, Any] = {key: cfg.select(key) for key in _PLAIN}
     for key in _PATHS:
-        value = OmegaConf.select(cfg, key)
+        value = cfg.select(key)
         view[key] = str(repo_path(str(value))) if value else None
     rank = lora_rank(cfg)
     view[LORA] = "set" if rank > 0 else "unset"  # the gateway only asks whether

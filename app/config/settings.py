@@ -1,9 +1,10 @@
-"""Typed, frozen views of the configuration, one per role that reads it.
+"""Values derived from the typed configuration (``app.config.schema.Config``) that more
+than one role needs, and the inference servers' settings as the trainer drives them.
 
-The validated ``DictConfig`` stays the source (it is what a run stores in Redis); each role
-builds its settings from it once, so the code past that point reads typed attributes, and
-the modes are ``Literal`` types checked by mypy instead of strings compared along the way.
-The gateway's own view is ``gateway.settings.GatewaySettings``.
+Each function resolves one ``auto`` or cross-key choice in one place (the server command and
+the trainer both call ``transfer_engine``, so they cannot disagree). The trainer's own view
+is ``workers.trainer.settings.TrainerSettings``, the gateway's
+``gateway.settings.GatewaySettings``.
 """
 
 from __future__ import annotations
@@ -11,14 +12,14 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, cast, get_args
+from typing import Literal, cast
 
 from app.config.errors import ConfigError
+from app.config.schema import Config, WeightSyncWay
 from app.services.device import resolve as resolve_device
 
-DrainMode = Literal["wait", "keep", "abort", "continue"]
-WeightSync = Literal["disk", "transfer"]
-TransferEngine = Literal["shm", "ipc"]
+WeightSync = WeightSyncWay
+TransferEngine = Literal["shm", "ipc"]  # transfer_engine once auto is resolved
 # the values vLLM's --max-lora-rank takes
 MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -39,9 +40,9 @@ def served_dtype(dtype: str, model_path: str | Path | None = None) -> str:
     return "bfloat16" if name == "float32" else name
 
 
-def lora_rank(cfg: Any) -> int:
+def lora_rank(cfg: Config) -> int:
     """``actor_rollout_ref.model.lora_rank``: 0 = every weight is trained."""
-    return int(cfg.actor_rollout_ref.model.get("lora_rank", 0) or 0)
+    return cfg.actor_rollout_ref.model.lora_rank
 
 
 def adapter_name(model: str, version: int) -> str:
@@ -50,7 +51,7 @@ def adapter_name(model: str, version: int) -> str:
 Launcher = Literal["auto", "local", "ray"]
 
 
-def sleep_mode(cfg: Any, device: str) -> bool:
+def sleep_mode(cfg: Config, device: str) -> bool:
     """Whether the server starts with ``--enable-sleep-mode``: on GPU when the update runs
     with the gateway paused (collocated: the engine sleeps and lends its memory to the
     update), unless ``gateway.drain_mode`` is ``keep`` (calls frozen across the update keep
@@ -65,14 +66,14 @@ def sleep_mode(cfg: Any, device: str) -> bool:
     return bool(setting)
 
 
-def transfer_engine(cfg: Any, device: str) -> TransferEngine:
+def transfer_engine(cfg: Config, device: str) -> TransferEngine:
     """The engine of ``inference.weight_sync: transfer`` (``inference.transfer_engine``):
     ``ipc`` (vLLM's CUDA IPC engine: each server worker maps the trainer's copy on its own
     GPU) or ``shm`` (the project's engine: buckets in the host's shared memory). ``auto``:
     ``ipc`` when trainer and servers run on CUDA and the update is collocated
     (``trainer.pause_during_update`` auto or true: they share the GPUs), ``shm`` elsewhere.
     The server command and the trainer both read it here, so they cannot disagree."""
-    value = str(cfg.inference.get("transfer_engine", "auto"))
+    value = cfg.inference.transfer_engine
     if value == "auto":
         pause = cfg.trainer.pause_during_update
         trainer_device = resolve_device(str(cfg.trainer.device))
@@ -85,13 +86,10 @@ def transfer_engine(cfg: Any, device: str) -> TransferEngine:
     if value == "ipc" and (problem := _ipc_layout_problem(cfg, device)):
         raise ConfigError([f"inference.transfer_engine: value 'ipc' {problem}: use shm or "
                            "auto"])
-    if value not in get_args(TransferEngine):
-        raise ConfigError([f"inference.transfer_engine: value {value!r} is not one of auto, "
-                           f"{', '.join(get_args(TransferEngine))}"])
-    return cast(TransferEngine, value)
+    return value
 
 
-def launcher(cfg: Any, device: str) -> str:
+def launcher(cfg: Config, device: str) -> str:
     """``trainer.launcher``; ``auto`` = verl's Ray worker group when the update spans more
     than one accelerator, else ranks on this host."""
     tr = cfg.trainer
@@ -101,7 +99,7 @@ def launcher(cfg: Any, device: str) -> str:
     return "ray" if device == "cuda" and gpus > 1 else "local"
 
 
-def _ipc_layout_problem(cfg: Any, device: str) -> str | None:
+def _ipc_layout_problem(cfg: Config, device: str) -> str | None:
     """Why the trainer's GPUs and the server's are not the same ones, one to one, which
     ``ipc`` needs, or None. Every trainer rank exports each bucket on its GPU, and torch frees
     an export only once the server worker on that GPU has opened and released it: an export
@@ -140,7 +138,7 @@ class InferenceSettings:
     lora: bool = False     # the servers serve each version as a LoRA adapter (adapter_name)
 
     @classmethod
-    def from_config(cls, cfg: Any) -> InferenceSettings:
+    def from_config(cls, cfg: Config) -> InferenceSettings:
         inf = cfg.inference
         device = resolve_device(str(inf.device))
         return cls(urls=tuple(str(u) for u in inf.urls),
@@ -156,8 +154,3 @@ class InferenceSettings:
                    transfer_checksums=bool(inf.transfer_checksums),
                    lora=lora_rank(cfg) > 0)
 
-
-def drain_mode(cfg: Any) -> DrainMode:
-    """``gateway.drain_mode`` as its type: the config's validation (``one_of`` the values of
-    ``DrainMode``) is the one check of its value."""
-    return cast(DrainMode, str(cfg.gateway.drain_mode))

@@ -12,12 +12,8 @@ from collections.abc import Callable
 from typing import Any, get_args
 
 from app.config.errors import ConfigError
-from app.config.settings import (
-    DrainMode,
-    TransferEngine,
-    WeightSync,
-    transfer_engine,
-)
+from app.config.schema import DrainMode
+from app.config.settings import TransferEngine, WeightSync, transfer_engine
 from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES, ROLLOUT_RS_OPTIONS
 
 # Sections whose content is handed to user code unchecked.

@@ -21,11 +21,11 @@ import json
 import logging
 import time
 from dataclasses import asdict, dataclass
-from typing import Any
 
 import redis
 from celery import chord, group
 
+from app.config.schema import Config
 from app.driver.dataset import epoch_order, load_samples
 from app.driver.selection import oldest_first
 from app.state import carry, keys, retention
@@ -59,16 +59,15 @@ class Selection:
     wait_seconds: float
 
 
-def training_active_groups(cfg: Any) -> int:
+def training_active_groups(cfg: Config) -> int:
     """The groups training keeps in flight. Sync mode is the baseline: exactly one batch in
     flight, all of it waited for."""
     async_cfg = cfg.agentlightning.async_rollout
-    return int(async_cfg.async_train_batch_size) if async_cfg.enabled \
-        else int(cfg.data.train_batch_size)
+    return async_cfg.async_train_batch_size if async_cfg.enabled else cfg.data.train_batch_size
 
 
 class Collector:
-    def __init__(self, client: redis.Redis, run_id: str, cfg: Any, n: int | None = None,
+    def __init__(self, client: redis.Redis, run_id: str, cfg: Config, n: int | None = None,
                  samples: list[dict] | None = None) -> None:
         self.r = client
         self.run_id = run_id
@@ -82,11 +81,11 @@ class Collector:
         self.max_age = async_cfg.max_carry_over_age_steps
         # cancel: a group past the cap is cancelled, its prompt re-queued; wait: the next
         # step trains it, waiting for it to complete (verl's max_off_policy_strategy wait)
-        self.age_strategy = str(async_cfg.get("max_carry_over_age_strategy") or "cancel")
+        self.age_strategy = async_cfg.max_carry_over_age_strategy
         self.age_wait_seconds = 0.0  # the last wait's share spent on overdue groups
-        filtering = cfg.algorithm.get("filter_groups") or {}
-        self.filter_enabled = bool(filtering.get("enable", False))
-        self.max_gen_batches = int(filtering.get("max_num_gen_batches") or 0)
+        filtering = cfg.algorithm.filter_groups
+        self.filter_enabled = filtering.enable
+        self.max_gen_batches = filtering.max_num_gen_batches
         # ``samples``: data.train_files as the driver already read it
         self.samples = samples if samples is not None else load_samples(cfg.data.train_files)
         self._next_reconcile: float | None = None  # wait_ready's next look for lost callbacks

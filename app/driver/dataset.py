@@ -10,6 +10,7 @@ from typing import Any
 
 from app.config.errors import ConfigError
 from app.config.loader import REPO_ROOT
+from app.config.schema import Config
 
 
 class DatasetError(ConfigError):
@@ -85,7 +86,7 @@ def _json_ok(value: Any) -> bool:
     return True
 
 
-def check_files(cfg: Any) -> list[dict]:
+def check_files(cfg: Config) -> list[dict]:
     """Read the run's data files as its driver will (``data.train_files``, and
     ``data.val_files`` when set), so that a bad one stops a run before anything is recorded
     or started; the training samples are returned."""

@@ -21,7 +21,6 @@ waited for before the run ends, with what is left of it sent at once.
 
 from __future__ import annotations
 
-import copy
 import logging
 import re
 import secrets
@@ -29,11 +28,10 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import redis
-from omegaconf import OmegaConf
 
+from app.config.schema import Config
 from app.driver.collector import Collector, training_active_groups
 from app.state import carry, keys, retention
 from app.state.completion import sibling_results
@@ -46,18 +44,17 @@ log = logging.getLogger(__name__)
 EVAL_MODE = "eval"
 
 
-def eval_temperature(cfg: Any) -> float:
+def eval_temperature(cfg: Config) -> float:
     """The temperature evaluation calls are sampled at (0: greedy)."""
     val = cfg.actor_rollout_ref.rollout.val_kwargs
     return float(val.temperature) if val.do_sample else 0.0
 
 
-def eval_config(cfg: Any, n_samples: int) -> dict:
+def eval_config(cfg: Config, n_samples: int) -> dict:
     """The training config turned into an evaluation's: the held-out prompts in file order,
     each dispatched once, failures counted as reward 0. (The group size, ``val_kwargs.n``, is
     the collector's: ``rollout.n`` stays the training one, which its rules hold to.)"""
-    plain = copy.deepcopy(OmegaConf.to_container(cfg, resolve=True))
-    assert isinstance(plain, dict)
+    plain = cfg.to_dict()
     plain["data"].update(train_files=plain["data"]["val_files"], shuffle=False,
                          train_batch_size=n_samples)
     # nothing of it is trained; a mini-batch larger than the held-out set would fail the
@@ -83,7 +80,7 @@ class PendingEval:
 
 
 class Evaluator:
-    def __init__(self, client: redis.Redis, run_id: str, cfg: Any) -> None:
+    def __init__(self, client: redis.Redis, run_id: str, cfg: Config) -> None:
         from app.driver.dataset import load_samples
 
         self.r = client
@@ -99,7 +96,7 @@ class Evaluator:
         self.keep_s = float(cfg.trainer.trained_data_ttl_s)
         # by default as many rollouts in flight as training keeps, in the evaluation's groups
         rollout = cfg.actor_rollout_ref.rollout
-        self.max_active = int(cfg.trainer.get("val_active_groups") or -(
+        self.max_active = int(cfg.trainer.val_active_groups or -(
             -training_active_groups(cfg) * int(rollout.n) // int(rollout.val_kwargs.n)))
         self.pending: PendingEval | None = None
         # read at start, so that a bad file fails the run before training, under its own key
@@ -123,7 +120,7 @@ class Evaluator:
         plain = eval_config(self.cfg, self.n_samples)
         Collector.create_run(self.r, eval_id, plain, EVAL_MODE, eval_temperature(self.cfg))
         n_val = int(self.cfg.actor_rollout_ref.rollout.val_kwargs.n)
-        collector = Collector(self.r, eval_id, OmegaConf.create(plain), n=n_val,
+        collector = Collector(self.r, eval_id, Config.of(plain), n=n_val,
                               samples=self.samples)
         now = time.monotonic()
         self.pending = PendingEval(eval_id, steps_done, version, now, self.n_samples,

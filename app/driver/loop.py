@@ -18,13 +18,12 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
 
 import redis
-from omegaconf import DictConfig, OmegaConf
 
 from app.config import ConfigError
 from app.config.loader import flat_keys, repo_path
+from app.config.schema import Config
 from app.driver.collector import Collector, Starved
 from app.driver.lease import DriverLease, RunBusy
 from app.driver.preflight import preflight
@@ -36,7 +35,7 @@ from app.state.runs import MissingState, read_run, run_config
 log = logging.getLogger(__name__)
 
 
-def _require_gateway_agrees(cfg: Any) -> None:
+def _require_gateway_agrees(cfg: Config) -> None:
     """Refuse a run whose config differs from the running gateway's on what the gateway
     serves by (``app/config/serving.py``): it would train on what it did not ask for."""
     from app.services.health import gateway_disagreements
@@ -51,13 +50,13 @@ def _require_gateway_agrees(cfg: Any) -> None:
                            "the same file and overrides), or give the run the stack's values"])
 
 
-def _require_same_config(given: Any, stored: Any, run_id: str, keys: Iterable[str]) -> None:
+def _require_same_config(given: Config, stored: Config, run_id: str, keys: Iterable[str]) -> None:
     """Refuse to resume with a file or overrides (``keys``: what they set) that differ from
     the run's config: the run goes on with its own (its trainer and workers read the stored
     one), so a changed value would be ignored without a word. Keys left to their defaults
     are not compared: the run keeps the defaults it started with."""
-    mine = flat_keys(OmegaConf.to_container(given, resolve=True), into_free_form=True)
-    theirs = flat_keys(OmegaConf.to_container(stored, resolve=True), into_free_form=True)
+    mine = flat_keys(given.to_dict(), into_free_form=True)
+    theirs = flat_keys(stored.to_dict(), into_free_form=True)
     differ = [f"{key}: value {mine.get(key)!r} differs from run {run_id}'s {theirs.get(key)!r}"
               for key in sorted(keys) if mine.get(key) != theirs.get(key)]
     if differ:
@@ -70,11 +69,11 @@ def new_run_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
 
 
-def run_dir_for(cfg: Any, run_id: str) -> Path:
+def run_dir_for(cfg: Config, run_id: str) -> Path:
     return repo_path(str(cfg.logging.dir)) / run_id
 
 
-def run_training(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
+def run_training(cfg: Config, resume: str | None = None, *, given: Iterable[str] = (),
                  on_step: Callable[[int, dict], None] | None = None,
                  run_id: str | None = None) -> int:
     """Entry point of ``carryover train``; returns an exit code."""
@@ -89,7 +88,7 @@ def run_training(cfg: Any, resume: str | None = None, *, given: Iterable[str] = 
     return 0
 
 
-def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
+def train(cfg: Config, resume: str | None = None, *, given: Iterable[str] = (),
           on_step: Callable[[int, dict], None] | None = None,
           run_id: str | None = None,
           should_stop: Callable[[int, dict], bool] | None = None,
@@ -129,7 +128,7 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
         run_id = resume
     else:
         run_id = run_id or new_run_id()
-        Collector.create_run(client, run_id, OmegaConf.to_container(cfg, resolve=True),
+        Collector.create_run(client, run_id, cfg.to_dict(),
                              "async" if cfg.agentlightning.async_rollout.enabled else "sync")
     lease = DriverLease(client, run_id)
     try:
@@ -144,7 +143,7 @@ def train(cfg: Any, resume: str | None = None, *, given: Iterable[str] = (),
         lease.release()
 
 
-def _drive(client: redis.Redis, cfg: DictConfig, run_id: str, resume: str | None,
+def _drive(client: redis.Redis, cfg: Config, run_id: str, resume: str | None,
            lease: DriverLease, watch: OutageWatch, samples: list[dict],
            on_step: StepHook | None, should_stop: Callable[[int, dict], bool] | None,
            on_eval: StepHook | None) -> dict:

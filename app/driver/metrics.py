@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the sink stays light to import: the collector brings Celery
-    from omegaconf import DictConfig
-
+    from app.config.schema import Config
     from app.driver.collector import Selection
 
 log = logging.getLogger(__name__)
@@ -93,7 +92,7 @@ def _clean(value: object) -> object:
 
 
 class MetricsSink:
-    def __init__(self, run_dir: Path, run_id: str, cfg: DictConfig,
+    def __init__(self, run_dir: Path, run_id: str, cfg: Config,
                  console: bool = True) -> None:
         self.run_dir = run_dir
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -111,7 +110,7 @@ class MetricsSink:
                 os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
                 run = wandb.init(
                     project=cfg.logging.wandb_project, name=run_id, id=run_id, resume="allow",
-                    dir=str(run_dir), mode=mode, config=_plain(cfg),
+                    dir=str(run_dir), mode=mode, config=cfg.to_dict(),
                     settings=wandb.Settings(silent=True, console="off"))
                 # an evaluation is plotted at the update it measured, not the step that
                 # reported it
@@ -205,12 +204,6 @@ def _end_cleanly(path: Path) -> None:
         return
     except OSError as exc:  # the metrics must not stop training; the write says it again
         log.warning("cannot check the end of %s: %s", path, exc)
-
-
-def _plain(cfg: DictConfig) -> dict:
-    from omegaconf import OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
 
 
 def console_line(step: int, total: int, m: Mapping[str, object]) -> str:

@@ -7,16 +7,16 @@ import importlib
 import logging
 import os
 import sys
-from typing import Any
 
 from app.config.errors import ConfigError
 from app.config.loader import REPO_ROOT
+from app.config.schema import Config
 from app.driver.dataset import check_files
 
 log = logging.getLogger(__name__)
 
 
-def check_agent(cfg: Any) -> None:
+def check_agent(cfg: Config) -> None:
     """``controller.agent`` of the python backend names a callable the driver can import.
 
     The agent runs in the rollout workers; the driver imports it once to find the mistakes
@@ -59,7 +59,7 @@ def check_agent(cfg: Any) -> None:
                            "function the workers can call with (sample, llm, **agent)"])
 
 
-def preflight(cfg: Any) -> list[dict]:
+def preflight(cfg: Config) -> list[dict]:
     """Every check above; returns the training samples (``data.train_files``), read once."""
     samples = check_files(cfg)
     check_agent(cfg)

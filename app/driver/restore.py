@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
 
 import redis
 
+from app.config.schema import Config
 from app.driver.trainer_call import call_trainer
 from app.state import keys
 
@@ -30,7 +30,7 @@ class ServerRestore:
     """Called while the driver waits for groups: sends ``restore_servers`` when the keeper
     asks for it, and after a failure not again for ``retry_s``."""
 
-    def __init__(self, client: redis.Redis, cfg: Any, run_id: str,
+    def __init__(self, client: redis.Redis, cfg: Config, run_id: str,
                  retry_s: float = 30.0) -> None:
         self.client, self.cfg, self.run_id, self.retry_s = client, cfg, run_id, retry_s
         self._next_try = 0.0

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import redis
-from omegaconf import DictConfig
 
+from app.config.schema import Config
 from app.driver.collector import Collector, Selection, Starved
 from app.driver.evaluation import Evaluator
 from app.driver.lease import DriverLease
@@ -68,7 +68,7 @@ class Driver:
     """A run as this process drives it: its parts, built once, and where it stands between
     steps (the fields an outage's repair and a step's metrics read)."""
 
-    def __init__(self, client: redis.Redis, cfg: DictConfig, run_id: str, lease: DriverLease,
+    def __init__(self, client: redis.Redis, cfg: Config, run_id: str, lease: DriverLease,
                  watch: OutageWatch, samples: list[dict], run_dir: Path,
                  on_step: StepHook | None = None, on_eval: StepHook | None = None) -> None:
         self.client, self.cfg, self.run_id = client, cfg, run_id

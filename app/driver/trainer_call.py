@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING
 import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
+from app.config.schema import Config
 from app.state import keys
 from app.state.records import RoleExit
 
 if TYPE_CHECKING:
     from celery import Celery
     from celery.result import AsyncResult
-    from omegaconf import DictConfig
 
     from app.driver.recovery import OutageWatch
 
@@ -55,11 +55,12 @@ class TrainerLost(RuntimeError):
     """The trainer worker died during the task (its heartbeat expired)."""
 
 
-def update_memory_knobs(cfg: DictConfig) -> str:
+def update_memory_knobs(cfg: Config) -> str:
     """The settings that bound an update's memory, with their values, for a give-up line."""
     actor = cfg.actor_rollout_ref.actor
-    named = [f"actor_rollout_ref.actor.{k} ({'null' if actor.get(k) is None else actor.get(k)})"
-             for k in UPDATE_MEMORY_KNOBS]
+    values = {k: getattr(actor, k) for k in UPDATE_MEMORY_KNOBS}
+    named = [f"actor_rollout_ref.actor.{k} ({'null' if v is None else v})"
+             for k, v in values.items()]
     return (f"an update's memory is bounded by {', '.join(named[:-1])} and {named[-1]}: "
             'see docs/gpu.md, "Micro-batch memory"')
 
@@ -159,7 +160,7 @@ def _stop_waiting(app: Celery, result: AsyncResult) -> None:
         log.debug("could not unsubscribe from %s: %s", result.id, exc)
 
 
-def call_trainer(client: redis.Redis, cfg: DictConfig, task: str, run_id: str, label: str,
+def call_trainer(client: redis.Redis, cfg: Config, task: str, run_id: str, label: str,
                  args: Sequence[str | int], poll_s: float = 0.5,
                  while_running: Callable[[], object] | None = None,
                  outage: OutageWatch | None = None,

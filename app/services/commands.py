@@ -14,11 +14,11 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 from urllib.parse import urlsplit
 
 from app.config.errors import ConfigError
 from app.config.loader import REPO_ROOT, model_dir, repo_path
+from app.config.schema import Config
 from app.config.secrets import check_shared_secret, inference_api_key
 from app.config.settings import MAX_LORA_RANKS, lora_rank, sleep_mode, transfer_engine
 from app.config.validate import is_loopback
@@ -57,7 +57,7 @@ def project_bin(name: str) -> str:
 AUTH_CONF = "auth.conf"
 
 
-def redis_command(cfg: Any) -> Command:
+def redis_command(cfg: Config) -> Command:
     if is_external(cfg):
         return Command("redis", [], idle_reason="external Redis ($REDIS_URL or redis.url)")
     check_shared_secret(cfg, "redis")
@@ -118,7 +118,7 @@ def _port_of(url: str) -> int | None:
         return None
 
 
-def _check_reachable(cfg: Any, role: str) -> None:
+def _check_reachable(cfg: Config, role: str) -> None:
     """The server a role starts on this host is one its URL reaches: a plain-HTTP loopback
     URL's port is the one it binds (a URL of another host, or an https one, may go through a
     proxy on another port). Otherwise `carryover up` would wait for it at the URL until its
@@ -142,7 +142,7 @@ def _check_reachable(cfg: Any, role: str) -> None:
                                "there"])
 
 
-def inference_command(cfg: Any) -> Command:
+def inference_command(cfg: Config) -> Command:
     _check_reachable(cfg, "inference")
     check_shared_secret(cfg, "inference")
     inf = cfg.inference
@@ -236,7 +236,7 @@ def inference_command(cfg: Any) -> Command:
     return Command("inference", argv, env)
 
 
-def gateway_command(cfg: Any) -> Command:
+def gateway_command(cfg: Config) -> Command:
     _check_reachable(cfg, "gateway")
     check_shared_secret(cfg, "gateway")
     argv = [
@@ -247,7 +247,7 @@ def gateway_command(cfg: Any) -> Command:
     return Command("gateway", argv)
 
 
-def worker_command(cfg: Any, role: str) -> Command:
+def worker_command(cfg: Config, role: str) -> Command:
     base = [project_bin("celery"), "-A", "app", "worker", "-E", "--loglevel", "INFO"]
     if role == "rollout":
         # Threads: a rollout slot mostly waits on an agent (HTTP, a subprocess), so
@@ -265,13 +265,13 @@ def worker_command(cfg: Any, role: str) -> Command:
     return Command(role, base + extra)
 
 
-def flower_command(cfg: Any) -> Command:
+def flower_command(cfg: Config) -> Command:
     argv = [project_bin("celery"), "-A", "app", "flower", "--address=127.0.0.1",
             f"--port={cfg.services.flower_port}"]
     return Command("flower", argv, {"FLOWER_UNAUTHENTICATED_API": "true"})
 
 
-def command_for(cfg: Any, role: str) -> Command:
+def command_for(cfg: Config, role: str) -> Command:
     if role == "redis":
         return redis_command(cfg)
     if role == "inference":

@@ -14,6 +14,7 @@ from typing import Any
 
 import requests
 
+from app.config.schema import Config
 from app.config.secrets import inference_api_key
 from app.state.connection import connect, redact, resolve_redis_url
 from app.state.records import RoleExit
@@ -34,7 +35,7 @@ class PartStatus:
     label: str = ""  # its STATUS when neither "up" nor "DOWN" says it (``UNROUTED``)
 
 
-def check_redis(cfg: Any, timeout: float = 2.0) -> PartStatus:
+def check_redis(cfg: Config, timeout: float = 2.0) -> PartStatus:
     url = resolve_redis_url(cfg)
     try:
         client = connect(url, socket_timeout=timeout, socket_connect_timeout=timeout, retry=None)
@@ -47,7 +48,7 @@ def check_redis(cfg: Any, timeout: float = 2.0) -> PartStatus:
         return PartStatus("redis", False, f"{redact(url)}: {exc}")
 
 
-def check_inference(cfg: Any, timeout: float = 2.0) -> list[PartStatus]:
+def check_inference(cfg: Config, timeout: float = 2.0) -> list[PartStatus]:
     out = []
     for url in cfg.inference.urls:
         url = url.rstrip("/")
@@ -86,7 +87,7 @@ def weights_held(url: str, api_key: str = "", timeout: float = 2.0) -> str | Non
         "base model" if held == "default" else held
 
 
-def unroutable(cfg: Any, timeout: float = 2.0) -> dict[str, str]:
+def unroutable(cfg: Config, timeout: float = 2.0) -> dict[str, str]:
     """The servers of ``inference.urls`` the gateway routes no call to, each with why and
     what ends it: those Redis marks stale (``keys.upstreams_stale``: down or restarted, and
     not yet given the run's weights), and those the running gateway's health checks skip
@@ -117,7 +118,7 @@ def unroutable(cfg: Any, timeout: float = 2.0) -> dict[str, str]:
     return out
 
 
-def _why_stale(cfg: Any, url: str, need: str | None, published: dict[str, str],
+def _why_stale(cfg: Config, url: str, need: str | None, published: dict[str, str],
                current: int) -> str:
     """Why a stale server waits, and for what."""
     model = cfg.inference.served_model_name
@@ -141,7 +142,7 @@ def _why_stale(cfg: Any, url: str, need: str | None, published: dict[str, str],
             f"{model!r} were published)")
 
 
-def _gateway_routes(cfg: Any, timeout: float) -> tuple[set[str], set[str]]:
+def _gateway_routes(cfg: Config, timeout: float) -> tuple[set[str], set[str]]:
     """(the servers the running gateway knows, those it routes to), from its
     ``/admin/state``; both empty where it does not answer."""
     from app.config.secrets import admin_token
@@ -163,7 +164,7 @@ class RoutingWatch:
     no call to and why (``unroutable``), so a stack that serves nothing until a run comes
     says so instead of only "all parts up". Looks every ``every_s`` at most."""
 
-    def __init__(self, cfg: Any, say: Callable[[str], None], every_s: float = 5.0,
+    def __init__(self, cfg: Config, say: Callable[[str], None], every_s: float = 5.0,
                  timeout: float = 1.0) -> None:
         self.cfg, self.say, self.every_s, self.timeout = cfg, say, every_s, timeout
         self.said: dict[str, str] = {}
@@ -194,7 +195,7 @@ def mark_unroutable(rows: list[PartStatus], routes: dict[str, str]) -> None:
             row.label = "UNROUTED"
 
 
-def recent_exits(cfg: Any, count: int = EXITS_SHOWN, timeout: float = 2.0
+def recent_exits(cfg: Config, count: int = EXITS_SHOWN, timeout: float = 2.0
                  ) -> tuple[list[RoleExit], int]:
     """The last ``count`` role exits the supervisors recorded (``keys.role_exits``), oldest
     first, one whose record was written twice (a lost reply) once; and how many the stream
@@ -217,7 +218,7 @@ def recent_exits(cfg: Any, count: int = EXITS_SHOWN, timeout: float = 2.0
     return newest[::-1], total
 
 
-def check_gateway(cfg: Any, timeout: float = 2.0) -> PartStatus:
+def check_gateway(cfg: Config, timeout: float = 2.0) -> PartStatus:
     url = cfg.gateway.url.rstrip("/")
     try:
         body = requests.get(url + "/healthz", timeout=timeout).json()
@@ -228,7 +229,7 @@ def check_gateway(cfg: Any, timeout: float = 2.0) -> PartStatus:
         return PartStatus("gateway", False, f"{url}: {exc.__class__.__name__}")
 
 
-def gateway_disagreements(cfg: Any, timeout: float = 5.0
+def gateway_disagreements(cfg: Config, timeout: float = 5.0
                           ) -> tuple[list[str], list[str]] | None:
     """Where the running gateway serves by other values than ``cfg`` says
     (app/config/serving.py): one line per key, (refusing the run, only noted); None when
@@ -271,7 +272,7 @@ def check_workers(timeout: float = 2.0) -> list[PartStatus]:
     ]
 
 
-def check_flower(cfg: Any, timeout: float = 2.0) -> PartStatus:
+def check_flower(cfg: Config, timeout: float = 2.0) -> PartStatus:
     url = f"http://127.0.0.1:{cfg.services.flower_port}"
     try:
         import flower
@@ -283,7 +284,7 @@ def check_flower(cfg: Any, timeout: float = 2.0) -> PartStatus:
         return PartStatus("flower", False, f"{url}: {exc.__class__.__name__}")
 
 
-def role_restarts(cfg: Any, timeout: float = 2.0) -> dict[str, int]:
+def role_restarts(cfg: Config, timeout: float = 2.0) -> dict[str, int]:
     """Times the supervisors started each role again after it exited ({} if Redis is
     down)."""
     from app.state import keys
@@ -301,7 +302,7 @@ def role_restarts(cfg: Any, timeout: float = 2.0) -> dict[str, int]:
         return {}
 
 
-def redis_outages(cfg: Any, timeout: float = 2.0) -> list[dict[str, Any]]:
+def redis_outages(cfg: Config, timeout: float = 2.0) -> list[dict[str, Any]]:
     """The Redis outages the stack's processes rode out, oldest first, each
     ``{"down_at", "up_at", "seconds", "roles"}``: the processes' records
     (``keys.redis_outages``) merged where they overlap ([] if Redis is down)."""
@@ -355,7 +356,7 @@ def environment(repo: Any = None) -> list[tuple[str, str]]:
     return rows
 
 
-def check_all(cfg: Any) -> list[PartStatus]:
+def check_all(cfg: Config) -> list[PartStatus]:
     return [check_redis(cfg), *check_inference(cfg), check_gateway(cfg), *check_workers(),
             check_flower(cfg)]
 

@@ -27,9 +27,10 @@ import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from app.config.loader import REPO_ROOT
+from app.config.schema import Config
 from app.services import exits, health
 from app.services.commands import ROLES, Command, command_for
 
@@ -56,7 +57,7 @@ LOG_ROTATE_BYTES = 256 * 2**20  # a role's log past this is rotated when the rol
 EXITS_UNWRITTEN = 100  # exits kept while Redis cannot take them (the newest)
 
 
-def _ready_check(cfg: Any, role: str) -> Callable[[], bool]:
+def _ready_check(cfg: Config, role: str) -> Callable[[], bool]:
     """A quick look at whether ``role`` answers (its health check)."""
     if role == "redis":
         return lambda: health.check_redis(cfg, timeout=1).ok
@@ -74,7 +75,7 @@ def _ready_check(cfg: Any, role: str) -> Callable[[], bool]:
     return worker_up
 
 
-def wait_ready(cfg: Any, roles: Iterable[str], timeout: float,
+def wait_ready(cfg: Config, roles: Iterable[str], timeout: float,
                progress: Callable[[str], None] | None = None,
                before_look: Callable[[str], None] | None = None) -> list[str]:
     """Look at each role's health every 0.5 s until every one answers or ``timeout`` has
@@ -97,7 +98,7 @@ def wait_ready(cfg: Any, roles: Iterable[str], timeout: float,
     return list(pending)
 
 
-def _listen_address(cfg: Any, role: str) -> tuple[str, int, str] | None:
+def _listen_address(cfg: Config, role: str) -> tuple[str, int, str] | None:
     """(host, port, config key) a role's server binds to, for the roles that listen."""
     if role == "redis":
         return cfg.redis.host, int(cfg.redis.port), "redis.port"
@@ -120,7 +121,7 @@ def _in_use(host: str, port: int) -> bool:
 
 
 class Supervisor:
-    def __init__(self, cfg: Any, log_dir: Path | None = None, env: dict[str, str] | None = None):
+    def __init__(self, cfg: Config, log_dir: Path | None = None, env: dict[str, str] | None = None):
         self.cfg = cfg
         self.log_dir = log_dir or (REPO_ROOT / "var" / "logs")
         self.log_dir.mkdir(parents=True, exist_ok=True)

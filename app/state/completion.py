@@ -70,12 +70,12 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
         return _gone(group_id)
     failed = [r for r in results.values() if r.status != "ok"]
     outcome = "dropped" if failed and cfg.controller.on_failure == "requeue" else "complete"
-    filtering = cfg.algorithm.get("filter_groups", {})
-    if outcome == "complete" and filtering.get("enable") \
-            and equal_rewards(results.values(), str(filtering.get("metric") or "score")):
+    filtering = cfg.algorithm.filter_groups
+    if outcome == "complete" and filtering.enable \
+            and equal_rewards(results.values(), filtering.metric):
         outcome = "filtered"
     run = group.run_id
-    limit = cfg.data.get("max_prompt_failures")
+    limit = cfg.data.max_prompt_failures
     answer = client.register_script(_COMPLETE)(
         keys=[keys.group(group_id), keys.group_done(group_id), keys.run_active(run),
               keys.run_ready(run), keys.run_requeue(run), keys.run(run), keys.run_wakeup(run),

@@ -22,16 +22,18 @@ import redis
 from redis.backoff import ExponentialBackoff
 from redis.retry import Retry
 
+from app.config.schema import Config
+
 log = logging.getLogger(__name__)
 
 DEFAULT_EMBEDDED = ("127.0.0.1", 6390)
 
 
-def is_external(cfg: Any | None = None) -> bool:
+def is_external(cfg: Config | None = None) -> bool:
     return bool(os.environ.get("REDIS_URL") or (cfg is not None and cfg.redis.url))
 
 
-def resolve_redis_url(cfg: Any | None = None) -> str:
+def resolve_redis_url(cfg: Config | None = None) -> str:
     if os.environ.get("REDIS_URL"):
         return os.environ["REDIS_URL"]
     password = (cfg.redis.password if cfg is not None else None) or os.environ.get(
@@ -70,7 +72,7 @@ def redact(url: str) -> str:
     return f"{scheme}://***@{rest.split('@', 1)[1]}"
 
 
-def reconnect_budget(cfg: Any | None = None) -> float:
+def reconnect_budget(cfg: Config | None = None) -> float:
     """Seconds a client keeps reconnecting through a Redis outage (``redis.reconnect_s``),
     from ``cfg`` or else the process's service config."""
     if cfg is None:

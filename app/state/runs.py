@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import redis
 
+from app.config.schema import Config
 from app.state import keys
 from app.state.records import GroupRecord, RunRecord
 
@@ -30,7 +30,7 @@ def read_group(client: redis.Redis, group_id: str) -> GroupRecord:
 
 
 @functools.lru_cache(maxsize=16)
-def _config_from_json(raw: str) -> Any:
+def _config_from_json(raw: str) -> Config:
     import json
 
     from app.config import load_config
@@ -38,7 +38,7 @@ def _config_from_json(raw: str) -> Any:
     return load_config(base=json.loads(raw))
 
 
-def run_config(client: redis.Redis, run_id: str) -> Any:
+def run_config(client: redis.Redis, run_id: str) -> Config:
     """The validated config the driver stored with the run (cached per process)."""
     raw = client.hget(keys.run(run_id), "config")
     if raw is None:

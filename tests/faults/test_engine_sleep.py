@@ -14,7 +14,6 @@ import sys
 
 import pytest
 import requests
-from omegaconf import OmegaConf
 
 from app.config import load_config
 from app.state import keys
@@ -84,7 +83,7 @@ def _collocated_cfg(upstream: str, tmp_path, *overrides: str):
 def _prepared_run(redis_client, run_id: str, cfg, step: int = 0) -> None:
     """A run whose step ``step`` has one complete group of two rollouts to train."""
     redis_client.hset(keys.run(run_id), mapping={
-        "run_id": run_id, "config": json.dumps(OmegaConf.to_container(cfg))})
+        "run_id": run_id, "config": json.dumps(cfg.to_dict())})
     gid = f"{run_id}-g{step}"
     redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, run_id, step, n=2).to_hash())
     for i, reward in enumerate((1.0, 0.0)):

@@ -13,7 +13,6 @@ import os
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from app.config import load_config
 from app.state import keys
@@ -69,7 +68,7 @@ def test_a_retry_of_a_step_that_failed_after_its_update_publishes_that_update(
     assert update_metrics
     # the server is back; the driver sends the step again
     redis_client.hset(keys.run(run_id), "config",
-                      json.dumps(OmegaConf.to_container(_cfg(upstream, tmp_path))))
+                      json.dumps(_cfg(upstream, tmp_path).to_dict()))
     m = train_step(redis_client, run_id, 0)
     assert resident._resident is first and max_diff(updated, _weights()) == 0
     assert redis_client.get(keys.run_step_result(run_id, 0)) is not None

@@ -26,11 +26,10 @@ def test_gateway_resumed_after_failure_mid_update(redis_client, tmp_path):
                              "trainer.reload_timeout_s=2", "inference.startup_timeout_s=2",
                              "trainer.upstream_check_s=0.5",
                              "actor_rollout_ref.rollout.n=2"])
-    from omegaconf import OmegaConf
 
     run_id = "fail-run"
     redis_client.hset(keys.run(run_id), mapping={
-        "run_id": run_id, "config": json.dumps(OmegaConf.to_container(cfg))})
+        "run_id": run_id, "config": json.dumps(cfg.to_dict())})
     gid = "fail-run-g0"
     redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, run_id, 0, n=2).to_hash())
     for i, reward in enumerate((1.0, 0.0)):

@@ -45,7 +45,6 @@ def test_counts_follow_results_cancels_and_late_siblings(redis_client):
 
 def new_run(r, run: str, tmp_path):
     """A run of 4 prompts, groups of 2, one group a step, two active."""
-    from omegaconf import OmegaConf
 
     from app.config import load_config
     from app.driver.collector import Collector
@@ -55,7 +54,7 @@ def new_run(r, run: str, tmp_path):
     cfg = load_config(None, [f"data.train_files={data}", "actor_rollout_ref.rollout.n=2",
                              "data.train_batch_size=1",
                              "agentlightning.async_rollout.async_train_batch_size=2"])
-    Collector.create_run(r, run, OmegaConf.to_container(cfg), "async")
+    Collector.create_run(r, run, cfg.to_dict(), "async")
     return Collector(r, run, cfg)
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from app.config import load_config
+from app.config import load_config, to_yaml
 from app.driver.loop import train
 from app.state import keys
 from app.state.records import SiblingResult
@@ -277,7 +277,6 @@ def test_early_chord_callback_is_completed_by_the_last_sibling(redis_client, tmp
     """A sibling that ran twice (its worker wrongly presumed dead) counts twice in the
     chord, so the callback can fire before the last sibling stored its result: the group
     must not be completed partially, and the last sibling completes it."""
-    from omegaconf import OmegaConf
 
     from app.driver.collector import Collector
     from app.state.completion import finish_group
@@ -285,7 +284,7 @@ def test_early_chord_callback_is_completed_by_the_last_sibling(redis_client, tmp
     from workers.rollout.episode import store_result
 
     cfg = make_cfg(tmp_path, [{}])
-    Collector.create_run(redis_client, "early", OmegaConf.to_container(cfg), "async")
+    Collector.create_run(redis_client, "early", cfg.to_dict(), "async")
     gid = "early-g0"
     redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, "early", 0, n=2).to_hash())
     redis_client.zadd(keys.run_active("early"), {gid: 0})
@@ -312,9 +311,7 @@ def test_driver_killed_and_resumed_keeps_its_carry_over(stack, tmp_path):
                    "agentlightning.async_rollout.async_train_batch_size=3",
                    "trainer.total_steps=4", "logging.console=true")
     cfg_file = tmp_path / "run.yaml"
-    from omegaconf import OmegaConf
-
-    cfg_file.write_text(OmegaConf.to_yaml(cfg))
+    cfg_file.write_text(to_yaml(cfg))
     env = {**os.environ, "CARRYOVER_OVERRIDES": "[]"}
     carryover = str(Path(sys.executable).parent / "carryover")
     proc = subprocess.Popen([carryover, "train", "--config", str(cfg_file)], cwd=REPO, env=env,
@@ -368,7 +365,6 @@ def test_a_group_whose_callback_never_ran_is_completed_though_no_wait_is_long(
     """In async mode the other groups fill each batch, so no single wait lasts the
     reconcile interval: a complete group whose chord callback never ran (all its results
     stored) must still be found, or it holds its slot for good."""
-    from omegaconf import OmegaConf
 
     from app.driver.collector import Collector
     from app.state import carry as carry_state
@@ -377,7 +373,7 @@ def test_a_group_whose_callback_never_ran_is_completed_though_no_wait_is_long(
     cfg = make_cfg(tmp_path, [{}], "data.train_batch_size=1",
                    "agentlightning.async_rollout.async_train_batch_size=3")
     run = "orphan-cb"
-    Collector.create_run(redis_client, run, OmegaConf.to_container(cfg), "async")
+    Collector.create_run(redis_client, run, cfg.to_dict(), "async")
     collector = Collector(redis_client, run, cfg)
     for gid, ready in (("orphan-cb-g0", False), ("orphan-cb-g1", True)):
         redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, run, 0, n=2).to_hash())
@@ -399,7 +395,6 @@ def test_the_drops_of_a_quarantined_prompt_are_not_counted_as_re_queued(redis_cl
     """``data.max_prompt_failures: 2``: the first drop re-queues the prompt, the second
     quarantines it, and a third (a group dispatched before the quarantine) is dropped and
     re-queued by no one. The re-queue count is what was pushed: 1, not drops - quarantines."""
-    from omegaconf import OmegaConf
 
     from app.driver.collector import Collector
     from app.state.completion import finish_group
@@ -408,7 +403,7 @@ def test_the_drops_of_a_quarantined_prompt_are_not_counted_as_re_queued(redis_cl
 
     cfg = make_cfg(tmp_path, [{}], "data.max_prompt_failures=2")
     run = "requeue-count"
-    Collector.create_run(redis_client, run, OmegaConf.to_container(cfg), "async")
+    Collector.create_run(redis_client, run, cfg.to_dict(), "async")
     before = Collector(redis_client, run, cfg).counters()
     answers = []
     for k in range(3):

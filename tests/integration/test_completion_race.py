@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from omegaconf import OmegaConf
 
 from app.config import load_config
 from app.driver.collector import Collector
@@ -20,7 +19,7 @@ def setup_group(redis_client, tmp_path, run: str) -> tuple[Collector, str]:
     data.write_text(json.dumps({"text": "s0"}) + "\n")
     cfg = load_config(None, [f"data.train_files={data}", "actor_rollout_ref.rollout.n=2",
                              "agentlightning.async_rollout.max_carry_over_age_steps=1"])
-    Collector.create_run(redis_client, run, OmegaConf.to_container(cfg), "async")
+    Collector.create_run(redis_client, run, cfg.to_dict(), "async")
     gid = f"{run}-g0"
     redis_client.hset(keys.group(gid), mapping=GroupRecord(gid, run, 0, n=2).to_hash())
     redis_client.zadd(keys.run_active(run), {gid: 0})

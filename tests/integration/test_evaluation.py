@@ -40,8 +40,6 @@ def test_an_evaluation_that_makes_progress_is_not_cut_by_its_timeout(redis_clien
     loads: its timeout counts from the last group that finished, not from its start."""
     import types
 
-    from omegaconf import OmegaConf
-
     from app.driver import evaluation
     from app.driver.collector import Collector
     from app.driver.evaluation import Evaluator, PendingEval
@@ -54,7 +52,7 @@ def test_an_evaluation_that_makes_progress_is_not_cut_by_its_timeout(redis_clien
     evaluator = Evaluator(redis_client, run, cfg)
     evaluator.timeout_s = 10.0
     eval_id = f"{run}-val2"
-    Collector.create_run(redis_client, eval_id, OmegaConf.to_container(cfg), "eval")
+    Collector.create_run(redis_client, eval_id, cfg.to_dict(), "eval")
     evaluator.pending = PendingEval(eval_id, 2, 2, now[0], 4,
                                     Collector(redis_client, eval_id, cfg), progress_at=now[0])
     for i in range(3):  # a group finishes every 6 s: 18 s in all, past the timeout
@@ -261,8 +259,7 @@ def test_an_evaluation_a_driver_died_sending_is_sent_whole_on_resume(redis_clien
                                                                      monkeypatch):
     """The dead driver sent 1 of the 3 held-out prompts: the resumed one sent none of the
     rest and reported the 1 as the whole evaluation."""
-    from omegaconf import OmegaConf
-
+    from app.config.schema import Config
     from app.driver.collector import Collector
     from app.driver.evaluation import EVAL_MODE, Evaluator, eval_config
 
@@ -278,7 +275,7 @@ def test_an_evaluation_a_driver_died_sending_is_sent_whole_on_resume(redis_clien
     eval_id = f"{run}-val1-abcd"
     plain = eval_config(cfg, 3)
     Collector.create_run(redis_client, eval_id, plain, EVAL_MODE, 0.0)
-    dead = Collector(redis_client, eval_id, OmegaConf.create(plain), n=1)
+    dead = Collector(redis_client, eval_id, Config.of(plain), n=1)
     dead.active_target = 1  # died after the first prompt's group
     assert dead.top_up(5, dispatch_step=1) == 1
     pending = Evaluator(redis_client, run, cfg).adopt(5)

@@ -563,8 +563,6 @@ def test_a_job_whose_attempt_was_closed_is_not_adopted(tmp_path, standin, redis_
     nothing, and leaving the group never complete."""
     import uuid
 
-    from omegaconf import OmegaConf
-
     from app.state.records import GroupRecord, RunRecord
     from workers.rollout.episode import _close_attempt, _start_attempt, run_sibling
 
@@ -572,7 +570,7 @@ def test_a_job_whose_attempt_was_closed_is_not_adopted(tmp_path, standin, redis_
     group = f"{RUN}-g{uuid.uuid4().hex[:6]}"
     cfg = make_cfg(tmp_path, server, "controller.max_attempts=1")
     redis_client.hset(keys.run(RUN), mapping=RunRecord(
-        run_id=RUN, config=OmegaConf.to_container(cfg, resolve=True)).to_hash())
+        run_id=RUN, config=cfg.to_dict()).to_hash())
     redis_client.hset(keys.group(group), mapping=GroupRecord(
         group_id=group, run_id=RUN, sample_index=0, sample={"text": "abc"}, n=1).to_hash())
     rid, token = _start_attempt(redis_client, RUN, group, 0, 1)
@@ -674,7 +672,6 @@ def test_the_running_job_of_a_cancelled_group_is_deleted_on_redelivery(tmp_path,
     """The worker watching the Job died; its group was cancelled (past the age cap) before
     the task came back. The new delivery finds the Job, and deletes it instead of leaving it
     to run to its deadline."""
-    from omegaconf import OmegaConf
 
     from app.state.records import GroupRecord, RunRecord
     from workers.rollout.episode import _start_attempt, run_sibling
@@ -686,7 +683,7 @@ def test_the_running_job_of_a_cancelled_group_is_deleted_on_redelivery(tmp_path,
         f"http://gw.test:8200/rollout/{rid}/v1", token, "policy", rid))
     wait_for(lambda: job_name(rid) in s.jobs)
     redis_client.hset(keys.run(RUN), mapping=RunRecord(
-        run_id=RUN, config=OmegaConf.to_container(cfg, resolve=True)).to_hash())
+        run_id=RUN, config=cfg.to_dict()).to_hash())
     redis_client.hset(keys.group(GROUP), mapping=GroupRecord(
         group_id=GROUP, run_id=RUN, sample_index=0, sample={"text": "abc"},
         status="cancelled").to_hash())

@@ -56,9 +56,8 @@ def make_run(tmp_path, client, groups: int) -> tuple[Collector, list[str]]:
     cfg = make_cfg(tmp_path, [{"sleep": 0} for _ in range(8)], "data.train_batch_size=2",
                    "agentlightning.async_rollout.async_train_batch_size=4")
     run_id = "lost-writes"
-    from omegaconf import OmegaConf
 
-    Collector.create_run(client, run_id, OmegaConf.to_container(cfg, resolve=True), "async")
+    Collector.create_run(client, run_id, cfg.to_dict(), "async")
     collector = Collector(client, run_id, cfg)
     gids = []
     for seq in range(groups):

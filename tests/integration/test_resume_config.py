@@ -5,10 +5,10 @@ without a word. Keys left to their defaults are not compared."""
 from __future__ import annotations
 
 import pytest
-from omegaconf import OmegaConf
 
 from app.cli import main
 from app.config import ConfigError, service_config
+from app.config.schema import Config
 from app.driver.collector import Collector
 from app.driver.loop import _require_same_config
 from app.state import keys
@@ -16,7 +16,7 @@ from app.state import keys
 
 def test_resuming_with_another_value_is_refused(redis_client, capsys):
     cfg = service_config()
-    Collector.create_run(redis_client, "resumed-run", OmegaConf.to_container(cfg, resolve=True),
+    Collector.create_run(redis_client, "resumed-run", cfg.to_dict(),
                          "async")
     assert main(["train", "--resume", "resumed-run", "trainer.total_steps=500"]) == 2
     err = capsys.readouterr().err.splitlines()
@@ -31,7 +31,7 @@ def test_a_finished_run_is_not_resumed(redis_client, caplog):
     second time."""
     cfg = service_config()
     Collector.create_run(redis_client, "finished-run",
-                         OmegaConf.to_container(cfg, resolve=True), "async")
+                         cfg.to_dict(), "async")
     redis_client.hset(keys.run("finished-run"), mapping={"status": "finished", "step": 5})
     assert main(["train", "--resume", "finished-run"]) == 1
     assert "run finished-run already finished (5 steps)" in caplog.text
@@ -47,13 +47,21 @@ def test_an_unknown_or_half_written_run_is_one_clear_line(redis_client, caplog):
     assert "--resume half-run: no such run" in caplog.text
 
 
+def _merged(cfg: Config, over: dict) -> Config:
+    """``cfg`` with the keys of ``over``'s sections replaced (a stored run's config)."""
+    plain = cfg.to_dict()
+    for section, values in over.items():
+        plain[section] = {**plain[section], **values}
+    return Config.of(plain)
+
+
 def test_only_what_the_caller_set_is_compared():
     cfg = service_config()
-    stored = OmegaConf.merge(cfg, {"trainer": {"total_steps": 7}})  # a run started with 7
+    stored = _merged(cfg, {"trainer": {"total_steps": 7}})  # a run started with 7
     _require_same_config(cfg, stored, "r", [])  # a bare --resume: nothing to compare
     _require_same_config(stored, stored, "r", ["trainer.total_steps"])  # the same value
     with pytest.raises(ConfigError, match="trainer.total_steps: value 3 differs"):
-        _require_same_config(OmegaConf.merge(cfg, {"trainer": {"total_steps": 3}}), stored,
+        _require_same_config(_merged(cfg, {"trainer": {"total_steps": 3}}), stored,
                              "r", ["trainer.total_steps"])
 
 
@@ -61,12 +69,12 @@ def test_keys_inside_a_free_form_section_are_compared_one_by_one(tmp_path):
     from app.config.loader import given_keys
 
     cfg = service_config()
-    stored = OmegaConf.merge(cfg, {"agent": {"a": 1, "b": 2}})
-    given = OmegaConf.merge(cfg, {"agent": {"a": 1}})
+    stored = _merged(cfg, {"agent": {"a": 1, "b": 2}})
+    given = _merged(cfg, {"agent": {"a": 1}})
     keys_set = given_keys(None, ["agent.a=1"])
     assert keys_set == {"agent.a"}
     _require_same_config(given, stored, "r", keys_set)  # agent.b was not given: not compared
     (tmp_path / "c.yaml").write_text("agent:\n  a: 5\n")
     with pytest.raises(ConfigError, match="agent.a: value 5 differs from run r's 1"):
-        _require_same_config(OmegaConf.merge(cfg, {"agent": {"a": 5}}), stored, "r",
+        _require_same_config(_merged(cfg, {"agent": {"a": 5}}), stored, "r",
                              given_keys(tmp_path / "c.yaml"))

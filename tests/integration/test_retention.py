@@ -34,13 +34,13 @@ def test_a_groups_training_claim_lives_a_week(redis_client):
     """A group is claimed for one step (``group_trained``): a retry of that step claims it
     again, another step does not, and the claim expires with the run's other guards
     instead of staying for ever."""
-    from workers.trainer.step import _claim_groups
+    from workers.trainer.once import claim_groups
 
     r = redis_client
     gid = "claim-g0"
-    assert _claim_groups(r, [gid], 3) == [gid]
-    assert _claim_groups(r, [gid], 3) == [gid]   # the step's retry
-    assert _claim_groups(r, [gid], 4) == []      # never trained twice
+    assert claim_groups(r, [gid], 3) == [gid]
+    assert claim_groups(r, [gid], 3) == [gid]   # the step's retry
+    assert claim_groups(r, [gid], 4) == []      # never trained twice
     assert retention.GUARD_TTL_S - 60 < r.ttl(keys.group_trained(gid)) <= retention.GUARD_TTL_S
 
 
@@ -67,7 +67,6 @@ def test_a_step_stored_by_a_trainer_killed_before_releasing_is_released_when_sen
         redis_client, tmp_path):
     """The trainer stored the step's result and died before releasing what its groups
     captured: the step sent again answers from the stored result and releases them."""
-    from omegaconf import OmegaConf
 
     from app.config import load_config
     from app.driver.collector import Collector
@@ -78,7 +77,7 @@ def test_a_step_stored_by_a_trainer_killed_before_releasing_is_released_when_sen
     data.write_text('{"text": "a"}\n')
     cfg = load_config(None, [f"data.train_files={data}", "trainer.trained_data_ttl_s=120"])
     run = "ret-killed-trainer"
-    Collector.create_run(r, run, OmegaConf.to_container(cfg), "async")
+    Collector.create_run(r, run, cfg.to_dict(), "async")
     gid, rid = f"{run}-g0", f"{run}-g0.0.a"
     r.rpush(keys.group_rollouts(gid), rid)
     r.rpush(keys.rollout_calls(rid), "{}")

@@ -11,7 +11,6 @@ import uuid
 from typing import Any
 
 import pytest
-from omegaconf import OmegaConf
 
 from app.config import load_config
 from app.state import carry, keys, retention
@@ -32,7 +31,7 @@ def make_group(client, group: str, *overrides: str) -> Any:
     cfg = load_config(None, ["controller.backend=process", "controller.max_attempts=2",
                              *overrides])
     client.hset(keys.run(RUN), mapping=RunRecord(
-        run_id=RUN, config=OmegaConf.to_container(cfg, resolve=True)).to_hash())
+        run_id=RUN, config=cfg.to_dict()).to_hash())
     client.hset(keys.group(group), mapping=GroupRecord(
         group_id=group, run_id=RUN, sample_index=0, sample={"text": "abc"}, n=1).to_hash())
     client.zadd(keys.run_active(RUN), {group: 0})

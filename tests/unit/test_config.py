@@ -87,7 +87,7 @@ def test_config_is_frozen():
 
 def test_agent_section_is_free_form(tmp_path):
     cfg = load_config(write(tmp_path, "agent:\n  anything: [1, 2]\n  nested: {a: 1}\n"))
-    assert cfg.agent.nested.a == 1
+    assert cfg.agent["nested"]["a"] == 1
 
 
 INVALID = [

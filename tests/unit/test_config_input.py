@@ -11,7 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from omegaconf import OmegaConf
 
 from app.config import ConfigError, load_config
 from app.config.loader import model_dir
@@ -68,13 +67,13 @@ def test_an_unresolvable_interpolation_names_its_key():
 
 def test_an_escaped_interpolation_stays_text_through_a_stored_run():
     cfg = load_config(None, [r"agent.prompt=Say \${name}"])
-    assert cfg.agent.prompt == "Say ${name}"
+    assert cfg.agent["prompt"] == "Say ${name}"
     # a run's config is stored resolved, and every worker loads it back from there
-    stored = OmegaConf.to_container(cfg, resolve=True)
-    assert load_config(base=stored).agent.prompt == "Say ${name}"
+    stored = cfg.to_dict()
+    assert load_config(base=stored).agent["prompt"] == "Say ${name}"
     # an interpolation that resolves still does, as verl's configs use them
     cfg = load_config(None, ["agent.name=${inference.served_model_name}"])
-    assert cfg.agent.name == cfg.inference.served_model_name
+    assert cfg.agent["name"] == cfg.inference.served_model_name
 
 
 @pytest.mark.parametrize("raw,value", [
@@ -85,7 +84,7 @@ def test_an_escaped_interpolation_stays_text_through_a_stored_run():
     (".5", 0.5), ("-.5", -0.5), ("+.25e1", 2.5),
 ])
 def test_command_line_values_read_as_verls_overrides_read_them(raw, value):
-    got = OmegaConf.to_container(load_config(None, [f"agent.v={raw}"]).agent)["v"]
+    got = load_config(None, [f"agent.v={raw}"]).select("agent")["v"]
     assert got == value and type(got) is type(value)
 
 
@@ -241,7 +240,7 @@ def test_a_date_stays_text_and_binary_or_non_utf8_files_are_one_line(tmp_path):
     """A date anywhere (a file, a flow value on the command line) went to OmegaConf, which
     refuses it with a traceback; bytes crashed later, writing the run's config as JSON."""
     cfg = load_config(write(tmp_path, "agent:\n  start: 2024-01-01\n"), ["agent.x={d: 2024-01-02}"])
-    assert cfg.agent.start == "2024-01-01" and cfg.agent.x.d == "2024-01-02"
+    assert cfg.agent["start"] == "2024-01-01" and cfg.agent["x"]["d"] == "2024-01-02"
     assert "2024-01-01" in problems(overrides=["inference.urls=[2024-01-01]"])[0]
     (binary := tmp_path / "b.yaml").write_text("agent:\n  y: !!binary aGVsbG8=\n")
     assert problems(binary) == [f"--config {binary}: line 2: not valid YAML (!!binary values "
@@ -286,12 +285,11 @@ def test_yaml_1_1_numbers_and_booleans_in_a_file_stay_text(tmp_path):
     kept them as text: a file now reads them as the command line does."""
     cfg = load_config(write(tmp_path, "agent:\n  a: 1:30\n  b: yes\n  c: 0x10\n  d: 010\n"
                                       "  e: 1_000\n  f: True\n  g: 1.5\n  h: {i: off}\n"))
-    assert OmegaConf.to_container(cfg.agent) == {"a": "1:30", "b": "yes", "c": "0x10",
-                                                 "d": "010", "e": 1000, "f": True, "g": 1.5,
-                                                 "h": {"i": "off"}}
+    assert cfg.select("agent") == {"a": "1:30", "b": "yes", "c": "0x10", "d": "010", "e": 1000,
+                                   "f": True, "g": 1.5, "h": {"i": "off"}}
     (line,) = problems(write(tmp_path, "trainer:\n  total_steps: 010\n"))
     assert line == "trainer.total_steps: value '010' must be a positive integer"
-    assert load_config(None, ["agent.x={n: 010, m: on}"]).agent.x == {"n": "010", "m": "on"}
+    assert load_config(None, ["agent.x={n: 010, m: on}"]).agent["x"] == {"n": "010", "m": "on"}
 
 
 def test_a_later_override_of_a_section_adds_to_the_earlier_ones():
@@ -300,5 +298,5 @@ def test_a_later_override_of_a_section_adds_to_the_earlier_ones():
     cfg = load_config(None, ["trainer.total_steps=3", "trainer={save_freq: 2}",
                              "agent.x.y=1", "agent={x: {z: 2}}"])
     assert cfg.trainer.total_steps == 3 and cfg.trainer.save_freq == 2
-    assert OmegaConf.to_container(cfg.agent) == {"x": {"y": 1, "z": 2}}
-    assert load_config(None, ["agent.x={y: 1}", "agent.x=5"]).agent.x == 5
+    assert cfg.select("agent") == {"x": {"y": 1, "z": 2}}
+    assert load_config(None, ["agent.x={y: 1}", "agent.x=5"]).agent["x"] == 5

@@ -40,7 +40,7 @@ def test_config_places_each_service_on_its_host(tmp_path, monkeypatch):
     assert argv[argv.index("--dir") + 1].startswith(str(cluster.host_dir("redis")))
     argv = command_for(cfg, "inference").argv
     assert argv[argv.index("--host") + 1] == infer
-    assert cfg.inference.urls == [f"http://{infer}:8100"]
+    assert cfg.inference.urls == (f"http://{infer}:8100",)
     assert cfg.gateway.host == infer and cfg.gateway.url == cluster.gateway_url
     assert str(cfg.trainer.weights_dir).startswith(str(cluster.run_dir / "shared"))
     # the demo's settings underneath

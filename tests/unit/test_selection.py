@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 from typing import get_args
 
 import pytest
 
 from app.config import ConfigError, load_config
-from app.config.settings import DrainMode, drain_mode
+from app.config.schema import DrainMode
 from app.driver.selection import oldest_first
 
 
@@ -28,7 +27,7 @@ def test_every_drain_mode_has_one_strategy():
 
 def test_the_config_names_every_drain_mode():
     for mode in get_args(DrainMode):
-        assert drain_mode(SimpleNamespace(gateway=SimpleNamespace(drain_mode=mode))) == mode
+        assert load_config(None, [f"gateway.drain_mode={mode}"]).gateway.drain_mode == mode
     # the config's validation is the one check of the value, before any settings are read
     with pytest.raises(ConfigError) as info:
         load_config(None, ["gateway.drain_mode=pause"])

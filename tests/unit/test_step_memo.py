@@ -1,13 +1,13 @@
 """The trainer worker's memory of the steps it trained: a re-sent step whose stored result a
 Redis crash lost is answered from it, but only while the trainer that holds that update is
-still the one loaded (``workers.trainer.tasks.train_step``)."""
+still the one loaded (record 2 of ``workers.trainer.once``)."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 from app.state import keys
-from workers.trainer import resident, tasks
+from workers.trainer import once, resident, tasks
 from workers.trainer import step as trainer_step
 
 
@@ -21,7 +21,7 @@ def test_a_remembered_step_is_answered_only_by_the_trainer_that_holds_it(redis_c
         return {"n": len(trained)}
 
     monkeypatch.setattr(trainer_step, "train_step", run_step)
-    monkeypatch.setattr(tasks, "_trained", {})
+    monkeypatch.setattr(once, "_trained", {})
     monkeypatch.setattr(resident, "_resident", SimpleNamespace(run_id="memo", generation=1))
     assert tasks.train_step("memo", 0) == {"n": 1}
     redis_client.delete(keys.run_step_result("memo", 0))  # lost in a Redis crash

@@ -20,7 +20,6 @@ import time
 from typing import Any
 
 import redis
-from omegaconf import OmegaConf
 
 from app.state import cached_reads, carry, keys
 from app.state.records import RolloutRecord, RunRecord, SiblingResult
@@ -198,8 +197,7 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
     ctl_cfg = cfg.controller
     # plain values: a nested setting goes to a process or Kubernetes agent as JSON, and a
     # python agent gets its own copy (the run's config is shared by the worker's threads)
-    settings: dict[str, Any] = OmegaConf.to_container(cfg.agent, resolve=True) \
-        if cfg.agent else {}  # type: ignore[assignment]
+    settings: dict[str, Any] = cfg.select("agent")
     gateway = cfg.gateway.url.rstrip("/")
     # an evaluation's rollouts are sampled at its own temperature (never trained)
     raw = client.hget(keys.run(group.run_id), RunRecord.field("temperature"))
@@ -227,7 +225,7 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
         controller.stop(rid)  # a Job that adopt() could not find, or would not take
     lost = _lost_attempts(client, group_id, index)
     # (an agent taken up runs outside the worker: it is not what kills workers)
-    if not adopted and lost >= int(ctl_cfg.get("max_lost_attempts") or 3):
+    if not adopted and lost >= ctl_cfg.max_lost_attempts:
         log.error("sibling %s/%d: %d of its attempts ran on workers that died (does its agent "
                   "crash the worker?); it fails (controller.max_lost_attempts)", group_id,
                   index, lost)
@@ -274,7 +272,7 @@ def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
                                      reward=None, attempts=attempt,
                                      seconds=time.monotonic() - started,
                                      paused_seconds=clock.paused, error="group cancelled")
-            if ctl_cfg.get("on_context_overflow") == "end" and _overflowed(client, rollout_id):
+            if ctl_cfg.on_context_overflow == "end" and _overflowed(client, rollout_id):
                 # the conversation outgrew the model: the rollout ends here, its calls so far
                 # are trained, with the reward the agent posted or controller.overflow_reward
                 if not _close_attempt(client, rollout_id, "finished"):

@@ -27,6 +27,7 @@ from typing import Any
 import redis
 import tenacity
 
+from app.config.schema import KubernetesConfig
 from app.state import keys
 from app.state.records import RolloutRecord
 from workers.rollout.base import (
@@ -106,8 +107,8 @@ def job_labels(run_id: str, group_id: str, index: int, attempt: int | None,
     return labels
 
 
-def build_job(kcfg: Any, *, command: str, llm: LLMEndpoint, gateway_url: str, sample: dict,
-              settings: dict, run_id: str, group_id: str, index: int, attempt: int,
+def build_job(kcfg: KubernetesConfig, *, command: str, llm: LLMEndpoint, gateway_url: str,
+              sample: dict, settings: dict, run_id: str, group_id: str, index: int, attempt: int,
               timeout_s: float) -> Any:
     """The Job for one attempt, as the client's own models (which check required fields)."""
     from kubernetes import client as k8s
@@ -245,7 +246,7 @@ def api_message(exc: Any) -> str:
 
 
 class KubernetesController(Controller):
-    def __init__(self, command: str, settings: dict[str, Any], kcfg: Any, *,
+    def __init__(self, command: str, settings: dict[str, Any], kcfg: KubernetesConfig, *,
                  client: redis.Redis, gateway_url: str, run_id: str, group_id: str,
                  index: int) -> None:
         from kubernetes import client as k8s

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.config.schema import Config
+
 
 def compute_advantages(estimator: str, rewards: torch.Tensor, response_mask: torch.Tensor,
                        group_ids: list[str], norm_by_std: bool,
@@ -101,7 +103,7 @@ def constrained_is_metrics(is_weights: torch.Tensor | None, mask: torch.Tensor,
     return out
 
 
-def lr_at(cfg: Any, step: int) -> float:
+def lr_at(cfg: Config, step: int) -> float:
     """The learning rate of optimizer step ``step`` (0-based): a pure function of the step,
     so a restored or restarted trainer follows the same schedule."""
     actor = cfg.actor_rollout_ref.actor

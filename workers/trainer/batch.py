@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import redis
 
+from app.config.schema import Config
 from app.state import keys
 from app.state.completion import sibling_results
 from app.state.records import CapturedCall, RolloutRecord
@@ -78,10 +79,9 @@ class Overlong:
     max_response_length: int = 0
 
     @classmethod
-    def from_config(cls, cfg: Any) -> Overlong:
-        o = cfg.algorithm.get("overlong") or {}
-        return cls(bool(o.get("mask", False)), int(o.get("buffer_len") or 0),
-                   float(o.get("penalty_factor", 1.0)), int(o.get("max_response_length") or 0))
+    def from_config(cls, cfg: Config) -> Overlong:
+        o = cfg.algorithm.overlong
+        return cls(o.mask, o.buffer_len, o.penalty_factor, o.max_response_length or 0)
 
     def penalty(self, response_len: int) -> float:
         """DAPO's soft penalty: 0 up to ``max_response_length - buffer_len`` tokens, then

@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from app.config.settings import DrainMode
+from app.config.schema import DrainMode
 from app.state.pause import Pause
 from workers.trainer import weights
 from workers.trainer.errors import StepError
@@ -63,7 +63,7 @@ class WaitDrain(Drain):
 class _EngineDrain(Drain):
     """Pause generation inside the engines instead of waiting for the calls in flight."""
 
-    engine_mode: ClassVar[str]   # vLLM's /pause?mode=
+    engine_mode: ClassVar[weights.EnginePauseMode]
 
     def _hold(self, pause: Pause, metrics: dict[str, Any], t: float, cancelled: list[str],
               frozen: int) -> weights.Held:

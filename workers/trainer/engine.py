@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from app.config.schema import Config
 from app.config.settings import launcher
 from workers.trainer.algorithms import (
     compute_advantages,
@@ -50,7 +51,7 @@ from workers.trainer.verl_batch import VerlBatch, to_verl_batch
 log = logging.getLogger(__name__)
 
 
-def _rank_group(cfg: Any, spec: EngineSpec) -> LocalRanks | SpawnedRanks | RayRanks:
+def _rank_group(cfg: Config, spec: EngineSpec) -> LocalRanks | SpawnedRanks | RayRanks:
     tr = cfg.trainer
     if launcher(cfg, spec.device) == "ray":
         return RayRanks(spec, int(tr.nnodes), int(tr.n_gpus_per_node), tr.ray_address)
@@ -144,7 +145,7 @@ class EngineTrainer:
     """verl's FSDP2 ``TrainingWorker`` (and a forward-only reference with a KL loss),
     resident across updates."""
 
-    def __init__(self, cfg: Any, model_path: str) -> None:
+    def __init__(self, cfg: Config, model_path: str) -> None:
         from transformers import AutoConfig
 
         self.cfg = cfg

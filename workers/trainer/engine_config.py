@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from app.config.schema import Config
 from app.config.settings import launcher
 
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
@@ -70,7 +71,7 @@ class EngineSpec:
     micro_batch_memory_gb: float | None = None
 
 
-def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
+def engine_spec(cfg: Config, model_path: str, pad_id: int) -> EngineSpec:
     actor = cfg.actor_rollout_ref.actor
     fsdp = actor.fsdp_config
     device = pick_device(cfg.trainer.device)
@@ -114,7 +115,7 @@ def engine_spec(cfg: Any, model_path: str, pad_id: int) -> EngineSpec:
     )
 
 
-def dynamic_bsz(cfg: Any, device: str) -> bool:
+def dynamic_bsz(cfg: Config, device: str) -> bool:
     """``actor.use_dynamic_bsz``; ``auto`` = verl's token-count cut where a micro-batch costs
     its tokens: with packed rows (``use_remove_padding``). Without, every row is padded to
     the longest of its micro-batch, and verl's cut, which counts real tokens and mixes
@@ -132,7 +133,7 @@ def dynamic_bsz(cfg: Any, device: str) -> bool:
     return not (bypass_settings(cfg) is not None and ranks > 1)
 
 
-def collective_timeout_s(cfg: Any) -> float:
+def collective_timeout_s(cfg: Config) -> float:
     """The ranks' process-group timeout. In a weight transfer the other ranks wait in a
     collective while rank 0 takes each server in turn: at most three posts given
     ``trainer.reload_timeout_s`` (the engine's init, a start refused by a session left open,
@@ -143,24 +144,22 @@ def collective_timeout_s(cfg: Any) -> float:
     return max(1800.0, servers * (3 * float(cfg.trainer.reload_timeout_s) + 180.0) + 600.0)
 
 
-def bypass_settings(cfg: Any) -> dict[str, Any] | None:
+def bypass_settings(cfg: Config) -> dict[str, Any] | None:
     """``algorithm.rollout_correction`` as verl's ``RolloutCorrectionConfig`` fields when
     ``bypass_mode`` is on, else None."""
     rc = cfg.algorithm.rollout_correction
-    if not rc.get("bypass_mode", False):
+    if not rc.bypass_mode:
         return None
     return {"rollout_is": rc.rollout_is, "rollout_is_threshold": rc.rollout_is_threshold,
             "rollout_rs": rc.rollout_rs, "rollout_rs_threshold": rc.rollout_rs_threshold,
-            "bypass_mode": True, "loss_type": str(rc.get("loss_type", "ppo_clip"))}
+            "bypass_mode": True, "loss_type": rc.loss_type}
 
 
-def lora_settings(cfg: Any) -> dict[str, Any]:
+def lora_settings(cfg: Config) -> dict[str, Any]:
     """``actor_rollout_ref.model.lora_rank`` / ``lora_alpha`` / ``target_modules``."""
     model = cfg.actor_rollout_ref.model
-    targets = model.get("target_modules", "all-linear")
-    return {"lora_rank": int(model.get("lora_rank", 0) or 0),
-            "lora_alpha": int(model.get("lora_alpha", 16)),
-            "target_modules": targets if isinstance(targets, str) else tuple(targets)}
+    return {"lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha,
+            "target_modules": model.target_modules}
 
 
 def worker_config(spec: EngineSpec, forward_only: bool) -> Any:

@@ -28,6 +28,7 @@ import json
 import logging
 import threading
 import time
+from dataclasses import dataclass
 
 import redis
 import requests
@@ -62,6 +63,18 @@ def left_held(client: redis.Redis, url: str, sleep_check: bool) -> list[str]:
         if not left or Pause(client).is_paused():
             return []
     return left
+
+
+@dataclass
+class _Seen:
+    """What one pass of the keeper read from Redis before looking at the servers."""
+
+    stale: set[str]                 # servers marked stale (the pass adds to it)
+    published: dict[str, str]       # the published record (re-read after a left-held one)
+    version: int | None             # its version, when it is this model's
+    owned: bool                     # a step holds the pause: it loads the servers itself
+    current: int                    # the policy version
+    unverified: bool                # current was bumped past the published version
 
 
 class UpstreamKeeper:
@@ -141,11 +154,20 @@ class UpstreamKeeper:
             publish_lock.release()
 
     def _tick(self) -> list[str]:
+        """One pass over the servers: mark what is down, behind or left held as stale, and
+        restore the stale ones (not while a step holds the pause: it loads them itself)."""
+        seen = self._look()
+        restored = []
+        for url in list(self.urls):
+            if self._marked(url, seen) and self._restored(url, seen):
+                restored.append(url)
+        return restored
+
+    def _look(self) -> _Seen:
         stale = self.client.smembers(keys.upstreams_stale())
         published = self.client.hgetall(keys.policy_published())
         version = int(published["version"]) if published and \
             published.get("model") == self.model_name else None
-        owned = Pause(self.client).is_paused()
         # a version bumped past the published one: a step loaded it and died (or its probe
         # failed) before verifying it. Restoring the published weights would serve them
         # under the newer label: the servers wait, stale, for the next step's load
@@ -155,60 +177,68 @@ class UpstreamKeeper:
         if not unverified:
             self._waiting.clear()
         self._failing &= stale  # restored meanwhile (by a step's load): said again if it recurs
-        restored = []
-        for url in list(self.urls):
-            health = self.health(url)
-            if health == "unsure":
-                continue  # looked at again next pass, not waited on now
-            if health == "down":
-                if url not in stale:
-                    self.client.sadd(keys.upstreams_stale(), url)
-                    log.warning("inference server %s is down; rollouts are routed around it "
-                                "until it is back and holds the current weights", url)
-                continue
-            if owned:
-                continue
-            if url not in stale and version is not None:
-                held = weights.loaded_version(url)
-                if weights.behind(held, version):
-                    log.warning("inference server %s holds weights %r, not policy version %d "
-                                "(it restarted unseen, as behind a load balancer, or missed "
-                                "a load): reloading it", url, held, version)
-                    self.client.sadd(keys.upstreams_stale(), url)
-                    stale.add(url)
-            left = left_held(self.client, url, self.sleep_check) if url not in stale else []
-            if left:
-                # a trainer died between pausing (or putting to sleep) the engine and
-                # taking it back: it may have been mid-load, and asleep the engine may have
-                # dropped its weights (level 2), so it is reloaded, not only resumed
-                log.warning("inference server %s is %s with no pause held (a trainer died "
-                            "mid-update): reloading and resuming it", url, " and ".join(left))
+        return _Seen(stale, published, version, Pause(self.client).is_paused(), current,
+                     unverified)
+
+    def _marked(self, url: str, seen: _Seen) -> bool:
+        """Whether ``url`` is up and may be restored now; marks it stale when it is down,
+        holds weights behind the published version, or was left paused or asleep."""
+        health = self.health(url)
+        if health == "unsure":
+            return False  # looked at again next pass, not waited on now
+        if health == "down":
+            if url not in seen.stale:
                 self.client.sadd(keys.upstreams_stale(), url)
-                stale.add(url)
-                # what a step of another process published meanwhile
-                published = self.client.hgetall(keys.policy_published())
-            if url in stale and unverified:
-                if url not in self._waiting:
-                    self._waiting.add(url)
-                    log.warning("inference server %s stays stale: policy version %d was "
-                                "loaded but never verified (its step failed), and the last "
-                                "verified one is %s; the next update loads it", url, current,
-                                version)
-                continue
-            if url in stale:
-                # one server's failure must not keep the keeper from the others
-                try:
-                    self.restore(url, published)
-                except NeedsTrainer as exc:
-                    self._ask_for_weights(url, str(exc))
-                    continue
-                except Exception as exc:  # noqa: BLE001 - said, retried at the next tick
-                    self._failed(url, f"{exc.__class__.__name__}: {exc}")
-                    continue
-                self._waiting.discard(url)
-                self._failing.discard(url)
-                restored.append(url)
-        return restored
+                log.warning("inference server %s is down; rollouts are routed around it "
+                            "until it is back and holds the current weights", url)
+            return False
+        if seen.owned:
+            return False
+        if url not in seen.stale and seen.version is not None:
+            held = weights.loaded_version(url)
+            if weights.behind(held, seen.version):
+                log.warning("inference server %s holds weights %r, not policy version %d "
+                            "(it restarted unseen, as behind a load balancer, or missed "
+                            "a load): reloading it", url, held, seen.version)
+                self.client.sadd(keys.upstreams_stale(), url)
+                seen.stale.add(url)
+        left = left_held(self.client, url, self.sleep_check) if url not in seen.stale else []
+        if left:
+            # a trainer died between pausing (or putting to sleep) the engine and taking it
+            # back: it may have been mid-load, and asleep the engine may have dropped its
+            # weights (level 2), so it is reloaded, not only resumed
+            log.warning("inference server %s is %s with no pause held (a trainer died "
+                        "mid-update): reloading and resuming it", url, " and ".join(left))
+            self.client.sadd(keys.upstreams_stale(), url)
+            seen.stale.add(url)
+            # what a step of another process published meanwhile
+            seen.published = self.client.hgetall(keys.policy_published())
+        return True
+
+    def _restored(self, url: str, seen: _Seen) -> bool:
+        """Restore a stale ``url`` to the published weights; whether it was."""
+        if url not in seen.stale:
+            return False
+        if seen.unverified:
+            if url not in self._waiting:
+                self._waiting.add(url)
+                log.warning("inference server %s stays stale: policy version %d was loaded "
+                            "but never verified (its step failed), and the last verified "
+                            "one is %s; the next update loads it", url, seen.current,
+                            seen.version)
+            return False
+        # one server's failure must not keep the keeper from the others
+        try:
+            self.restore(url, seen.published)
+        except NeedsTrainer as exc:
+            self._ask_for_weights(url, str(exc))
+            return False
+        except Exception as exc:  # noqa: BLE001 - said, retried at the next tick
+            self._failed(url, f"{exc.__class__.__name__}: {exc}")
+            return False
+        self._waiting.discard(url)
+        self._failing.discard(url)
+        return True
 
     def _failed(self, url: str, why: str) -> None:
         if url not in self._failing:

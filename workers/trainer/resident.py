@@ -26,6 +26,7 @@ from typing import Any
 
 import redis
 
+from app.config.schema import Config
 from app.config.secrets import inference_api_key
 from app.state import keys
 from app.state.pause import Pause
@@ -111,7 +112,7 @@ def close_resident() -> None:
     _resident = None
 
 
-def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
+def resident_trainer(run_id: str, cfg: Config, settings: TrainerSettings,
                      step: int | None = None, recorded: int | None = None) -> Resident:
     """The run's resident trainer, loaded from the run's last checkpoint when it has one (a
     resumed run, or a restarted worker). ``step``: the step about to be trained (None: the
@@ -154,7 +155,7 @@ def resident_trainer(run_id: str, cfg: Any, settings: TrainerSettings,
     return resident
 
 
-def _load_checkpoint(trainer: EngineTrainer, cfg: Any, settings: TrainerSettings,
+def _load_checkpoint(trainer: EngineTrainer, cfg: Config, settings: TrainerSettings,
                      run_id: str) -> tuple[EngineTrainer, dict[str, Any] | None]:
     """The run's newest complete checkpoint loaded into ``trainer`` (or into a new one, if
     the newest was torn); -> the trainer and the checkpoint's meta (None: none)."""

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 from app.config.loader import model_dir, repo_path
-from app.config.settings import DrainMode, InferenceSettings, drain_mode
+from app.config.schema import Config, DrainMode
+from app.config.settings import InferenceSettings
 from app.config.verl_names import ADV_ESTIMATORS
 from workers.trainer.batch import Overlong
 
@@ -38,7 +39,7 @@ class TrainerSettings:
     inference: InferenceSettings
 
     @classmethod
-    def from_config(cls, cfg: Any) -> TrainerSettings:
+    def from_config(cls, cfg: Config) -> TrainerSettings:
         tr, gw = cfg.trainer, cfg.gateway
         pause = tr.pause_during_update
         return cls(
@@ -64,7 +65,7 @@ class TrainerSettings:
             overlong=Overlong.from_config(cfg),
             lease_ttl_s=float(gw.lease_ttl_s),
             drain_timeout_s=float(gw.drain_timeout_s),
-            drain_mode=drain_mode(cfg),
+            drain_mode=cfg.gateway.drain_mode,
             inference=InferenceSettings.from_config(cfg),
         )
 

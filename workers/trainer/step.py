@@ -16,8 +16,8 @@ Invariants:
   (``gateway_pause.py``).
 - An engine paused or put to sleep by a step is resumed or woken whatever happens after
   (``weights.Held`` as a context manager).
-- A step is trained at most once: its result is stored under ``run_step_result`` and a
-  redelivered task returns it; each group is claimed for one step only (``group_trained``).
+- A step is trained at most once, a group in at most one step (``once.py``: the four
+  records that keep it).
 - A trainer process that takes up a run it did not start restores the run's last
   checkpoint and loads those weights into every inference server before it trains
   (``resident.take_over``).
@@ -25,20 +25,18 @@ Invariants:
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
 from contextlib import ExitStack
 from functools import partial
-from typing import Any
 
 import redis
 
-from app.state import keys, retention
+from app.config.schema import Config
+from app.state import keys
 from app.state.pause import Pause
-from app.state.runs import run_config
-from workers.trainer import checkpoint, weights
+from workers.trainer import checkpoint, once, weights
 from workers.trainer.batch import BatchStats, Sample, collect_samples
 from workers.trainer.drain import drain_for
 from workers.trainer.errors import StepError
@@ -62,38 +60,24 @@ log = logging.getLogger(__name__)
 
 
 def train_step(client: redis.Redis, run_id: str, step: int) -> Metrics:
-    done = client.get(keys.run_step_result(run_id, step))
+    done = once.stored_answer(client, run_id, step)
     if done is not None:
-        log.info("step %d of run %s already trained (redelivery); returning its metrics",
-                 step, run_id)
-        # the worker that stored it may have died before releasing what the groups captured
-        # (idempotent: what was released is gone, the rest gets its TTL again)
-        groups = client.lrange(keys.run_step_groups(run_id, step), 0, -1)
-        if groups:
-            keep_s = float(run_config(client, run_id).trainer.trained_data_ttl_s)
-            retention.release_trained(client, groups, keep_s)
-        return dict(json.loads(done))
+        return done
     cfg, settings = task_start(client, run_id)
     with Beats(client, keys.trainer_heartbeat(run_id, str(step)), settings.heartbeat_s) as beats:
         take_back_orphans(client, settings)
         return _train_step(client, run_id, step, cfg, settings, beats)
 
 
-def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
+def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Config,
                 settings: TrainerSettings, beats: Beats) -> Metrics:
     resident = resident_trainer(run_id, cfg, settings, step, recorded=step)
     metrics: Metrics = {}
     timings: dict[str, float] = {}
     # this step's update already ran here and only its publish failed: publish it again
-    redo = resident.unrecorded and resident.updated_step == step
+    redo = once.update_already_in_weights(resident, step)
     if redo:
-        log.warning("step %d of run %s: its update is already in this trainer's weights (the "
-                    "step failed after it); publishing it again, its groups not trained again",
-                    step, run_id)
         metrics.update(resident.update_metrics)
-        # one such try: should the publish fail again (weights it cannot load, say), the
-        # next attempt reloads the last checkpoint instead of trying them for ever
-        resident.updated_step = None
     if resident.saves.pending:
         # the previous step's checkpoint, written while this step's groups were collected
         metrics["timing/trainer_wait_for_checkpoint_seconds"] = resident.saves.wait()
@@ -130,7 +114,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
         verify(client, settings, resident, published, resident.probe_prev, metrics, timings)
     version = published.version
     metrics.update(step_metrics(stats, version, timings))
-    record(client, run_id, step, group_ids, metrics, settings)
+    once.record(client, run_id, step, group_ids, metrics, settings.trained_data_ttl_s)
     resident.unrecorded, resident.steps_done, resident.rollback = False, step + 1, {}
     resident.updated_step, resident.update_metrics = None, {}
     save_if_due(client, settings, resident, run_id, step, version, metrics)
@@ -142,26 +126,13 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Any,
 def claim(client: redis.Redis, run_id: str, step: int, settings: TrainerSettings
           ) -> tuple[list[str], list[Sample], BatchStats]:
     """The step's groups, each claimed for this step only, and their samples."""
-    group_ids = _claim_groups(client, client.lrange(keys.run_step_groups(run_id, step), 0, -1),
-                              step)
+    group_ids = once.claim_groups(
+        client, client.lrange(keys.run_step_groups(run_id, step), 0, -1), step)
     samples, stats = collect_samples(client, group_ids, settings.zero_reward_failures,
                                      settings.min_group_rewards, settings.overlong)
     if not samples and not stats.rollouts:
         raise StepError(f"step {step}: no rollouts in {len(group_ids)} groups")
     return group_ids, samples, stats
-
-
-def _claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[str]:
-    claimed = []
-    for gid in group_ids:
-        key = keys.group_trained(gid)
-        if client.set(key, step, nx=True, ex=retention.GUARD_TTL_S) \
-                or client.get(key) == str(step):
-            claimed.append(gid)
-        else:
-            log.error("group %s was already trained at step %s; not training it again",
-                      gid, client.get(key))
-    return claimed
 
 
 def sleep_engines(settings: TrainerSettings, step: int) -> weights.Held:
@@ -235,13 +206,6 @@ def step_metrics(stats: BatchStats, version: int, timings: dict[str, float]) -> 
         "policy/version": version,
     })
     return out
-
-
-def record(client: redis.Redis, run_id: str, step: int, group_ids: list[str],
-           metrics: Metrics, settings: TrainerSettings) -> None:
-    client.set(keys.run_step_result(run_id, step), json.dumps(metrics))
-    # a redelivery returns the stored result: what the groups captured is not read again
-    retention.release_trained(client, group_ids, settings.trained_data_ttl_s)
 
 
 def save_if_due(client: redis.Redis, settings: TrainerSettings, resident: Resident,

@@ -9,7 +9,6 @@ server.
 
 from __future__ import annotations
 
-import json
 import logging
 import sys
 from typing import Any
@@ -17,7 +16,6 @@ from typing import Any
 from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from app.celery_app import celery_app, task_redis
-from app.state import keys
 from app.state.connection import outage_for
 from app.state.policy import published_here
 
@@ -35,36 +33,20 @@ def _watch_outages() -> None:
             lambda began, ended: published_here.check_soon(task_redis()))
 
 
-# The steps this worker process trained, with their metrics and the generation of the
-# trainer that holds the update (the last few). A step's stored result
-# (keys.run_step_result) is what makes a re-sent step answer instead of training again; a
-# Redis crash can lose it with the last second of writes, while this process's model
-# already holds the update. Trained again, its groups would get a second update. Once that
-# trainer is replaced (reloaded from a checkpoint), its weights no longer hold the update,
-# and the step is trained again.
-_trained: dict[tuple[str, int], tuple[dict, int | None]] = {}
-TRAINED_KEPT = 8
-
-
 @celery_app.task(name="workers.trainer.tasks.train_step", acks_late=False)
 def train_step(run_id: str, step: int) -> dict:
+    """One update, at most once (``workers.trainer.once``)."""
+    from workers.trainer import once
     from workers.trainer.resident import resident_generation
     from workers.trainer.step import train_step as run_step
 
     _watch_outages()
     client = task_redis()
-    done, generation = _trained.get((run_id, int(step)), (None, None))
-    if done is not None and generation == resident_generation(run_id):
-        if client.set(keys.run_step_result(run_id, int(step)), json.dumps(done), nx=True):
-            log.warning("step %s of run %s: its stored result was lost (a Redis crash); "
-                        "answered from this worker's memory, not trained again", step, run_id)
+    done = once.remembered(client, run_id, int(step), resident_generation(run_id))
+    if done is not None:
         return done
     metrics = run_step(client, run_id, step)
-    generation = resident_generation(run_id)
-    if generation is not None:  # else answered from the stored result, trained elsewhere
-        _trained[(run_id, int(step))] = (metrics, generation)
-    while len(_trained) > TRAINED_KEPT:
-        del _trained[next(iter(_trained))]
+    once.remember(run_id, int(step), metrics, resident_generation(run_id))
     return metrics
 
 

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import requests
 import torch
@@ -572,8 +573,12 @@ def change_engines(urls: list[str], change: EngineChange, params: dict[str, obje
     return done
 
 
-def pause_engines(urls: list[str], mode: str, timeout: float = ENGINE_CONTROL_TIMEOUT_S
-                  ) -> Held:
+# vLLM's /pause?mode=: keep freezes the requests in flight inside the engine, abort ends them
+EnginePauseMode = Literal["keep", "abort"]
+
+
+def pause_engines(urls: list[str], mode: EnginePauseMode,
+                  timeout: float = ENGINE_CONTROL_TIMEOUT_S) -> Held:
     """Pause generation in every server (vLLM ``/pause``): ``keep`` freezes the requests in
     flight inside the engine, ``abort`` ends them. Weights are never loaded under running
     requests. A server that cannot be reached is skipped (the reload marks it stale; it
