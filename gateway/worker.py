@@ -15,28 +15,41 @@ sent yet, and its connection is closed after the answer.
 from __future__ import annotations
 
 import socket
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 import gevent
+from gevent.socket import socket as GreenSocket
 from gunicorn.workers.ggevent import GeventWorker
+
+if TYPE_CHECKING:
+    from _typeshed import OptExcInfo
+    from gunicorn.http.message import Request
+
+# where a connection comes from: (host, port[, flow, scope]) or a Unix socket's path
+Address = tuple[str | int, ...] | str
 
 STOP_POLL_S = 0.2
 
 
 class GatewayWorker(GeventWorker):
     def init_process(self) -> None:
-        self._open: set[Any] = set()   # the connections this worker handles
-        self._busy: set[Any] = set()   # those serving a request now (or speaking HTTP/2)
+        self._open: set[GreenSocket] = set()   # the connections this worker handles
+        self._busy: set[GreenSocket] = set()   # those serving a request now (or speaking HTTP/2)
         super().init_process()
 
     def load_wsgi(self) -> None:
         super().load_wsgi()
-        app: Any = self.wsgi  # type: ignore[has-type]  # gunicorn sets it, untyped
+        app: WSGIApplication = self.wsgi  # type: ignore[has-type]  # gunicorn sets it, untyped
 
-        def closing_once_stopped(environ: Any, start_response: Any) -> Any:
-            def start(status: str, headers: Any, exc_info: Any = None) -> Any:
+        def closing_once_stopped(environ: WSGIEnvironment,
+                                 start_response: StartResponse) -> Iterable[bytes]:
+            def start(status: str, headers: list[tuple[str, str]],
+                      exc_info: OptExcInfo | None = None) -> Callable[[bytes], object]:
                 if not self.alive:  # the stop began while this request was served
-                    start_response.__self__.force_close()
+                    # gunicorn's start_response is a method of its Response
+                    start_response.__self__.force_close()  # type: ignore[attr-defined]
                 return start_response(status, headers, exc_info)
             return app(environ, start)
 
@@ -46,14 +59,15 @@ class GatewayWorker(GeventWorker):
         gevent.spawn(self._close_idle_once_stopping)
         super().run()
 
-    def handle(self, listener: Any, client: Any, addr: Any) -> None:
+    def handle(self, listener: GreenSocket, client: GreenSocket, addr: Address) -> None:
         self._open.add(client)
         try:
             super().handle(listener, client, addr)
         finally:
             self._open.discard(client)
 
-    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> bool:
+    def handle_request(self, listener_name: Address, req: Request, sock: GreenSocket,
+                       addr: Address) -> bool:
         self._busy.add(sock)
         try:
             keep_open = super().handle_request(listener_name, req, sock, addr)
@@ -63,20 +77,20 @@ class GatewayWorker(GeventWorker):
             raise StopIteration  # gunicorn's way to close the connection after the answer
         return bool(keep_open)
 
-    def handle_http2(self, listener: Any, client: Any, addr: Any, *args: Any,
-                     **kwargs: Any) -> Any:
+    def handle_http2(self, listener: GreenSocket, client: GreenSocket, addr: Address,
+                     *args: object, **kwargs: object) -> None:
         # streams share the connection: it is never idle in this sense, and gunicorn ends
         # it itself once the worker stops (a GOAWAY after the streams it has)
         self._busy.add(client)
         try:
-            return super().handle_http2(listener, client, addr, *args, **kwargs)
+            super().handle_http2(listener, client, addr, *args, **kwargs)
         finally:
             self._busy.discard(client)
 
     def _close_idle_once_stopping(self) -> None:
         while self.alive:
             gevent.sleep(STOP_POLL_S)
-        done: set[Any] = set()
+        done: set[GreenSocket] = set()
         while True:  # until the process exits: gunicorn accepts for up to a second more
             for sock in self._open - self._busy - done:
                 done.add(sock)
@@ -84,7 +98,7 @@ class GatewayWorker(GeventWorker):
             gevent.sleep(STOP_POLL_S)
 
 
-def _stop_reading(sock: Any) -> None:
+def _stop_reading(sock: GreenSocket) -> None:
     """Shut down the read side of ``sock``: its handler's wait for the next request ends
     with the end of the stream. Done on a duplicate of the descriptor (a shutdown acts on
     the connection, whichever descriptor names it): gevent's own ``shutdown`` would instead

@@ -21,8 +21,8 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import redis
 import tenacity
@@ -40,6 +40,13 @@ from workers.rollout.base import (
     parse_reward,
     stop_reason,
 )
+
+if TYPE_CHECKING:
+    from kubernetes.client import ApiClient, V1Job, V1Pod
+    from kubernetes.client.exceptions import ApiException
+
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +116,7 @@ def job_labels(run_id: str, group_id: str, index: int, attempt: int | None,
 
 def build_job(kcfg: KubernetesConfig, *, command: str, llm: LLMEndpoint, gateway_url: str,
               sample: dict, settings: dict, run_id: str, group_id: str, index: int, attempt: int,
-              timeout_s: float) -> Any:
+              timeout_s: float) -> V1Job:
     """The Job for one attempt, as the client's own models (which check required fields)."""
     from kubernetes import client as k8s
 
@@ -156,25 +163,25 @@ def build_job(kcfg: KubernetesConfig, *, command: str, llm: LLMEndpoint, gateway
                                            spec=pod)))
 
 
-def _plain(env: Any) -> dict[str, str]:
+def _plain(env: Mapping[str, Any]) -> dict[str, str]:
     """``controller.kubernetes.env``'s plain values."""
     return {k: str(v) for k, v in dict(env).items() if not hasattr(v, "keys")}
 
 
-def _secret_refs(env: Any) -> dict[str, dict[str, str]]:
+def _secret_refs(env: Mapping[str, Any]) -> dict[str, dict[str, str]]:
     """``controller.kubernetes.env``'s Secret keys (``{secret: name, key: key}``): the value
     is read from the Secret by the kubelet and never stands in the Job spec."""
     return {k: {"secret": str(v["secret"]), "key": str(v["key"])}
             for k, v in dict(env).items() if hasattr(v, "keys")}
 
 
-def _resources(spec: Any) -> dict[str, Any]:
+def _resources(spec: Mapping[str, Any] | None) -> dict[str, dict[str, str]]:
     """``controller.kubernetes.resources`` (its shape checked when the config loads) with
     each quantity as the string the API takes."""
     return {k: {rk: str(rv) for rk, rv in dict(v).items()} for k, v in dict(spec or {}).items()}
 
 
-def outcome(job: Any) -> tuple[str, str] | None:
+def outcome(job: V1Job) -> tuple[str, str] | None:
     """(``succeeded`` | ``failed``, reason) once the Job has finished, else None."""
     status = job.status
     if status is None:
@@ -192,13 +199,13 @@ def outcome(job: Any) -> tuple[str, str] | None:
 
 
 _API_LOCK = threading.Lock()
-_API_CLIENTS: dict[tuple[str | None, str | None], Any] = {}
+_API_CLIENTS: dict[tuple[str | None, str | None], ApiClient] = {}
 # connections the shared client keeps: every rollout slot of a worker (64 by default) holds
 # a watch, and the client's default (5 per CPU) dropped and reopened one per request past it
 API_POOL_SIZE = 128
 
 
-def api_client(kubeconfig: str | None, context: str | None) -> Any:
+def api_client(kubeconfig: str | None, context: str | None) -> ApiClient:
     """One ApiClient per (kubeconfig, context) per process: in-cluster config when running
     in a pod and no kubeconfig is named, else the kubeconfig (default ~/.kube/config)."""
     from kubernetes import client as k8s
@@ -236,7 +243,7 @@ def _transient(exc: BaseException) -> bool:
     return isinstance(exc, HTTPError | OSError)
 
 
-def api_message(exc: Any) -> str:
+def api_message(exc: ApiException) -> str:
     """The Status message the API server sent, else the HTTP reason."""
     try:
         body = json.loads(exc.body)
@@ -273,7 +280,7 @@ class KubernetesController(Controller):
 
     # --- API calls with retries -----------------------------------------------------------
 
-    def _api(self, what: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def _api(self, what: str, fn: Callable[_P, _T], *args: _P.args, **kwargs: _P.kwargs) -> _T:
         from kubernetes.client.exceptions import ApiException
 
         retrying = tenacity.Retrying(
@@ -443,7 +450,7 @@ class KubernetesController(Controller):
             finally:
                 w.stop()
 
-    def _watch_pod(self, job: Any) -> None:
+    def _watch_pod(self, job: V1Job) -> None:
         """Every ``POD_CHECK_WINDOWS`` windows until the Job's pod runs: fail the attempt when
         its container cannot start, and remember why it waits (the timeout's message says)."""
         status = job.status
@@ -514,7 +521,7 @@ class KubernetesController(Controller):
             raise _Stop(f"Job {name} cannot create its pod: {why}")
         self.pod_state = f"not created ({why})"
 
-    def _extend_deadline(self, job: Any, clock: PauseAwareClock) -> None:
+    def _extend_deadline(self, job: V1Job, clock: PauseAwareClock) -> None:
         """Kubernetes counts the Job's deadline in wall time; the attempt's timeout leaves out
         time the gateway was paused. Move the deadline out by the pauses so far, in steps of
         a quarter of the slack (at least a second), so a long weight update never kills an
@@ -541,7 +548,7 @@ class KubernetesController(Controller):
             else:
                 log.warning("%s; trying again next window", exc)
 
-    def _read(self, name: str) -> Any:
+    def _read(self, name: str) -> V1Job:
         return self._api(f"read Job {name}", self.batch.read_namespaced_job, name,
                          self.namespace)
 
@@ -554,12 +561,12 @@ class KubernetesController(Controller):
             if exc.status != 404:
                 log.error("%s (the Job's activeDeadlineSeconds still ends it)", exc)
 
-    def _pods(self, name: str) -> list[Any]:
+    def _pods(self, name: str) -> list[V1Pod]:
         """The pods of Job ``name`` (raises ``_ApiError``)."""
         return self._api("list pods", self.core.list_namespaced_pod, self.namespace,
                          label_selector=f"job-name={name}").items
 
-    def _logs(self, name: str, pods: list[Any]) -> str:
+    def _logs(self, name: str, pods: list[V1Pod]) -> str:
         """The agent container's log, best effort (for error messages and a printed reward)."""
         if not pods:
             return ""
@@ -574,7 +581,7 @@ class KubernetesController(Controller):
             return ""
 
 
-def pod_ended(pods: list[Any]) -> str:
+def pod_ended(pods: list[V1Pod]) -> str:
     """What ended a Job's pod (its container OOMKilled, exit code 137; the pod Evicted):
     with backoffLimit 0 the Job itself says only BackoffLimitExceeded."""
     said = []

@@ -24,12 +24,18 @@ import socket
 import tempfile
 import traceback
 from functools import partial
+from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from workers.trainer.engine_config import EngineSpec
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
+
+    from workers.trainer.verl_batch import VerlBatch
 
 log = logging.getLogger(__name__)
 
@@ -151,8 +157,8 @@ class RankEngine:
     def token_bound(self) -> dict[str, Any]:
         return self.tokens
 
-    def _meta(self, td: Any, rows: int, micro: int | None, max_tokens: int | None,
-              **extra: Any) -> None:
+    def _meta(self, td: TensorDict, rows: int, micro: int | None, max_tokens: int | None,
+              **extra: bool | int) -> None:
         from verl.utils import tensordict_utils as tu
 
         spec = self.spec
@@ -164,7 +170,7 @@ class RankEngine:
             micro_batch_size_per_gpu=int(micro or rows), pad_token_id=int(spec.pad_id),
             global_token_num=None, **extra)
 
-    def log_probs(self, vb: Any, ref: bool = False, micro: int | None = None,
+    def log_probs(self, vb: VerlBatch, ref: bool = False, micro: int | None = None,
                   max_tokens: int | None = None) -> torch.Tensor:
         """[rows, R] log-probs of the response tokens (0 where nothing is scored), in
         micro-batches of ``micro`` rows (None = all at once), or with ``use_dynamic_bsz``
@@ -183,7 +189,7 @@ class RankEngine:
         lp = no_padding_2_padding(tu.get(out, "log_probs"), td).float()
         return lp * (vb.response_attention > 0)
 
-    def train(self, vb: Any, fields: dict[str, torch.Tensor], lr: float,
+    def train(self, vb: VerlBatch, fields: dict[str, torch.Tensor], lr: float,
               global_batch_size: int, micro: int | None = None,
               max_tokens: int | None = None) -> dict[str, Any]:
         """One optimizer step on this rank's rows (micro-batches of ``micro`` rows, or of up
@@ -382,7 +388,7 @@ def _free_accelerator() -> None:
         torch.cuda.empty_cache()
 
 
-def _rank_main(rank: int, world: int, port: int, spec: EngineSpec, conn: Any) -> None:
+def _rank_main(rank: int, world: int, port: int, spec: EngineSpec, conn: Connection) -> None:
     try:
         init_process_group(rank, world, port, spec.device, spec.collective_timeout_s)
         engine = RankEngine(spec)

@@ -426,7 +426,7 @@ def _distributed() -> bool:
         and torch.distributed.get_world_size() > 1
 
 
-def _gather(item: Any) -> list[Any]:
+def _gather(item: T) -> list[T]:
     if not _distributed():
         return [item]
     out: list[Any] = [None] * torch.distributed.get_world_size()

@@ -18,11 +18,14 @@ Invariants:
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from workers.trainer.batch import Sample, pack_turns
+
+if TYPE_CHECKING:
+    from tensordict import TensorDict
 
 
 @dataclass
@@ -91,7 +94,7 @@ class VerlBatch:
             constrained=None if self.constrained is None
             else cat([self.constrained, torch.zeros_like(pad.response_mask)]))
 
-    def tensordict(self, **fields: torch.Tensor) -> Any:
+    def tensordict(self, **fields: torch.Tensor) -> TensorDict:
         """verl's no-padding TensorDict of these rows, with per-token ``fields`` ([B, R])
         such as ``old_log_probs``, ``advantages``, ``rollout_is_weights``, ``ref_log_prob``."""
         from tensordict import TensorDict
