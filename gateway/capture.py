@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,7 +64,7 @@ REASONING_FIELDS = ("reasoning", "reasoning_content")
 GRAMMAR_FIELDS = ("structured_outputs",)
 
 
-def auto_tool_grammar(tools: list[Any], strict_level: str) -> bool:
+def auto_tool_grammar(tools: Iterable[object], strict_level: str) -> bool:
     """Whether, under tool_choice auto, vLLM's tool-call parser holds a call to its grammar
     (a structural tag): a tool is ``strict``, or the servers' ``--tool-strict-level``
     (``strict_level``) is above auto."""
@@ -105,7 +106,7 @@ def constrained_by(body: dict[str, Any], tool_call_parser: str | None = None,
 AUTO_TOOL_GRAMMAR = ("tools", "parallel_tool_calls")
 
 
-def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[Any]:
+def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[float | None]:
     lp = choice.get("logprobs") or {}
     if endpoint == "chat.completions":
         return [item.get("logprob") for item in (lp.get("content") or [])]

@@ -17,9 +17,12 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from gateway.rendering import TemplateInput, extra_template_inputs
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +34,8 @@ def is_vllm_overflow(status: int, message: str) -> bool:
     return status == 400 and any(p in message for p in VLLM_PHRASES)
 
 
-def served_tokenizer(tokenizer_path: Path, chat_template: str | None = None) -> Any:
+def served_tokenizer(tokenizer_path: Path, chat_template: str | None = None
+                     ) -> PreTrainedTokenizerBase:
     """The served model's tokenizer, with the chat template the servers render with
     (``inference.chat_template``, else the model's own)."""
     from transformers import AutoTokenizer
@@ -46,7 +50,7 @@ def served_tokenizer(tokenizer_path: Path, chat_template: str | None = None) -> 
 class ContextCheck:
     """Counts a request's prompt tokens with the served model's tokenizer."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, max_model_len: int) -> None:
         self.max_model_len = max_model_len
         self.tokenizer = tokenizer
         self.template_input = TemplateInput(tokenizer)

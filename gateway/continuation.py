@@ -30,8 +30,11 @@ are ``gateway.carry_on`` (and ``gateway.stream`` for a streamed call).
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from typing import Any
+
+import redis
 
 from app.state import keys
 from gateway.capture import constrained_by
@@ -202,7 +205,7 @@ def as_part_of_call(chunk: dict[str, Any], done: int, text_done: int = 0) -> dic
     return out
 
 
-def carries_on(redis_client: Any) -> bool:
+def carries_on(redis_client: redis.Redis) -> bool:
     """The pause under way carries cut calls on (its trainer's drain is ``continue``): read
     when an answer comes back cut, so a gateway follows whatever mode the run uses. The mark
     holds its pause's token: a pause taken over since (an operator's) does not carry on. It
@@ -211,7 +214,7 @@ def carries_on(redis_client: Any) -> bool:
     return mark is not None and (pause is None or mark == pause)
 
 
-def wait_for_resume(redis_client: Any, cancel: Any, timeout_s: float,
+def wait_for_resume(redis_client: redis.Redis, cancel: threading.Event, timeout_s: float,
                     poll_s: float = 0.05) -> None:
     """Until the gateway's pause ends (the weights are loaded and the engines resumed).
     Raises :class:`UpstreamCancelled` if the call's lease is cancelled meanwhile, and

@@ -24,16 +24,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+import redis
 
 from app.state import keys
 from gateway.rendering import TemplateInput, extra_template_inputs
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 log = logging.getLogger(__name__)
 
-def _arguments(raw: Any) -> Any:
+def _arguments(raw: object) -> object:
     if isinstance(raw, str):
         try:
             return json.loads(raw)
@@ -60,7 +64,7 @@ def normalized(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def digest(messages: list[dict[str, Any]], tools: Any) -> str:
+def digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
     data = orjson.dumps([[normalized(m) for m in messages], tools or []],
                         option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(data).hexdigest()[:32]
@@ -92,7 +96,7 @@ class Continuity:
     the rollout's captured calls, written with the call itself (``RECORD_RELEASE``): no
     token is stored twice and no Redis call is added to a first turn."""
 
-    def __init__(self, tokenizer: Any, client: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, client: redis.Redis) -> None:
         self.tokenizer = tokenizer
         self.template_input = TemplateInput(tokenizer)
         eos = tokenizer.eos_token_id
@@ -140,7 +144,8 @@ class Continuity:
             return None
         return None if suffix is None else call["prompt_ids"] + call["response_ids"] + suffix
 
-    def _suffix(self, msgs: list[dict[str, Any]], last: int, tools: Any) -> list[int] | None:
+    def _suffix(self, msgs: list[dict[str, Any]], last: int,
+                tools: list[dict[str, Any]] | None) -> list[int] | None:
         """Token ids of what the template puts after the kept conversation's end-of-turn
         token (the messages after ``last`` and the generation prompt), or None when the
         template does not render the kept part as a prefix of the whole."""

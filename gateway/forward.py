@@ -35,7 +35,7 @@ from gateway.stream import AnswerStream
 TEXT_PARTS = ("text", "input_text", "output_text", "refusal", "thinking")
 
 
-def validate_body(body: Any, endpoint: str) -> dict:
+def validate_body(body: object, endpoint: str) -> dict:
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     if endpoint == "chat.completions":

@@ -11,9 +11,12 @@ import contextlib
 import logging
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING
 
 from app.state.pause import Admission
+
+if TYPE_CHECKING:
+    from greenlet import greenlet
 
 log = logging.getLogger(__name__)
 
@@ -22,7 +25,7 @@ class UpstreamCancelled(Exception):
     """Raised inside a request's upstream call when a drain timeout cancels its lease."""
 
 
-def _current_greenlet() -> Any:
+def _current_greenlet() -> greenlet | None:
     try:
         from gevent import getcurrent, monkey
     except ImportError:  # pragma: no cover - the gateway always runs under gevent
@@ -63,7 +66,7 @@ class LocalLeases:
         self.refresh_every_s = refresh_every_s
         self.check_every_s = check_every_s
         self._live: dict[str, threading.Event] = {}
-        self._abortable: dict[str, Any] = {}   # lease -> greenlet now in its upstream call
+        self._abortable: dict[str, greenlet] = {}   # lease -> greenlet now in its upstream call
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 

@@ -17,12 +17,17 @@ user turn) or fail in the template.
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    import jinja2
+    import jinja2.nodes
+    from transformers import PreTrainedTokenizerBase
 
 ContentFormat = Literal["string", "openai"]
 
 
-def _unwrapped(node: Any) -> Any:
+def _unwrapped(node: jinja2.nodes.Node | None) -> jinja2.nodes.Node | None:
     """``node`` without the filters, tests and slices around it."""
     import jinja2.nodes as n
 
@@ -35,7 +40,7 @@ def _unwrapped(node: Any) -> Any:
             return node
 
 
-def _reads_content(node: Any) -> bool:
+def _reads_content(node: jinja2.nodes.Node | None) -> bool:
     """``node`` reads an item's content: ``x.content`` or ``x['content']``."""
     import jinja2.nodes as n
 
@@ -63,7 +68,7 @@ def _content_params(ast: Any) -> dict[int, set[str]]:
     return out
 
 
-def _environment() -> Any:
+def _environment() -> jinja2.Environment:
     """The Jinja environment transformers renders chat templates in (its extensions, such
     as ``{% generation %}``, parse), else a plain one with loop controls."""
     import jinja2
@@ -76,7 +81,7 @@ def _environment() -> Any:
         return jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
 
 
-def content_format(chat_template: Any) -> ContentFormat:
+def content_format(chat_template: str | dict[str, str] | None) -> ContentFormat:
     """``openai`` when the template loops over a message's content (it takes lists of
     parts), else ``string``, as vLLM's ``--chat-template-content-format auto`` decides: a
     loop over ``x.content``, over a variable named ``content`` outside macros, or inside a
@@ -108,7 +113,7 @@ def content_format(chat_template: Any) -> ContentFormat:
 class TemplateInput:
     """Turns a request's messages into what vLLM renders with ``tokenizer``'s template."""
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         template = getattr(tokenizer, "chat_template", None)
         self.format = content_format(template)
         self.developer_role = isinstance(template, str) and (
@@ -164,7 +169,7 @@ def extra_template_inputs(body: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _texts(content: Any) -> list[str] | None:
+def _texts(content: object) -> list[str] | None:
     """The texts of a content that is nothing but text (None: none), else None."""
     if content is None:
         return []
@@ -192,8 +197,10 @@ def _one_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{"role": "system", "content": "\n\n".join(texts)}, *rest]
 
 
-def _with_object_arguments(call: Any) -> Any:
-    function = call.get("function") if isinstance(call, dict) else None
+def _with_object_arguments(call: object) -> object:
+    if not isinstance(call, dict):
+        return call
+    function = call.get("function")
     if not isinstance(function, dict):
         return call
     raw = function.get("arguments")

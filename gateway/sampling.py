@@ -34,7 +34,7 @@ REMOVED = ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
 WHY = "it changes the distribution tokens are sampled from, which the trainer does not model"
 
 
-def _neutral_removed(value: Any) -> bool:
+def _neutral_removed(value: object) -> bool:
     return value is None or value == 0 or value == {} or value == []
 
 

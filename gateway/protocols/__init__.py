@@ -89,7 +89,7 @@ def template_kwargs(body: dict[str, Any], chat: dict[str, Any]) -> None:
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's chat field
 
 
-def reasoning_effort(effort: Any, param: str, chat: dict[str, Any]) -> None:
+def reasoning_effort(effort: object, param: str, chat: dict[str, Any]) -> None:
     """A reasoning effort goes on as the chat route's ``reasoning_effort``, which vLLM hands
     the chat template (gpt-oss and Qwen3 templates read it; others ignore it) rather than
     drop it: the prompt the model sees then is the one the provider's API would give it."""
@@ -129,7 +129,7 @@ def named_function(name: str) -> dict[str, Any]:
     return {"type": "function", "function": {"name": name}}
 
 
-def text_of(content: Any, where: str) -> str:
+def text_of(content: object, where: str) -> str:
     """A string, or a list of text parts ({"type": "text" | "input_text" | "output_text",
     "text": ...}), as one string: the parts joined with newlines, as vLLM joins a chat
     message's text parts (Claude Code, for one, sends its system prompt in several)."""

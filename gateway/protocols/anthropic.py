@@ -50,7 +50,7 @@ STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_
 REFUSED_FIELDS = ("mcp_servers", "container")
 
 
-def _tool(tool: Any, i: int) -> dict[str, Any]:
+def _tool(tool: object, i: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
         raise bad_request(f"tools[{i}] must be an object with a string 'name'",
                           param=f"tools[{i}]")
@@ -77,7 +77,7 @@ def _tool_choice(choice: Any) -> Any:
                       "{'type': 'tool', 'name': ...}", param="tool_choice")
 
 
-def _message(m: Any, i: int) -> list[dict[str, Any]]:
+def _message(m: object, i: int) -> list[dict[str, Any]]:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise bad_request(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
@@ -141,19 +141,7 @@ class Messages(Protocol):
     def to_chat(self, body: Any, tools: ToolGrammar = ToolGrammar()) -> dict[str, Any]:
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
-        max_tokens = body.get("max_tokens")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise bad_request("max_tokens: a positive integer is required", param="max_tokens")
-        thinking = body.get("thinking")
-        # adaptive lets the model choose not to think: served as a call without thinking is, as
-        # vLLM's own Messages route does; a budget the model must spend on it cannot be
-        if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled",
-                                                                       "adaptive"):
-            raise bad_request("thinking: extended thinking is not supported by this gateway",
-                              param="thinking")
-        for name in REFUSED_FIELDS:
-            if body.get(name):
-                raise bad_request(f"{name}: not supported by this gateway", param=name)
+        max_tokens = _refuse_unsupported(body)
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise bad_request("messages: a non-empty array is required", param="messages")
@@ -163,39 +151,14 @@ class Messages(Protocol):
         for i, m in enumerate(msgs):
             chat_msgs.extend(_message(m, i))
         chat: dict[str, Any] = {"messages": chat_msgs, "max_tokens": max_tokens}
-        for name in ("temperature", "top_p", "top_k"):
-            if body.get(name) is not None:
-                chat[name] = body[name]
-        stops = body.get("stop_sequences")
-        if stops is not None and (not isinstance(stops, list)
-                                  or not all(isinstance(x, str) for x in stops)):
-            raise bad_request("stop_sequences must be an array of strings",
-                              param="stop_sequences")
-        if stops:
-            chat["stop"] = list(stops)
-        if body.get("tools"):
-            if not isinstance(body["tools"], list):
-                raise bad_request("tools must be an array", param="tools")
-            chat["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
-        choice = _tool_choice(body.get("tool_choice"))
-        if choice is not None and body.get("tools"):
-            chat["tool_choice"] = choice
-            if body["tool_choice"].get("disable_parallel_tool_use"):
-                chat["parallel_tool_calls"] = False
+        _add_sampling(body, chat)
+        _add_tools(body, chat)
         last = chat_msgs[-1]
         if last["role"] == "assistant" and not last.get("tool_calls"):
             # a prefill: the answer continues the assistant's text, in the same turn
             chat["continue_final_message"] = True
             chat["add_generation_prompt"] = False
-        schema = _output_schema(body)
-        if schema is not None and chat.get("continue_final_message"):
-            # the grammar would start at the prefill's end, the schema at the answer's
-            raise bad_request("structured outputs cannot continue a prefilled assistant "
-                              "message", param="output_config.format"
-                              if body.get("output_config") else "output_format")
-        if schema is not None and not format_shuts_out_tools(chat, tools):
-            chat["response_format"] = {"type": "json_schema", "json_schema": {
-                "name": "output", "schema": schema, "strict": True}}
+        _add_output_format(body, chat, tools)
         reasoning_effort((body.get("output_config") or {}).get("effort"),
                          "output_config.effort", chat)
         template_kwargs(body, chat)
@@ -238,7 +201,7 @@ class Messages(Protocol):
         return MessagesStream(request)
 
 
-def _arguments(raw: Any) -> Any:
+def _arguments(raw: str | dict[str, Any] | None) -> dict[str, Any]:
     if isinstance(raw, dict):
         return raw
     try:
@@ -381,3 +344,64 @@ def error_body(err: GatewayError) -> dict[str, Any]:
                            else "invalid_request_error")
     message = f"{err.code}: {err.message}" if err.code else err.message
     return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> int:
+    """``max_tokens`` (required by the Messages API); what this gateway cannot serve is
+    refused with a 400 naming the field."""
+    max_tokens = body.get("max_tokens")
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
+        raise bad_request("max_tokens: a positive integer is required", param="max_tokens")
+    thinking = body.get("thinking")
+    # adaptive lets the model choose not to think: served as a call without thinking is, as
+    # vLLM's own Messages route does; a budget the model must spend on it cannot be
+    if isinstance(thinking, dict) and thinking.get("type") not in (None, "disabled",
+                                                                   "adaptive"):
+        raise bad_request("thinking: extended thinking is not supported by this gateway",
+                          param="thinking")
+    for name in REFUSED_FIELDS:
+        if body.get(name):
+            raise bad_request(f"{name}: not supported by this gateway", param=name)
+    return max_tokens
+
+
+def _add_sampling(body: dict[str, Any], chat: dict[str, Any]) -> None:
+    for name in ("temperature", "top_p", "top_k"):
+        if body.get(name) is not None:
+            chat[name] = body[name]
+    stops = body.get("stop_sequences")
+    if stops is not None and (not isinstance(stops, list)
+                              or not all(isinstance(x, str) for x in stops)):
+        raise bad_request("stop_sequences must be an array of strings",
+                          param="stop_sequences")
+    if stops:
+        chat["stop"] = list(stops)
+
+
+def _add_tools(body: dict[str, Any], chat: dict[str, Any]) -> None:
+    if body.get("tools"):
+        if not isinstance(body["tools"], list):
+            raise bad_request("tools must be an array", param="tools")
+        chat["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
+    choice = _tool_choice(body.get("tool_choice"))
+    if choice is not None and body.get("tools"):
+        chat["tool_choice"] = choice
+        if body["tool_choice"].get("disable_parallel_tool_use"):
+            chat["parallel_tool_calls"] = False
+
+
+def _add_output_format(body: dict[str, Any], chat: dict[str, Any], tools: ToolGrammar
+                       ) -> None:
+    """Structured outputs (``output_config.format`` or ``output_format``) as a JSON schema
+    the answer must follow."""
+    schema = _output_schema(body)
+    if schema is None:
+        return
+    if chat.get("continue_final_message"):
+        # the grammar would start at the prefill's end, the schema at the answer's
+        raise bad_request("structured outputs cannot continue a prefilled assistant message",
+                          param="output_config.format" if body.get("output_config")
+                          else "output_format")
+    if not format_shuts_out_tools(chat, tools):
+        chat["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": schema, "strict": True}}

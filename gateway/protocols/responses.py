@@ -67,7 +67,7 @@ def _tool_choice(choice: Any) -> Any:
                       "{'type': 'function', 'name': ...}", param="tool_choice")
 
 
-def _response_format(text: Any) -> dict[str, Any] | None:
+def _response_format(text: object) -> dict[str, Any] | None:
     fmt = text.get("format") if isinstance(text, dict) else None
     if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
         return None
@@ -82,7 +82,7 @@ def _response_format(text: Any) -> dict[str, Any] | None:
                       param="text.format.type")
 
 
-def _messages(items: Any) -> list[dict[str, Any]]:
+def _messages(items: object) -> list[dict[str, Any]]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -210,13 +210,13 @@ def _message_item(item_id: str, text: str, status: str = "completed") -> dict[st
                          "logprobs": []}]}
 
 
-def _call_item(item_id: str, call_id: str, name: Any, arguments: str,
+def _call_item(item_id: str, call_id: str, name: str | None, arguments: str,
                status: str = "completed") -> dict[str, Any]:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
 
 
-def _response(request: dict[str, Any], model: Any, output: list[dict[str, Any]],
+def _response(request: dict[str, Any], model: str | None, output: list[dict[str, Any]],
               finish: str | None, usage: dict[str, Any] | None, status: str,
               response_id: str | None = None, created: int | None = None) -> dict[str, Any]:
     if status == "completed" and finish in CUT:
@@ -264,7 +264,7 @@ class ResponsesStream(StreamTranslator):
         self.usage: dict[str, Any] | None = None
         self.started = False
 
-    def _event(self, kind: str, **data: Any) -> bytes:
+    def _event(self, kind: str, **data: object) -> bytes:
         self.seq += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
             {"type": kind, "sequence_number": self.seq - 1, **data}) + b"\n\n"
