@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from app.driver.metrics import CARRY
@@ -152,7 +153,8 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: Any, title: str = "held-out success") -> Any:
+def plot(result: dict[str, Any], path: str | Path, title: str = "held-out success"
+         ) -> str | Path:
     """Held-out success against minutes of training, every run of every mode on one figure."""
     import matplotlib
 

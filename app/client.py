@@ -55,7 +55,7 @@ class RetryableResponse(Exception):
 
 
 class GatewayHTTPError(Exception):
-    def __init__(self, status: int, body: Any) -> None:
+    def __init__(self, status: int, body: object) -> None:
         super().__init__(f"gateway answered {status}: {body}")
         self.status = status
         self.body = body
@@ -121,8 +121,8 @@ class GatewayClient:
                 return self._once(path, body)
         raise AssertionError("unreachable")
 
-    def chat(self, **body: Any) -> dict:
+    def chat(self, **body: object) -> dict:
         return self.post("/chat/completions", body)
 
-    def completions(self, **body: Any) -> dict:
+    def completions(self, **body: object) -> dict:
         return self.post("/completions", body)

@@ -10,15 +10,14 @@ the ``app.result_backend:Backend+redis://...`` form of the backend URL in ``app.
 
 from __future__ import annotations
 
-from typing import Any
-
+import redis
 from celery.backends.redis import RedisBackend
 
 from app.state.connection import reconnect_options
 
 
 class Backend(RedisBackend):
-    def _create_client(self, **params: Any) -> Any:
+    def _create_client(self, **params: object) -> redis.Redis:
         # the project's spelling of the URL (a unix socket is socket:// here): one outage
         # tracker per server, shared with the process's other clients
         url = self.app.conf.get("carryover_redis_url") or self.url or ""

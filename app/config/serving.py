@@ -80,7 +80,7 @@ def disagreements(run: dict[str, Any], gateway: dict[str, Any]
     return refused, noted
 
 
-def _norm(value: Any) -> Any:
+def _norm(value: object) -> object:
     # 1 and 1.0 are the same temperature; a URL with or without its trailing slash; the
     # servers in any order (the gateway ranks them per rollout)
     if isinstance(value, bool) or value is None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any
 
 from app.config.errors import ConfigError
 from app.config.loader import REPO_ROOT
@@ -78,7 +77,7 @@ def _load_parquet(p: Path, key: str) -> list[dict]:
     return rows
 
 
-def _json_ok(value: Any) -> bool:
+def _json_ok(value: object) -> bool:
     try:
         json.dumps(value)
     except (TypeError, ValueError):

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import requests
 
@@ -18,6 +18,9 @@ from app.config.schema import Config
 from app.config.secrets import inference_api_key
 from app.state.connection import connect, redact, resolve_redis_url
 from app.state.records import RoleExit
+
+if TYPE_CHECKING:
+    from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -328,7 +331,7 @@ def redis_outages(cfg: Config, timeout: float = 2.0) -> list[dict[str, Any]]:
     return merged
 
 
-def environment(repo: Any = None) -> list[tuple[str, str]]:
+def environment(repo: str | Path | None = None) -> list[tuple[str, str]]:
     """(what, value) of the host and the two environments, read without importing torch or
     vLLM: the device, torch's build and CUDA version, the vLLM build."""
     import re

@@ -11,18 +11,20 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 
 from app.state import keys
 from app.state.policy import current_version
 
+T = TypeVar("T")
+
 _seen: dict[str, tuple[float, Any]] = {}
 _lock = threading.Lock()
 
 
-def read_cached(key: str, max_age_s: float, read: Callable[[], Any]) -> Any:
+def read_cached(key: str, max_age_s: float, read: Callable[[], T]) -> T:
     """``read()``, at most every ``max_age_s`` per process for ``key``. While one caller
     reads again, the others get the previous value instead of reading too."""
     now = time.monotonic()

@@ -20,6 +20,7 @@ from urllib.parse import quote
 
 import redis
 from redis.backoff import ExponentialBackoff
+from redis.connection import AbstractConnection
 from redis.retry import Retry
 
 from app.config.schema import Config
@@ -225,7 +226,7 @@ class ReconnectRetry(Retry):
     def __deepcopy__(self, memo: dict) -> ReconnectRetry:
         return self
 
-    def __eq__(self, other: Any) -> bool:
+    def __eq__(self, other: object) -> bool:
         return self is other
 
     __hash__ = object.__hash__
@@ -288,11 +289,11 @@ def reconnect_options(url: str, reconnect_s: float | None = None) -> dict[str, A
             "redis_connect_func": _connect_hook(outage)}
 
 
-def _connect_hook(outage: Outage) -> Callable[[Any], None]:
+def _connect_hook(outage: Outage) -> Callable[[AbstractConnection], None]:
     """redis-py's handshake, then a note when a connection connects again: the pool quietly
     replaces a connection the server closed when it is next taken, so a restart that no
     command waited through shows only there."""
-    def on_connect(conn: Any) -> None:
+    def on_connect(conn: AbstractConnection) -> None:
         conn.on_connect_check_health(check_health=True)
         if getattr(conn, "_carryover_connected", False):
             outage.reconnected()

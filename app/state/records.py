@@ -17,6 +17,7 @@ import math
 import numbers
 import signal
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Self
 
@@ -59,7 +60,7 @@ SUCCESS_REWARD = 1.0  # a rollout with at least this reward counts as a success 
 MAX_ABS_REWARD = 1e9
 
 
-def checked_reward(value: Any) -> float:
+def checked_reward(value: object) -> float:
     """``value`` as a reward (a finite number within +-MAX_ABS_REWARD); ValueError saying
     what it is otherwise."""
     # numbers.Real: numpy's scalars too (np.float32, np.int64), which agents return
@@ -169,7 +170,7 @@ class CapturedCall:
         return cls(**json.loads(raw))
 
     @staticmethod
-    def clean_logprobs(values: list[Any]) -> tuple[list[float | None], int]:
+    def clean_logprobs(values: Iterable[object]) -> tuple[list[float | None], int]:
         out: list[float | None] = []
         bad = 0
         for v in values:
