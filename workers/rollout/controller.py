@@ -29,7 +29,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import redis
 
@@ -98,7 +98,7 @@ class _Tail:
     POLL_S = 0.2  # how soon the reader sees it was told to stop
     THREAD_NAME = "agent-output-reader"
 
-    def __init__(self, stream: Any, limit: int = OUTPUT_TAIL_BYTES) -> None:
+    def __init__(self, stream: IO[bytes], limit: int = OUTPUT_TAIL_BYTES) -> None:
         self.stream, self.limit = stream, limit
         self.buf = bytearray()
         self._stop = threading.Event()
@@ -132,7 +132,7 @@ class _Tail:
         return bytes(self.buf[-self.limit:]).decode("utf-8", "replace")
 
 
-def _feed(stream: Any, data: bytes) -> None:
+def _feed(stream: IO[bytes], data: bytes) -> None:
     """Write the sample to the agent's stdin and close it, in a thread: an agent that never
     reads a sample larger than the pipe's buffer must not block its timeout."""
     def write() -> None:

@@ -23,11 +23,14 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING
 
 import redis
 
 from app.state import keys
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +38,7 @@ WORKER_ID = f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(3)}"
 
 
 class Reaper:
-    def __init__(self, client: redis.Redis, app: Any, ttl_s: float,
+    def __init__(self, client: redis.Redis, app: Celery, ttl_s: float,
                  worker_id: str = WORKER_ID) -> None:
         self.client = client
         self.app = app
@@ -164,7 +167,7 @@ class Reaper:
 _reaper: Reaper | None = None
 
 
-def start_reaper(client: redis.Redis, app: Any, ttl_s: float) -> Reaper:
+def start_reaper(client: redis.Redis, app: Celery, ttl_s: float) -> Reaper:
     global _reaper
     if _reaper is None:
         _reaper = Reaper(client, app, ttl_s)

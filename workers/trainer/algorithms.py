@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.config.schema import Config
+from app.config.schema import Config, RolloutCorrectionConfig
 
 
 def compute_advantages(estimator: str, rewards: torch.Tensor, response_mask: torch.Tensor,
@@ -65,7 +65,7 @@ def compute_advantages(estimator: str, rewards: torch.Tensor, response_mask: tor
 
 
 def rollout_correction(old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor,
-                       response_mask: torch.Tensor, rc: Any
+                       response_mask: torch.Tensor, rc: RolloutCorrectionConfig
                        ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """(IS weights or None, response mask after rejection, rollout_corr/* metrics)."""
     from verl.trainer.ppo.rollout_corr_helper import (

@@ -26,10 +26,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from workers.trainer.engine import EngineTrainer
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ def rng_state() -> dict[str, Any]:
             "python": random.getstate()}
 
 
-def save_checkpoint(trainer: Any, root: Path, run_id: str, step: int, version: int,
+def save_checkpoint(trainer: EngineTrainer, root: Path, run_id: str, step: int, version: int,
                     run_state: dict, keep: int = 2, rng: dict[str, Any] | None = None) -> Path:
     """``rng``: the generators' state to record (default: now)."""
     run_dir = root / run_id
@@ -171,7 +174,7 @@ def set_aside_after(root: Path, run_id: str, recorded: int) -> list[Path]:
     return moved
 
 
-def load_checkpoint(trainer: Any, path: Path) -> dict:
+def load_checkpoint(trainer: EngineTrainer, path: Path) -> dict:
     trainer.load(path / "engine")
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])

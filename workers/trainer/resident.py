@@ -189,7 +189,7 @@ def recorded_steps(client: redis.Redis, run_id: str, step: int) -> int:
     return step
 
 
-def task_start(client: redis.Redis, run_id: str) -> tuple[Any, TrainerSettings]:
+def task_start(client: redis.Redis, run_id: str) -> tuple[Config, TrainerSettings]:
     """What every trainer task does first: the run's config and settings, and the servers'
     key. Then, inside the task's heartbeat (a wake can take minutes), it takes back the
     engines a dead trainer left paused or asleep (:func:`take_back_orphans`)."""

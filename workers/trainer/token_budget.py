@@ -24,7 +24,10 @@ import resource
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # per token and decoder layer (and once more for the embeddings, the final norm and the
 # backward's transients), in elements of the compute dtype
@@ -58,7 +61,7 @@ class ModelShape:
     layers: int
 
 
-def model_shape(hf_config: Any) -> ModelShape:
+def model_shape(hf_config: PretrainedConfig) -> ModelShape:
     """The sizes the per-token cost depends on, from a Hugging Face config (a multimodal
     model's text part)."""
     cfg = getattr(hf_config, "text_config", None) or hf_config
