@@ -47,7 +47,6 @@ def celery_urls(url: str) -> tuple[str, str]:
 def make_celery() -> Celery:
     cfg = service_config()
     url = resolve_redis_url(cfg)
-    budget = float(cfg.redis.reconnect_s)
     broker, backend = celery_urls(url)
     celery = Celery(
         "carryover",
@@ -56,7 +55,13 @@ def make_celery() -> Celery:
         backend="app.result_backend:Backend+" + backend,
         include=["workers.rollout.tasks", "workers.trainer.tasks"],
     )
-    celery.conf.update(
+    celery.conf.update(**_messages(), **_delivery(),
+                       **_reconnect(url, float(cfg.redis.reconnect_s)), **_transport())
+    return celery
+
+
+def _messages() -> dict[str, object]:
+    return dict(
         # JSON only: nothing a worker receives can execute code when decoded.
         task_serializer="json",
         result_serializer="json",
@@ -68,30 +73,48 @@ def make_celery() -> Celery:
             "workers.trainer.tasks.*": {"queue": "trainer"},
         },
         task_default_queue="rollout",
+        result_expires=3600,
+        worker_hijack_root_logger=False,
+        # Flower's view (received/started/succeeded). No "sent" events: they were a third of
+        # the driver's chord dispatch time (bench/overhead.py, py-spy).
+        worker_send_task_events=True,
+    )
+
+
+def _delivery() -> dict[str, object]:
+    return dict(
         # At-least-once delivery of agent runs: a task is acknowledged only when it
         # returns, and requeued when its worker process dies. Siblings and callbacks are
         # idempotent (see workers.rollout.tasks), so a rerun changes nothing downstream.
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
+    )
+
+
+def _reconnect(url: str, budget: float) -> dict[str, object]:
+    """A Redis restart (redis.reconnect_s): a worker's consumer reconnects with kombu's
+    intervals (2 s growing by 2 s up to 30 s) for at least the budget; a publish (the
+    driver's chords and trainer calls, a chord callback sent by the last sibling) is retried
+    every second or less for as long; the result backend's connections use the clients' own
+    retry (app/result_backend.py) and its retry policy."""
+    every_quarter_second = {"max_retries": retries_covering(budget, 0.0, 0.25, 1.0),
+                            "interval_start": 0.0, "interval_step": 0.25, "interval_max": 1.0}
+    return dict(
         broker_connection_retry_on_startup=True,
-        # A Redis restart (redis.reconnect_s): a worker's consumer reconnects with kombu's
-        # intervals (2 s growing by 2 s up to 30 s) for at least the budget; a publish (the
-        # driver's chords and trainer calls, a chord callback sent by the last sibling) is
-        # retried every second or less for as long; the result backend's connections use
-        # the clients' own retry (app/result_backend.py) and its retry policy.
         broker_connection_retry=True,
         broker_connection_max_retries=retries_covering(budget, 2.0, 2.0, 30.0),
         task_publish_retry=True,
-        task_publish_retry_policy={
-            "max_retries": retries_covering(budget, 0.0, 0.25, 1.0),
-            "interval_start": 0.0, "interval_step": 0.25, "interval_max": 1.0},
-        result_backend_transport_options={"retry_policy": {
-            "max_retries": retries_covering(budget, 0.0, 0.25, 1.0),
-            "interval_start": 0.0, "interval_step": 0.25, "interval_max": 1.0}},
+        task_publish_retry_policy=dict(every_quarter_second),
+        result_backend_transport_options={"retry_policy": dict(every_quarter_second)},
         redis_socket_keepalive=not url.startswith("unix://"),  # a TCP option
         carryover_reconnect_s=budget,
         carryover_redis_url=url,  # as the project's own clients spell it
+    )
+
+
+def _transport() -> dict[str, object]:
+    return dict(
         # kombu's Redis transport, fixed so a worker survives a broker restart while it holds
         # unacknowledged messages (see app/broker_transport.py)
         broker_transport="app.broker_transport:Transport",
@@ -102,17 +125,11 @@ def make_celery() -> Celery:
             "unacked_restore_interval": 1,
             "unacked_restore_throttle": 1,
         },
-        result_expires=3600,
         # redis-py's default pool of 100 raises when hundreds of rollout threads store
         # results at once; a failed store would turn a sibling into a chord error.
         redis_max_connections=2048,
         broker_pool_limit=64,
-        worker_hijack_root_logger=False,
-        # Flower's view (received/started/succeeded). No "sent" events: they were a third of
-        # the driver's chord dispatch time (bench/overhead.py, py-spy).
-        worker_send_task_events=True,
     )
-    return celery
 
 
 celery_app = make_celery()

@@ -8,19 +8,25 @@ stopped in order on the way out, also on Ctrl-C or an error.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.config import ConfigError, load_config
 from app.config.loader import REPO_ROOT, env_overrides
 from app.config.schema import Config
 from app.driver.metrics import CARRY, console_line, val_line
 from app.driver.preflight import preflight
+
+if TYPE_CHECKING:
+    from app.services.supervisor import RoleFailing, Supervisor
 
 # the main demo: a long-running agent on a real model; config/demo.yaml is the tiny toy
 DEMO_CONFIG = REPO_ROOT / "config" / "long-agent.yaml"
@@ -187,11 +193,8 @@ def _time_to_accuracy(results: list[dict]) -> str:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    import _thread
-    import threading
-
     from app.driver.step import TrainingFailed
-    from app.services.supervisor import RoleFailing, StartupError, Supervisor
+    from app.services.supervisor import StartupError, Supervisor
 
     config_path = args.config or str(DEMO_CONFIG)
     modes = ["async", "sync"] if args.compare else (["sync"] if args.sync else ["async"])
@@ -210,23 +213,9 @@ def run_demo(args: argparse.Namespace) -> int:
         sup.start(progress=lambda role: print(f"  {role} ready", flush=True))
         print(f"Flower: http://127.0.0.1:{first.services.flower_port}   "
               f"gateway: {first.gateway.url}", flush=True)
-        done = threading.Event()
-
-        def keep_roles_up() -> None:  # a role that exits is started again; the run goes on
-            try:
-                sup.watch_forever(stop=done.is_set)
-            except RoleFailing as exc:
-                failing.append(exc)
-                _thread.interrupt_main()  # the run cannot go on: stop it and the stack
-
-        watcher = threading.Thread(target=keep_roles_up, name="supervisor", daemon=True)
-        watcher.start()
-        try:
+        with _roles_kept_up(sup, failing):
             for mode in modes:
                 results.append(_train_one(cfgs[mode], mode))
-        finally:
-            done.set()
-            watcher.join(5)
         if failing:
             print(f"error: {failing[0]}", file=sys.stderr)
             return 1
@@ -242,13 +231,44 @@ def run_demo(args: argparse.Namespace) -> int:
     finally:
         print("stopping the stack ...", flush=True)
         sup.stop()
+    _print_results(results, args.compare)
+    return 0
+
+
+@contextlib.contextmanager
+def _roles_kept_up(sup: Supervisor, failing: list[RoleFailing]) -> Iterator[None]:
+    """While the runs go on, a role that exits is started again; one that keeps failing
+    is put in ``failing`` and the main thread interrupted (the run cannot go on)."""
+    import _thread
+    import threading
+
+    from app.services.supervisor import RoleFailing
+
+    done = threading.Event()
+
+    def keep_roles_up() -> None:
+        try:
+            sup.watch_forever(stop=done.is_set)
+        except RoleFailing as exc:
+            failing.append(exc)
+            _thread.interrupt_main()
+
+    watcher = threading.Thread(target=keep_roles_up, name="supervisor", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        watcher.join(5)
+
+
+def _print_results(results: list[dict], compare: bool) -> None:
     print()
     print(_table(results))
-    if args.compare:
+    if compare:
         print()
         print(_time_to_accuracy(results))
     for r in results:
         print(f"\n{r['label']}: run {r['run_id']}\n  metrics  {r['jsonl']}\n  plot     {r['plot']}"
               + (f"\n  W&B      {r['wandb_dir']} (offline; `wandb sync` uploads it)"
                  if r.get("wandb_dir") else ""))
-    return 0

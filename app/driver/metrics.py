@@ -110,7 +110,9 @@ class MetricsSink:
                 os.environ.setdefault("WANDB_DISABLE_WEAVE", "true")
                 run = wandb.init(
                     project=cfg.logging.wandb_project, name=run_id, id=run_id, resume="allow",
-                    dir=str(run_dir), mode=mode, config=cfg.to_dict(),
+                    # $WANDB_MODE, when set, is W&B's own to judge
+                    dir=str(run_dir), mode=mode,  # type: ignore[arg-type]
+                    config=cfg.to_dict(),
                     settings=wandb.Settings(silent=True, console="off"))
                 # an evaluation is plotted at the update it measured, not the step that
                 # reported it

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from app.config.errors import ConfigError
 from app.config.loader import REPO_ROOT, model_dir, repo_path
-from app.config.schema import Config
+from app.config.schema import Config, InferenceConfig
 from app.config.secrets import check_shared_secret, inference_api_key
 from app.config.settings import MAX_LORA_RANKS, lora_rank, sleep_mode, transfer_engine
 from app.config.validate import is_loopback
@@ -147,10 +147,9 @@ def inference_command(cfg: Config) -> Command:
     check_shared_secret(cfg, "inference")
     inf = cfg.inference
     device = resolve_device(str(inf.device))
-    model = model_dir(cfg).resolve()
     argv = [
         _bin(".venv-vllm", "python"), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model),
+        "--model", str(model_dir(cfg).resolve()),
         "--served-model-name", inf.served_model_name,
         "--host", inf.host,
         "--port", str(inf.port),
@@ -162,22 +161,58 @@ def inference_command(cfg: Config) -> Command:
         # the rollouts would be sampled from a distribution the trainer does not model.
         "--generation-config", "vllm",
         "--disable-uvicorn-access-log",
+        *_serving_args(inf),
     ]
+    # Dev mode exposes /collective_rpc (weight reload), /reset_prefix_cache and sleep/wake.
+    # The key guards /v1 (agents reach the model through the gateway only); in the
+    # environment, not the command line, where any user's `ps` would show it.
+    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
+           "VLLM_API_KEY": inference_api_key(cfg)}
+    _add_weight_loading(cfg, device, argv, env)
+    if inf.enforce_eager if inf.enforce_eager is not None else device == "cpu":
+        argv.append("--enforce-eager")
+    # vLLM never removes its IPC sockets: they go to a private directory, where each start
+    # removes the dead ones (rpc_sockets)
+    sockets = rpc_dir()
+    sweep(sockets)
+    env["VLLM_RPC_BASE_PATH"] = str(sockets)
+    if device == "cuda":
+        argv += _gpu_args(cfg, device)
+    else:
+        _add_cpu_engine(inf, argv, env)
+    return Command("inference", argv, env)
+
+
+def _serving_args(inf: InferenceConfig) -> list[str]:
+    """How calls are served: batch size, chat template, tool calls."""
+    argv = []
     if inf.max_num_seqs:
         argv += ["--max-num-seqs", str(inf.max_num_seqs)]
     if inf.chat_template:
-        argv += ["--chat-template", str(repo_path(str(inf.chat_template)))]
+        argv += ["--chat-template", str(repo_path(inf.chat_template))]
     if inf.tool_call_parser:
-        argv += ["--tool-call-parser", str(inf.tool_call_parser)]
+        argv += ["--tool-call-parser", inf.tool_call_parser]
         if inf.enable_auto_tool_choice:
             argv.append("--enable-auto-tool-choice")
-        argv += ["--tool-strict-level", str(inf.tool_strict_level)]
-    engine = transfer_engine(cfg, device) if inf.weight_sync == "transfer" else None
+        argv += ["--tool-strict-level", inf.tool_strict_level]
+    return argv
+
+
+def _add_weight_loading(cfg: Config, device: str, argv: list[str], env: dict[str, str]
+                        ) -> None:
+    """What each update's weights need of the server: the weight-transfer routes and their
+    engine, and LoRA adapters loaded at run time."""
+    engine = transfer_engine(cfg, device) if cfg.inference.weight_sync == "transfer" \
+        else None
     if engine is not None:
         # vLLM's weight-transfer routes: its own CUDA IPC engine, or the one the project
         # registers through its plugin (workers/inference), buckets in shared memory
         argv += ["--weight-transfer-config",
                  json.dumps({"backend": SHM_BACKEND if engine == "shm" else "ipc"})]
+    if engine == "ipc":
+        # the HTTP route takes the IPC handles pickled, which vLLM unpickles only with this
+        # set: the dev routes must stay unreachable to all but the trainer (operations.md)
+        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     rank = lora_rank(cfg)
     if rank:
         # each update's adapter is loaded at run time under a new name; the newest and the
@@ -185,36 +220,24 @@ def inference_command(cfg: Config) -> Command:
         argv += ["--enable-lora", "--max-lora-rank",
                  str(next(r for r in MAX_LORA_RANKS if r >= rank)),
                  "--max-loras", "2", "--max-cpu-loras", "3"]
-    eager = inf.enforce_eager if inf.enforce_eager is not None else device == "cpu"
-    if eager:
-        argv.append("--enforce-eager")
-    # Dev mode exposes /collective_rpc (weight reload), /reset_prefix_cache and sleep/wake.
-    # The key guards /v1 (agents reach the model through the gateway only); in the
-    # environment, not the command line, where any user's `ps` would show it.
-    env = {"VLLM_SERVER_DEV_MODE": "1", "VLLM_LOGGING_LEVEL": "WARNING",
-           "VLLM_API_KEY": inference_api_key(cfg)}
-    # vLLM never removes its IPC sockets: they go to a private directory, where each start
-    # removes the dead ones (rpc_sockets)
-    sockets = rpc_dir()
-    sweep(sockets)
-    env["VLLM_RPC_BASE_PATH"] = str(sockets)
-    if rank:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"  # /v1/load_lora_adapter
-    if engine == "ipc":
-        # the HTTP route takes the IPC handles pickled, which vLLM unpickles only with this
-        # set: the dev routes must stay unreachable to all but the trainer (operations.md)
-        env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    if device == "cuda":
-        argv += ["--gpu-memory-utilization", str(inf.gpu_memory_utilization),
-                 "--tensor-parallel-size", str(inf.tensor_parallel_size),
-                 "--data-parallel-size", str(inf.data_parallel_size)]
-        if sleep_mode(cfg, device):
-            argv.append("--enable-sleep-mode")
-        if rank:
-            # each API server process keeps its own table of adapters: one, so every load
-            # and every call reach the same one (vLLM starts one per data-parallel rank)
-            argv += ["--api-server-count", "1"]
-        return Command("inference", argv, env)
+
+
+def _gpu_args(cfg: Config, device: str) -> list[str]:
+    inf = cfg.inference
+    argv = ["--gpu-memory-utilization", str(inf.gpu_memory_utilization),
+            "--tensor-parallel-size", str(inf.tensor_parallel_size),
+            "--data-parallel-size", str(inf.data_parallel_size)]
+    if sleep_mode(cfg, device):
+        argv.append("--enable-sleep-mode")
+    if lora_rank(cfg):
+        # each API server process keeps its own table of adapters: one, so every load and
+        # every call reach the same one (vLLM starts one per data-parallel rank)
+        argv += ["--api-server-count", "1"]
+    return argv
+
+
+def _add_cpu_engine(inf: InferenceConfig, argv: list[str], env: dict[str, str]) -> None:
     argv += [
         "--kv-cache-memory-bytes", str(inf.kv_cache_memory_bytes),
         # One device per server: the model runs in the engine process. The multiprocess
@@ -224,7 +247,7 @@ def inference_command(cfg: Config) -> Command:
     ]
     # lets the CPU platform keep the "uni" executor (it forces "mp" otherwise)
     env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    threads = int(inf.cpu_threads)
+    threads = inf.cpu_threads
     if threads:
         # Bound to the last cores, so the trainer's threads (first cores) and the engine's
         # OpenMP threads do not spin against each other on a small machine.
@@ -233,7 +256,6 @@ def inference_command(cfg: Config) -> Command:
         env["VLLM_CPU_OMP_THREADS_BIND"] = f"{first}-{cores - 1}" if cores - first > 1 \
             else str(first)
         env["OMP_NUM_THREADS"] = str(min(threads, cores))
-    return Command("inference", argv, env)
 
 
 def gateway_command(cfg: Config) -> Command:

@@ -50,20 +50,9 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
         log.info("group %s: no record left (expired after it was dropped or cancelled); "
                  "nothing to complete", group_id)
         return "gone"
-    results = sibling_results(client, group_id)
-    if len(results) < group.n:
-        # Only a chord that fired early could get here (a sibling that ran twice: a worker
-        # wrongly presumed dead). Never mark a partial group; flag it so the last sibling
-        # to store its result finishes it (flag first, then look again: one of the two
-        # sides always sees the other).
-        if not client.register_script(_FLAG_EARLY)(
-                keys=[keys.group(group_id)], args=[GroupRecord.field("callback_early")]):
-            return _gone(group_id)
-        results = sibling_results(client, group_id)
-        if len(results) < group.n:
-            log.warning("group %s: callback saw %d of %d siblings; the last sibling will "
-                        "complete it", group_id, len(results), group.n)
-            return "incomplete"
+    results = _every_sibling(client, group_id, group)
+    if isinstance(results, str):
+        return results
     try:
         cfg = run_config(client, group.run_id)
     except MissingState:  # an evaluation run's record outlives its groups' by less
@@ -75,15 +64,47 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
             and equal_rewards(results.values(), filtering.metric):
         outcome = "filtered"
     run = group.run_id
-    limit = cfg.data.max_prompt_failures
+    limit = cfg.data.max_prompt_failures or 0
     answer = client.register_script(_COMPLETE)(
         keys=[keys.group(group_id), keys.group_done(group_id), keys.run_active(run),
               keys.run_ready(run), keys.run_requeue(run), keys.run(run), keys.run_wakeup(run),
               keys.group_results(group_id), keys.run_prompt_failures(run),
               keys.run_quarantined(run)],
         args=[group_id, outcome, str(time.time()), group.seq, group.sample_index,
-              int(limit or 0), (failed[0].error or "") if failed else "",
-              retention.GUARD_TTL_S])
+              limit, (failed[0].error or "") if failed else "", retention.GUARD_TTL_S])
+    return _settled(client, group, str(answer), failed, len(results), limit)
+
+
+def _every_sibling(client: redis.Redis, group_id: str, group: GroupRecord
+                   ) -> dict[int, SiblingResult] | str:
+    """Every sibling's result, or what the callback answers when some are missing."""
+    results = sibling_results(client, group_id)
+    if len(results) >= group.n:
+        return results
+    # Only a chord that fired early could get here (a sibling that ran twice: a worker
+    # wrongly presumed dead). Never mark a partial group; flag it so the last sibling to
+    # store its result finishes it (flag first, then look again: one of the two sides
+    # always sees the other).
+    if not client.register_script(_FLAG_EARLY)(
+            keys=[keys.group(group_id)], args=[GroupRecord.field("callback_early")]):
+        return _gone(group_id)
+    results = sibling_results(client, group_id)
+    if len(results) < group.n:
+        log.warning("group %s: callback saw %d of %d siblings; the last sibling will "
+                    "complete it", group_id, len(results), group.n)
+        return "incomplete"
+    return results
+
+
+# the completion script's answers for a group that will never be trained
+_UNTRAINED_ANSWERS = ("dropped", "dropped_quarantined", "quarantined", "filtered")
+
+
+def _settled(client: redis.Redis, group: GroupRecord, answer: str,
+             failed: list[SiblingResult], siblings: int, limit: int) -> str:
+    """What the completion script answered, said in the log; a group that is never trained
+    gets its short life. Quarantine is a drop to the caller."""
+    group_id = group.group_id
     if answer == "gone":
         return _gone(group_id)
     if answer == "duplicate":
@@ -91,28 +112,28 @@ def finish_group(client: redis.Redis, group_id: str) -> str:
         # the first callback may have died before shortening a never-trained group's life
         if client.hget(keys.group(group_id), GroupRecord.field("status")) in UNTRAINED:
             retention.expire_untrained(client, group_id)
-    elif answer == "dropped":
-        retention.expire_untrained(client, group_id)
+        return answer
+    if answer not in _UNTRAINED_ANSWERS:
+        return answer  # complete, or cancelled meanwhile: left as it was
+    retention.expire_untrained(client, group_id)
+    if answer == "dropped":
         log.warning("group %s dropped and its prompt re-queued: %d sibling(s) failed (%s)",
                     group_id, len(failed), failed[0].error)
     elif answer == "dropped_quarantined":
-        retention.expire_untrained(client, group_id)
         log.warning("group %s dropped: %d sibling(s) failed (%s); its prompt %d is "
                     "quarantined, not re-queued", group_id, len(failed), failed[0].error,
                     group.sample_index)
         answer = "dropped"
     elif answer == "quarantined":
-        retention.expire_untrained(client, group_id)
         log.error("prompt %d quarantined: its groups were dropped %d times "
                   "(data.max_prompt_failures); it is not re-queued again. Last group %s, "
-                  "%d sibling(s) failed, last error: %s", group.sample_index, int(limit or 0),
+                  "%d sibling(s) failed, last error: %s", group.sample_index, limit,
                   group_id, len(failed), failed[0].error)
         answer = "dropped"
     elif answer == "filtered":
-        retention.expire_untrained(client, group_id)
         log.info("group %s filtered (algorithm.filter_groups): all %d rewards equal", group_id,
-                 len(results))
-    return str(answer)
+                 siblings)
+    return answer
 
 
 def _gone(group_id: str) -> str:

@@ -192,113 +192,150 @@ def store_result(client: redis.Redis, group_id: str, result: SiblingResult) -> N
 
 
 def _run(client: redis.Redis, group_id: str, index: int) -> SiblingResult:
-    group = read_group(client, group_id)
-    cfg = run_config(client, group.run_id)
-    ctl_cfg = cfg.controller
-    # plain values: a nested setting goes to a process or Kubernetes agent as JSON, and a
-    # python agent gets its own copy (the run's config is shared by the worker's threads)
-    settings: dict[str, Any] = cfg.select("agent")
-    gateway = cfg.gateway.url.rstrip("/")
-    # an evaluation's rollouts are sampled at its own temperature (never trained)
-    raw = client.hget(keys.run(group.run_id), RunRecord.field("temperature"))
-    temperature = json.loads(raw) if raw else None
-    controller = make_controller(ctl_cfg.backend, ctl_cfg.agent, settings,
-                                 kcfg=ctl_cfg.kubernetes, client=client, gateway_url=gateway,
-                                 run_id=group.run_id, group_id=group_id, index=index)
+    sibling = _Sibling(client, group_id, index)
+    refused = sibling.take_up_earlier()
+    if refused is not None:
+        return refused
+    for attempt in range(1, sibling.ctl.max_attempts + 1):
+        result = sibling.attempt(attempt)
+        if result is not None:
+            return result
+    return SiblingResult(index=index, rollout_id=sibling.rollout_id, status="failed",
+                         reward=None, attempts=sibling.ctl.max_attempts,
+                         seconds=sibling.clock.active, paused_seconds=sibling.clock.paused,
+                         error=sibling.error)
 
-    def cancelled() -> bool:
-        return group_status(client, group_id) == "cancelled"
 
-    error = ""
-    rollout_id = ""
-    # the pause flag read at most every 0.5 s per worker process: a worker runs hundreds of
-    # agents, and each one's clock asks every tick
-    clock = PauseAwareClock(lambda: cached_reads.gateway_paused(client, 0.5))
-    # An agent still running from an earlier delivery of this task is watched, not restarted.
-    try:
-        adopted = controller.adopt()
-    except AgentError as exc:
-        log.warning("sibling %s/%d: cannot look for a running agent to adopt: %s",
-                    group_id, index, exc)
-        adopted = None
-    for rid in _close_earlier_attempts(client, group_id, index, keep=adopted):
-        controller.stop(rid)  # a Job that adopt() could not find, or would not take
-    lost = _lost_attempts(client, group_id, index)
-    # (an agent taken up runs outside the worker: it is not what kills workers)
-    if not adopted and lost >= ctl_cfg.max_lost_attempts:
+class _Sibling:
+    """One sibling's attempts: the run's settings, its controller, the pause-aware clock,
+    and the agent of an earlier delivery it took up."""
+
+    def __init__(self, client: redis.Redis, group_id: str, index: int) -> None:
+        self.client, self.group_id, self.index = client, group_id, index
+        self.group = read_group(client, group_id)
+        cfg = run_config(client, self.group.run_id)
+        self.ctl = cfg.controller
+        self.model = cfg.inference.served_model_name
+        self.gateway = cfg.gateway.url.rstrip("/")
+        # an evaluation's rollouts are sampled at its own temperature (never trained)
+        raw = client.hget(keys.run(self.group.run_id), RunRecord.field("temperature"))
+        self.temperature = json.loads(raw) if raw else None
+        # plain values: a nested setting goes to a process or Kubernetes agent as JSON, and
+        # a python agent gets its own copy (the run's config is shared by the worker's
+        # threads)
+        settings: dict[str, Any] = cfg.select("agent")
+        self.controller = make_controller(
+            self.ctl.backend, self.ctl.agent, settings, kcfg=self.ctl.kubernetes,
+            client=client, gateway_url=self.gateway, run_id=self.group.run_id,
+            group_id=group_id, index=index)
+        # the pause flag read at most every 0.5 s per worker process: a worker runs hundreds
+        # of agents, and each one's clock asks every tick
+        self.clock = PauseAwareClock(lambda: cached_reads.gateway_paused(client, 0.5))
+        self.adopted: str | None = None
+        self.rollout_id = ""
+        self.error = ""
+
+    def cancelled(self) -> bool:
+        return group_status(self.client, self.group_id) == "cancelled"
+
+    def take_up_earlier(self) -> SiblingResult | None:
+        """An agent still running from an earlier delivery of this task is watched, not
+        restarted; the other earlier attempts are closed. A sibling whose attempts died with
+        their workers too often fails here (its agent may crash the worker)."""
+        client, group_id, index = self.client, self.group_id, self.index
+        try:
+            self.adopted = self.controller.adopt()
+        except AgentError as exc:
+            log.warning("sibling %s/%d: cannot look for a running agent to adopt: %s",
+                        group_id, index, exc)
+        for rid in _close_earlier_attempts(client, group_id, index, keep=self.adopted):
+            self.controller.stop(rid)  # a Job that adopt() could not find, or would not take
+        lost = _lost_attempts(client, group_id, index)
+        # (an agent taken up runs outside the worker: it is not what kills workers)
+        if self.adopted or lost < self.ctl.max_lost_attempts:
+            return None
         log.error("sibling %s/%d: %d of its attempts ran on workers that died (does its agent "
                   "crash the worker?); it fails (controller.max_lost_attempts)", group_id,
                   index, lost)
         return SiblingResult(index=index, rollout_id="", status="failed", reward=None,
                              attempts=lost, seconds=0.0,
                              error=f"{lost} of its attempts ran on workers that died")
-    for attempt in range(1, int(ctl_cfg.max_attempts) + 1):
-        if cancelled():
-            if adopted:  # the earlier delivery's agent is stopped, not left to its deadline
-                controller.stop(adopted)
-                _close_attempt(client, adopted, "cancelled")
-            return SiblingResult(index=index, rollout_id=rollout_id, status="failed",
+
+    def attempt(self, attempt: int) -> SiblingResult | None:
+        """One attempt: its result, or None when it failed and the next one runs."""
+        client = self.client
+        if self.cancelled():
+            if self.adopted:  # the earlier delivery's agent is stopped, not left to its deadline
+                self.controller.stop(self.adopted)
+                _close_attempt(client, self.adopted, "cancelled")
+            return SiblingResult(index=self.index, rollout_id=self.rollout_id, status="failed",
                                  reward=None, attempts=attempt - 1, seconds=0.0,
                                  error="group cancelled")
-        if adopted:
-            rollout_id, token = adopted, ""  # the running agent already holds its token
-            log.info("sibling %s/%d: adopting the running agent of rollout %s", group_id,
-                     index, rollout_id)
+        if self.adopted:
+            rollout_id, token = self.adopted, ""  # the running agent already holds its token
+            log.info("sibling %s/%d: adopting the running agent of rollout %s", self.group_id,
+                     self.index, rollout_id)
         else:
-            rollout_id, token = _start_attempt(client, group.run_id, group_id, index, attempt,
-                                               temperature)
-        llm = LLMEndpoint(base_url=f"{gateway}/rollout/{rollout_id}/v1", api_key=token,
-                          model=cfg.inference.served_model_name, rollout_id=rollout_id,
-                          max_wait_s=float(ctl_cfg.retry_max_wait_s))
-        clock = PauseAwareClock(clock.is_paused)
+            rollout_id, token = _start_attempt(client, self.group.run_id, self.group_id,
+                                               self.index, attempt, self.temperature)
+        self.rollout_id = rollout_id
+        llm = LLMEndpoint(base_url=f"{self.gateway}/rollout/{rollout_id}/v1", api_key=token,
+                          model=self.model, rollout_id=rollout_id,
+                          max_wait_s=self.ctl.retry_max_wait_s)
+        self.clock = PauseAwareClock(self.clock.is_paused)
         started = time.monotonic()
         try:
             # each attempt gets the sample as stored: a failed attempt's agent may have
             # changed it (appended its turns), and an abandoned one may still be changing it
-            reward = controller.run(
-                copy.deepcopy(group.sample), llm, float(ctl_cfg.rollout_timeout_s), clock,
-                cancelled,
-                posted_reward=lambda rid=rollout_id: _posted(client, rid),
-                adopted=bool(adopted))
+            reward = self.controller.run(
+                copy.deepcopy(self.group.sample), llm, self.ctl.rollout_timeout_s, self.clock,
+                self.cancelled, posted_reward=lambda: _posted(client, rollout_id),
+                adopted=bool(self.adopted))
         except Exception as raised:  # noqa: BLE001 - every failure is the attempt's
-            exc = raised if isinstance(raised, AgentError) else AgentError(
-                f"controller raised {raised.__class__.__name__}: {raised}")
-            if not isinstance(raised, AgentError):
-                log.exception("rollout %s: the controller itself failed", rollout_id)
-            adopted = None
-            if cancelled():
-                _close_attempt(client, rollout_id, "cancelled")
-                return SiblingResult(index=index, rollout_id=rollout_id, status="failed",
-                                     reward=None, attempts=attempt,
-                                     seconds=time.monotonic() - started,
-                                     paused_seconds=clock.paused, error="group cancelled")
-            if ctl_cfg.on_context_overflow == "end" and _overflowed(client, rollout_id):
-                # the conversation outgrew the model: the rollout ends here, its calls so far
-                # are trained, with the reward the agent posted or controller.overflow_reward
-                if not _close_attempt(client, rollout_id, "finished"):
-                    return _closed_elsewhere(client, group_id, index, rollout_id, attempt)
-                posted = _posted(client, rollout_id)
-                reward = posted if posted is not None else float(ctl_cfg.overflow_reward)
-                log.info("rollout %s ended at its context overflow (%s); reward %s", rollout_id,
-                         exc, reward)
-                return SiblingResult(index=index, rollout_id=rollout_id, status="ok",
-                                     reward=reward, attempts=attempt,
-                                     seconds=time.monotonic() - started,
-                                     paused_seconds=clock.paused)
-            if not _close_attempt(client, rollout_id, "failed"):
-                # refused because a later delivery closed it: that delivery runs the sibling
-                return _closed_elsewhere(client, group_id, index, rollout_id, attempt)
-            error = str(exc)
-            log.warning("rollout %s attempt %d/%d failed: %s%s", rollout_id, attempt,
-                        ctl_cfg.max_attempts, exc,
-                        f"\n--- agent stderr (tail) ---\n{exc.stderr_tail}" if exc.stderr_tail
-                        else "")
-            continue
+            return self._failed(attempt, rollout_id, raised, started)
         if not _close_attempt(client, rollout_id, "finished"):
-            return _closed_elsewhere(client, group_id, index, rollout_id, attempt)
-        return SiblingResult(index=index, rollout_id=rollout_id, status="ok", reward=reward,
-                             attempts=attempt, seconds=time.monotonic() - started,
-                             paused_seconds=clock.paused)
-    return SiblingResult(index=index, rollout_id=rollout_id, status="failed", reward=None,
-                         attempts=int(ctl_cfg.max_attempts), seconds=clock.active,
-                         paused_seconds=clock.paused, error=error)
+            return _closed_elsewhere(client, self.group_id, self.index, rollout_id, attempt)
+        return SiblingResult(index=self.index, rollout_id=rollout_id, status="ok",
+                             reward=reward, attempts=attempt,
+                             seconds=time.monotonic() - started,
+                             paused_seconds=self.clock.paused)
+
+    def _failed(self, attempt: int, rollout_id: str, raised: Exception, started: float
+                ) -> SiblingResult | None:
+        """An attempt that raised: the sibling's result (cancelled, ended at a context
+        overflow, closed by a later delivery), or None to try again."""
+        client = self.client
+        exc = raised if isinstance(raised, AgentError) else AgentError(
+            f"controller raised {raised.__class__.__name__}: {raised}")
+        if not isinstance(raised, AgentError):
+            log.exception("rollout %s: the controller itself failed", rollout_id)
+        self.adopted = None
+        if self.cancelled():
+            _close_attempt(client, rollout_id, "cancelled")
+            return SiblingResult(index=self.index, rollout_id=rollout_id, status="failed",
+                                 reward=None, attempts=attempt,
+                                 seconds=time.monotonic() - started,
+                                 paused_seconds=self.clock.paused, error="group cancelled")
+        if self.ctl.on_context_overflow == "end" and _overflowed(client, rollout_id):
+            # the conversation outgrew the model: the rollout ends here, its calls so far are
+            # trained, with the reward the agent posted or controller.overflow_reward
+            if not _close_attempt(client, rollout_id, "finished"):
+                return _closed_elsewhere(client, self.group_id, self.index, rollout_id,
+                                         attempt)
+            posted = _posted(client, rollout_id)
+            reward = posted if posted is not None else self.ctl.overflow_reward
+            log.info("rollout %s ended at its context overflow (%s); reward %s", rollout_id,
+                     exc, reward)
+            return SiblingResult(index=self.index, rollout_id=rollout_id, status="ok",
+                                 reward=reward, attempts=attempt,
+                                 seconds=time.monotonic() - started,
+                                 paused_seconds=self.clock.paused)
+        if not _close_attempt(client, rollout_id, "failed"):
+            # refused because a later delivery closed it: that delivery runs the sibling
+            return _closed_elsewhere(client, self.group_id, self.index, rollout_id, attempt)
+        self.error = str(exc)
+        log.warning("rollout %s attempt %d/%d failed: %s%s", rollout_id, attempt,
+                    self.ctl.max_attempts, exc,
+                    f"\n--- agent stderr (tail) ---\n{exc.stderr_tail}" if exc.stderr_tail
+                    else "")
+        return None

@@ -260,9 +260,26 @@ class EngineTrainer:
                 for s in _shards(mb, self.size, micro)], micro
 
     def update(self, vb: VerlBatch, step: int = 0) -> dict[str, float]:
-        actor = self.cfg.actor_rollout_ref.actor
-        algo = self.cfg.algorithm
         lr = self.lr_at(step)
+        trained, fields, rc_metrics = self._loss_inputs(vb)
+        metrics, skipped = self._optimise(trained, fields, lr, step)
+        self.skipped_steps += skipped
+        out_metrics = {k: float(np.mean(v)) for k, v in metrics.items()}
+        out_metrics.pop("grad_norm", None)
+        out_metrics.update({k: float(v) for k, v in rc_metrics.items()})
+        out_metrics["actor/lr"] = lr
+        out_metrics["actor/skipped_steps"] = float(skipped)
+        out_metrics["actor/skipped_steps_total"] = float(self.skipped_steps)
+        out_metrics["actor/max_token_len_per_gpu"] = float(self.max_token_len)
+        out_metrics.update(_batch_metrics(vb, fields["advantages"]))
+        return out_metrics
+
+    def _loss_inputs(self, vb: VerlBatch
+                     ) -> tuple[VerlBatch, dict[str, torch.Tensor], dict[str, float]]:
+        """The batch as trained (rollout correction's rejection applied to its mask), the
+        fields verl's loss reads (old and reference log-probs, advantages, IS weights), and
+        the correction's metrics."""
+        actor, algo = self.cfg.actor_rollout_ref.actor, self.cfg.algorithm
         # bypass mode: the policy that sampled is the old policy (no forward for it); the
         # loss computes the correction and the rejection itself
         bypass = self.spec.bypass is not None
@@ -281,16 +298,20 @@ class EngineTrainer:
             if is_weights is not None:
                 fields["rollout_is_weights"] = is_weights
             rc_metrics.update(constrained_is_metrics(is_weights, mask, vb.constrained))
-        trained = replace(vb, response_mask=mask)  # after rollout correction's rejection
+        return replace(vb, response_mask=mask), fields, rc_metrics
 
+    def _optimise(self, trained: VerlBatch, fields: dict[str, torch.Tensor], lr: float,
+                  step: int) -> tuple[dict[str, list[float]], int]:
+        """``ppo_epochs`` passes over the mini-batches, one optimizer step each, on the
+        ranks; their metrics, and how many steps a non-finite gradient norm skipped."""
         # rows without a trained token (every call masked) add nothing to the loss, whose
         # normalisers are the token count and global_batch_size: not run
-        has_tokens = (mask.sum(1) > 0).tolist()
+        has_tokens = (trained.response_mask.sum(1) > 0).tolist()
         all_lengths = _lengths(trained)
         self._warn_if_longer(all_lengths[: trained.real])
         metrics: dict[str, list[float]] = {}
         skipped = 0
-        for _ in range(int(actor.ppo_epochs)):
+        for _ in range(int(self.cfg.actor_rollout_ref.actor.ppo_epochs)):
             for rows in self._mini_batches(trained):
                 live = [i for i in rows if has_tokens[i]] or rows
                 lengths = [all_lengths[i] for i in live]
@@ -308,30 +329,7 @@ class EngineTrainer:
                     vals = v if isinstance(v, list) else [v]
                     metrics.setdefault(k, []).extend(float(x) for x in vals)
                 metrics.setdefault("actor/grad_norm", []).append(grad_norm)
-        self.skipped_steps += skipped
-        out_metrics = {k: float(np.mean(v)) for k, v in metrics.items()}
-        out_metrics.pop("grad_norm", None)
-        out_metrics.update({k: float(v) for k, v in rc_metrics.items()})
-        out_metrics["actor/lr"] = lr
-        out_metrics["actor/skipped_steps"] = float(skipped)
-        out_metrics["actor/skipped_steps_total"] = float(self.skipped_steps)
-        out_metrics["actor/max_token_len_per_gpu"] = float(self.max_token_len)
-        real = vb.response_mask[: vb.real]
-        out_metrics["actor/advantage_abs_mean"] = float(
-            (fields["advantages"][: vb.real].abs() * real).sum() / real.sum().clamp(min=1))
-        out_metrics["batch/rows"] = float(vb.real)
-        # A later turn re-sends the conversation; when its prompt begins with the tokens
-        # sampled before, it joins their row (``batch.pack_turns``). Calls that could not
-        # (the chat template re-rendered the earlier turn differently) each cost a row.
-        calls = sum(vb.calls[: vb.real])
-        ids = vb.rollout_ids[: vb.real]
-        rollouts = len({r for r in ids if r}) + ids.count("")  # "" never shares a row
-        out_metrics["batch/later_turn_calls"] = float(calls - rollouts)
-        out_metrics["batch/packed_calls"] = float(calls - vb.real)
-        out_metrics["actor/response_length_mean"] = float(
-            real.sum() / max(sum(vb.calls[: vb.real]), 1))
-        out_metrics["batch/trained_tokens"] = float(real.sum())
-        return out_metrics
+        return metrics, skipped
 
     def full_weights(self, dtype: str = "float32") -> dict[str, torch.Tensor]:
         """Every tensor of the model, gathered from the ranks (a collective)."""
@@ -380,3 +378,23 @@ class EngineTrainer:
 
     def load(self, path: Path) -> None:
         self.ranks.call("load", [(str(path),)] * self.size)
+
+
+def _batch_metrics(vb: VerlBatch, advantages: torch.Tensor) -> dict[str, float]:
+    """What the batch held: rows, tokens, calls packed into rows, advantage size."""
+    real = vb.response_mask[: vb.real]
+    # A later turn re-sends the conversation; when its prompt begins with the tokens sampled
+    # before, it joins their row (``batch.pack_turns``). Calls that could not (the chat
+    # template re-rendered the earlier turn differently) each cost a row.
+    calls = sum(vb.calls[: vb.real])
+    ids = vb.rollout_ids[: vb.real]
+    rollouts = len({r for r in ids if r}) + ids.count("")  # "" never shares a row
+    return {
+        "actor/advantage_abs_mean": float(
+            (advantages[: vb.real].abs() * real).sum() / real.sum().clamp(min=1)),
+        "batch/rows": float(vb.real),
+        "batch/later_turn_calls": float(calls - rollouts),
+        "batch/packed_calls": float(calls - vb.real),
+        "actor/response_length_mean": float(real.sum() / max(calls, 1)),
+        "batch/trained_tokens": float(real.sum()),
+    }
