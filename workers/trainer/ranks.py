@@ -33,6 +33,8 @@ import torch
 from workers.trainer.engine_config import EngineSpec
 
 if TYPE_CHECKING:
+    import datetime
+
     from tensordict import TensorDict
 
     from workers.trainer.verl_batch import VerlBatch
@@ -71,8 +73,28 @@ def init_process_group(rank: int, world: int, port: int | None, device: str,
             torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         # verl's own convention: gloo for CPU-side collectives, NCCL for the accelerator
         backend = "gloo" if device == "cpu" else "cpu:gloo,cuda:nccl"
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = None if port is None else _loopback_store(rank, world, port, timeout)
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout,
+                                store=store)
+
+
+def _loopback_store(rank: int, world: int, port: int, timeout: datetime.timedelta
+                    ) -> torch.distributed.TCPStore:
+    """The rendezvous of ranks all on this host. torch's TCPStore server takes no bind
+    address: it listens on every one, and answers whoever connects without a credential.
+    Rank 0 makes its socket on loopback and hands it over, so no other host reaches it."""
+    import torch.distributed as dist
+
+    fd = None
+    if rank == 0:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(("127.0.0.1", port))
+        sock.listen(128)
+        fd = sock.detach()
+    return dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=timeout,
+                         master_listen_fd=fd, use_libuv=True)
 
 
 def _plain(value: Any) -> Any:
