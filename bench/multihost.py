@@ -81,6 +81,10 @@ BY_NAME = {h.name: h for h in HOSTS}
 # Celery node names the stack is up with (%h is the host's name)
 WORKER_ROLES = ("groups", "rollout", "trainer")
 SECRETS = ("REDIS_PASSWORD", "CARRYOVER_ADMIN_TOKEN", "CARRYOVER_INFERENCE_API_KEY")
+REDIS_PORT, INFERENCE_PORT, GATEWAY_PORT = 6390, 8100, 8200
+# the hosts the inference server's port admits besides its own (the gateway): the trainer
+# loads weights through its dev routes
+ADMITTED_TO_INFERENCE = ("trainer",)
 
 
 class HarnessError(RuntimeError):
@@ -235,7 +239,7 @@ class Cluster:
 
     @property
     def gateway_url(self) -> str:
-        return f"http://{self.address('infer')}:8200"
+        return f"http://{self.address('infer')}:{GATEWAY_PORT}"
 
     # -- config and secrets
     def _secrets(self) -> dict[str, str]:
@@ -252,13 +256,14 @@ class Cluster:
         shared = self.run_dir / "shared"
         inference = self.address("infer")
         own = {
-            "redis": {"host": self.address("redis"), "port": 6390,
+            "redis": {"host": self.address("redis"), "port": REDIS_PORT,
                       "dir": str(self.host_dir("redis") / "data")},
             "inference": {
-                "host": inference, "port": 8100, "urls": [f"http://{inference}:8100"],
-                "dev_routes_guard": "none: a test network on one machine "
-                                    "(bench/multihost.py); its outside host reaches them"},
-            "gateway": {"host": inference, "port": 8200, "url": self.gateway_url},
+                "host": inference, "port": INFERENCE_PORT,
+                "urls": [f"http://{inference}:{INFERENCE_PORT}"],
+                "dev_routes_guard": "the infer host's policy routing drops a connection "
+                                    "to the port but from the trainer host (bench/multihost.py)"},
+            "gateway": {"host": inference, "port": GATEWAY_PORT, "url": self.gateway_url},
             "trainer": {"weights_dir": str(shared / "weights"),
                         "checkpoint_dir": str(self.host_dir("trainer") / "checkpoints")},
             "logging": {"dir": str(self.host_dir("trainer") / "runs")},
@@ -354,6 +359,22 @@ class Cluster:
             _ip("-n", sw, "link", "set", self.port_name(host.name), "master", BRIDGE, "up")
             _ip("-n", ns, "addr", "add", f"{self.address(host.name)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
+        self._guard_inference()
+
+    def _guard_inference(self) -> None:
+        """``inference.dev_routes_guard``'s network rule, kept on the infer host: a connection
+        to the inference port from another host but the trainer is dropped (vLLM's dev routes
+        take no key). Policy routing, which needs no firewall tools: the rules are read before
+        the local table (moved behind them), so an input route to the port is looked up
+        there first. The gateway beside the server reaches it over loopback."""
+        ns, port = self.ns("infer"), str(INFERENCE_PORT)
+        for host in ADMITTED_TO_INFERENCE:
+            _ip("-n", ns, "rule", "add", "pref", "10", "iif", "eth0", "from", self.address(host),
+                "ipproto", "tcp", "dport", port, "lookup", "local")
+        _ip("-n", ns, "rule", "add", "pref", "20", "iif", "eth0", "ipproto", "tcp", "dport", port,
+            "prohibit")
+        _ip("-n", ns, "rule", "add", "pref", "100", "lookup", "local")
+        _ip("-n", ns, "rule", "del", "pref", "0")
 
     def cut(self, host: str) -> None:
         """Partition ``host`` from every other: its switch port down."""

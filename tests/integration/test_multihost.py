@@ -60,21 +60,24 @@ def test_run_across_hosts(multihost):  # noqa: F811
 
 def test_outside_host_reaches_the_services_but_holds_no_credentials(multihost):  # noqa: F811
     """The outside host is on the network (the gateway's health answers it) and gets neither
-    config nor secrets: Redis, the gateway's admin routes and the inference server's /v1
-    refuse it."""
+    config nor secrets: Redis and the gateway's admin routes refuse it, and the inference
+    server's port does not answer it at all (the dev routes guard); the trainer host reaches
+    that port, whose /v1 wants the key."""
     env = multihost.env("outside")
     assert not {"CARRYOVER_CONFIG", "REDIS_PASSWORD", "CARRYOVER_ADMIN_TOKEN",
                 "CARRYOVER_INFERENCE_API_KEY"} & set(env)
 
-    def http(url: str) -> str:
-        out = multihost.run("outside", ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
-                                        "--max-time", "30", url], timeout=120)
+    def http(url: str, host: str = "outside") -> str:
+        out = multihost.run(host, ["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}",
+                                   "--connect-timeout", "5", "--max-time", "30", url],
+                            timeout=120)
         return out.stdout.strip()
 
     gateway, inference = multihost.gateway_url, f"http://{multihost.address('infer')}:8100"
     assert http(f"{gateway}/healthz") == "200"
     assert http(f"{gateway}/admin/state") in ("401", "403")
-    assert http(f"{inference}/v1/models") == "401"
+    assert http(f"{inference}/v1/models") == "000"  # no connection
+    assert http(f"{inference}/v1/models", host="trainer") == "401"
     redis = multihost.run("outside", ["redis-cli", "-h", multihost.address("redis"), "-p",
                                       "6390", "ping"], timeout=120)
     assert "NOAUTH" in redis.stdout + redis.stderr, redis
