@@ -6,7 +6,9 @@ the driver when one is run there); and an ``outside`` host that runs nothing and
 credentials. A ``<prefix>sw`` namespace holds a Linux bridge with one veth pair into each
 host namespace, addresses from ``10.77.0.0/24``; nothing is created or changed in the root
 namespace, so a stack on the default ports there is not touched. A partition is a host's
-link set down on the switch side (:meth:`Cluster.cut`, :meth:`Cluster.heal`).
+link set down on the switch side (:meth:`Cluster.cut`, :meth:`Cluster.heal`), or one pair of
+hosts that no longer reach each other while both reach the rest (:meth:`Cluster.cut_pair`,
+:meth:`Cluster.heal_pair`).
 
 Each role is its own Procfile line, run in its host's namespace (and a UTS namespace, so
 ``%h`` and the hostname the roles record are the host's), under ``nice -n 19``, with one
@@ -19,8 +21,8 @@ under /tmp (:meth:`Cluster.tmp_dir`: the inference server's RPC sockets go there
 directory's path is often too long for a socket's); what the hosts share is the repository
 (the model) and ``shared/weights`` (the weight exports of ``weight_sync: disk``).
 
-``scripts/multihost.sh up|down|status|cut HOST|heal HOST|exec HOST CMD...`` drives it by
-hand; the multi-host tests use :class:`Cluster` directly. Needs root and ``ip``.
+``scripts/multihost.sh up|down|status|cut HOST [PEER]|heal HOST [PEER]|exec HOST CMD...``
+drives it by hand; the multi-host tests use :class:`Cluster` directly. Needs root and ``ip``.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ BASE_CONFIG = Path(os.environ.get("CARRYOVER_MH_CONFIG") or REPO / "config" / "d
 START_TIMEOUT_S = float(os.environ.get("CARRYOVER_MH_START_TIMEOUT_S", "900"))
 STOP_GRACE_S = 20.0
 BRIDGE = "br0"
+# A MAC address no host has: a frame sent to it is flooded by the bridge and dropped by every
+# host, so a pair cut by it loses its packets silently (Cluster.cut_pair).
+NOWHERE_MAC = "02:00:00:00:00:00"
 # A run directory holds this file from the moment up() makes it: up() deletes a directory it
 # finds only where it is empty or this harness's (multihost.yaml: one an older up() wrote).
 MARKER = ".carryover-multihost"
@@ -383,6 +388,22 @@ class Cluster:
     def heal(self, host: str) -> None:
         _ip("-n", self.switch, "link", "set", self.port_name(host), "up")
 
+    def cut_pair(self, host: str, peer: str) -> None:
+        """Partition ``host`` and ``peer`` from each other only, both ways: each sends the
+        other's packets to NOWHERE_MAC (a permanent neighbour entry), so they are dropped
+        without a word and a connection hangs, new or established, as across a real
+        partition. A blackhole route would not do: a connect through one fails at once
+        (EINVAL), which a client takes for a refusal and retries at once."""
+        for src, dst in ((host, peer), (peer, host)):
+            _ip("-n", self.ns(src), "neigh", "replace", self.address(dst), "lladdr",
+                NOWHERE_MAC, "dev", "eth0", "nud", "permanent")
+
+    def heal_pair(self, host: str, peer: str) -> None:
+        """Undo :meth:`cut_pair`: the entries go, and ARP finds the peer again."""
+        for src, dst in ((host, peer), (peer, host)):
+            _ip("-n", self.ns(src), "neigh", "del", self.address(dst), "dev", "eth0",
+                check=False)
+
     def link_up(self, host: str) -> bool:
         out = _ip("-n", self.switch, "-o", "link", "show", self.port_name(host),
                   check=False).stdout
@@ -609,8 +630,8 @@ def cluster(**kwargs: Any) -> Iterator[Cluster]:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    usage = ("usage: scripts/multihost.sh up | down [--all] | status | cut HOST | heal HOST | "
-             "exec HOST CMD... | env HOST\n"
+    usage = ("usage: scripts/multihost.sh up | down [--all] | status | cut HOST [PEER] | "
+             "heal HOST [PEER] | exec HOST CMD... | env HOST\n"
              f"hosts: {', '.join(BY_NAME)}; run directory {RUN_DIR} ($CARRYOVER_MH_DIR)")
     if not args or args[0] in ("-h", "--help"):
         print(usage)
@@ -651,6 +672,12 @@ def _command(c: Cluster, cmd: str, rest: list[str], usage: str) -> int:
     if cmd in ("cut", "heal", "exec") and c.ns(rest[0]) not in c.existing():
         raise HarnessError(f"the stack is not up: no namespace {c.ns(rest[0])} "
                            "(`scripts/multihost.sh up`)")
+    if cmd in ("cut", "heal") and len(rest) > 1:  # one pair of hosts only
+        if len(rest) > 2 or rest[1] not in BY_NAME or rest[1] == rest[0]:
+            print(usage, file=sys.stderr)
+            return 2
+        (c.cut_pair if cmd == "cut" else c.heal_pair)(rest[0], rest[1])
+        return 0
     if cmd == "cut":
         c.cut(rest[0])
         return 0

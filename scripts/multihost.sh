@@ -4,6 +4,7 @@
 #   scripts/multihost.sh status             namespaces, processes, links, health from the trainer
 #   scripts/multihost.sh exec HOST CMD...   run CMD on HOST (its namespace, config and secrets)
 #   scripts/multihost.sh cut|heal HOST      partition HOST from every other host, or heal it
+#   scripts/multihost.sh cut|heal HOST PEER partition HOST and PEER from each other only
 #   scripts/multihost.sh down [--all]       stop everything, delete the namespaces (a crashed
 #                                           run's too; --all: every co-* stack, test runs' included)
 # Needs root and iproute2. Everything runs at nice 19. Settings (environment):

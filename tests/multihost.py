@@ -9,9 +9,11 @@ import json
 import os
 import re
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -177,3 +179,91 @@ def assert_trained_once_and_whole(state: dict, steps: int, per_step: int, n: int
 def metrics_rows(cluster: Cluster, run_id: str) -> list[dict]:
     path = cluster.host_dir("trainer") / "runs" / run_id / "metrics.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# The driver, as `carryover train` runs it, with a stop of the test's: it ends the run (as
+# finished) after the step during which the file argv[1] appeared.
+DRIVER = """
+import json, logging, os, sys
+from pathlib import Path
+from app.config import load_config
+from app.config.loader import env_overrides
+stop, run_id = Path(sys.argv[1]), sys.argv[2]
+overrides = [*env_overrides(), *sys.argv[3:]]
+os.environ["CARRYOVER_OVERRIDES"] = json.dumps(overrides)
+os.environ["CARRYOVER_ROLE"] = "driver"
+logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+from app.driver.loop import train
+cfg = load_config(os.environ["CARRYOVER_CONFIG"], overrides)
+result = train(cfg, run_id=run_id, should_stop=lambda step, metrics: stop.exists())
+print(f"run {result['run_id']} finished: {result['steps']} steps", flush=True)
+"""
+STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)")
+
+
+class Lines:
+    """The lines a process writes, read in a thread: (time.monotonic(), line)."""
+
+    def __init__(self, stream: IO[str]):
+        self.lines: list[tuple[float, str]] = []
+        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self.thread.start()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in list(self.lines))[-4000:]
+
+    def steps(self) -> list[tuple[float, int]]:
+        """(when, step) of each step line the driver printed."""
+        return [(t, int(m.group(1))) for t, line in list(self.lines)
+                if (m := STEP_LINE.match(line))]
+
+
+def stop_session(proc: subprocess.Popen) -> None:
+    """SIGKILL ``proc``'s session (a program run on a host), if it still runs."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+
+
+def stall(done: list[tuple[float, int]], cut_at: float, healed_at: float
+          ) -> tuple[float, float, float]:
+    """From the driver's step lines (``Lines.steps``): the median wait between two steps
+    before the cut, the longest wait from the cut to the first step after the heal, and the
+    longest after that."""
+    import statistics
+
+    gaps = [(a, b) for (a, _), (b, _) in zip(done, done[1:], strict=False)]
+    ordinary = statistics.median(b - a for a, b in gaps if b <= cut_at)
+    across = max(b - max(a, cut_at) for a, b in gaps if b > cut_at and a <= healed_at)
+    after = max((b - a for a, b in gaps if a > healed_at), default=0.0)
+    return ordinary, across, after
+
+
+# On the trainer host: one completion with prompt log-probs, as the trainer's probe asks for,
+# waited for as long as it takes. The first such call of a new server is its slowest (a loaded
+# machine has taken minutes), and the trainer's own probe gives up after 60 s.
+_WARM = """
+import json
+import httpx
+from app.config import service_config
+from app.config.secrets import inference_api_key
+cfg = service_config()
+r = httpx.post(cfg.inference.urls[0].rstrip("/") + "/v1/completions",
+               json={"model": cfg.inference.served_model_name, "prompt": "warm up",
+                     "max_tokens": 2, "prompt_logprobs": 0},
+               headers={"Authorization": f"Bearer {inference_api_key(cfg)}"}, timeout=600)
+print(json.dumps(r.status_code))
+"""
+
+
+def warm_inference(cluster: Cluster) -> None:
+    """Have the inference server answer a probe-like call before a run starts."""
+    status = cluster.python("trainer", _WARM, timeout=660)
+    assert status == 200, f"the inference server answered {status} to a warm-up call"

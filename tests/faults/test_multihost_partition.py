@@ -17,16 +17,16 @@ import re
 import secrets
 import statistics
 import subprocess
-import threading
 import time
-from typing import IO
 
 import pytest
 
 from bench.multihost import BIN, HarnessError
+from tests.multihost import DRIVER as _DRIVER
 from tests.multihost import (
     RUN_TIMEOUT_S,
     SMALL_RUN,
+    STEP_LINE,
     TEST_TIMEOUT_S,
     assert_trained_once_and_whole,
     metrics_rows,
@@ -34,6 +34,8 @@ from tests.multihost import (
     run_id_of,
     run_state,
 )
+from tests.multihost import Lines as _Lines
+from tests.multihost import stop_session as _stop_session
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(TEST_TIMEOUT_S)]
 
@@ -51,25 +53,6 @@ STEPS_AFTER_HEAL = 6
 BUSY_WAIT_S = 180.0
 CUT_TRIES = 3
 HEAL_WAIT_S = 300.0
-STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)")
-
-# The driver, as `carryover train` runs it, with a stop of the test's: it ends the run (as
-# finished) after the step during which the file argv[1] appeared.
-_DRIVER = """
-import json, logging, os, sys
-from pathlib import Path
-from app.config import load_config
-from app.config.loader import env_overrides
-stop, run_id = Path(sys.argv[1]), sys.argv[2]
-overrides = [*env_overrides(), *sys.argv[3:]]
-os.environ["CARRYOVER_OVERRIDES"] = json.dumps(overrides)
-os.environ["CARRYOVER_ROLE"] = "driver"
-logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-from app.driver.loop import train
-cfg = load_config(os.environ["CARRYOVER_CONFIG"], overrides)
-result = train(cfg, run_id=run_id, should_stop=lambda step, metrics: stop.exists())
-print(f"run {result['run_id']} finished: {result['steps']} steps", flush=True)
-"""
 
 # On the trainer host, driven by lines on stdin. "wait": answers "busy N" once the rollout
 # worker of host argv[1] reports N tasks it runs (or "idle" after argv[2] seconds). "held":
@@ -138,22 +121,6 @@ while time.monotonic() < deadline:
 """
 
 
-class _Lines:
-    """The lines a process writes, read in a thread: (time.monotonic(), line)."""
-
-    def __init__(self, stream: IO[str]):
-        self.lines: list[tuple[float, str]] = []
-        self.thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
-        self.thread.start()
-
-    def _read(self, stream: IO[str]) -> None:
-        for line in stream:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in list(self.lines))[-4000:]
-
-
 def _answer(proc: subprocess.Popen, command: str | None, prefixes: tuple[str, ...]) -> str:
     """Writes ``command`` to ``proc`` (the cut probe) and returns its next line that starts
     with one of ``prefixes`` (the probe bounds its own waits)."""
@@ -165,15 +132,6 @@ def _answer(proc: subprocess.Popen, command: str | None, prefixes: tuple[str, ..
         if line.startswith(prefixes):
             return line.strip()
     raise AssertionError(f"the cut probe on the trainer host exited {proc.wait()}")
-
-
-def _stop_session(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        try:
-            os.killpg(proc.pid, 9)
-        except ProcessLookupError:
-            pass
-    proc.wait()
 
 
 def test_rollout_host_partitioned_then_healed(multihost, record_property):  # noqa: F811
