@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from app.state.pause import Pause
-from workers.trainer.errors import StepError
+from workers.trainer.errors import PauseLost
 from workers.trainer.keeper import publish_lock
 from workers.trainer.liveness import Beats
 from workers.trainer.settings import TrainerSettings
@@ -55,6 +55,6 @@ def require_pause(pause: Pause, what: str) -> None:
     (its lease could not be extended, or it expired and another holder took it over):
     agents may be generating, and a reload under them trains on garbage."""
     if not pause.holds_pause():
-        raise StepError(f"the gateway pause was lost before {what}; the step is aborted "
+        raise PauseLost(f"the gateway pause was lost before {what}; the step is aborted "
                         "with no weight changed (trainer.heartbeat_s may be too short for "
                         "this machine)")

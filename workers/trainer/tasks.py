@@ -21,6 +21,12 @@ from app.state.policy import published_here
 
 log = logging.getLogger(__name__)
 
+# Times a step whose gateway pause was lost is taken up again here, under a new pause: its
+# lease could not be extended (Redis out of this host's reach for longer than
+# trainer.heartbeat_s), which says nothing against the step, and failing the task fails the
+# run. An update it already made is published, not made again (``once``, the redo path).
+PAUSE_RETRIES = 2
+
 # The last policy version this worker published is put back if a Redis crash loses its bump
 # (app/state/policy.py); watched from the worker's first trainer task on.
 _watching: list[bool] = []
@@ -37,6 +43,7 @@ def _watch_outages() -> None:
 def train_step(run_id: str, step: int) -> dict:
     """One update, at most once (``workers.trainer.once``)."""
     from workers.trainer import once
+    from workers.trainer.errors import PauseLost
     from workers.trainer.resident import resident_generation
     from workers.trainer.step import train_step as run_step
 
@@ -45,7 +52,15 @@ def train_step(run_id: str, step: int) -> dict:
     done = once.remembered(client, run_id, int(step), resident_generation(run_id))
     if done is not None:
         return done
-    metrics = run_step(client, run_id, step)
+    for attempt in range(PAUSE_RETRIES + 1):
+        try:
+            metrics = run_step(client, run_id, step)
+            break
+        except PauseLost as exc:
+            if attempt == PAUSE_RETRIES:
+                raise
+            log.warning("step %s of run %s: %s; taking it up again under a new pause", step,
+                        run_id, exc)
     once.remember(run_id, int(step), metrics, resident_generation(run_id))
     return metrics
 
