@@ -311,6 +311,9 @@ class ServicesConfig:
 
 @dataclass(frozen=True)
 class Config:
+    """A run's whole configuration, validated: each field is a section of
+    ``config/default.yaml`` (docs/configuration.md says what every key does)."""
+
     data: DataConfig
     actor_rollout_ref: ActorRolloutRefConfig
     agentlightning: AgentlightningConfig
@@ -323,7 +326,6 @@ class Config:
     trainer: TrainerConfig
     logging: LoggingConfig
     services: ServicesConfig
-
 
     @classmethod
     def of(cls, source: Any) -> Config:
