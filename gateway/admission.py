@@ -6,16 +6,24 @@ it is refused with a retryable error, or held until the pause ends (``gateway.ho
 
 from __future__ import annotations
 
+import threading
 import time
 
 from app.state import keys
 from app.state.cached_reads import gateway_paused
+from app.state.connection import RETRIED_ERRORS
 from app.state.pause import Admission, AdmitStatus
 from gateway.auth import admission_error
-from gateway.errors import GatewayError, retryable
+from gateway.errors import GatewayError, redis_unreachable, retryable
 from gateway.state import GatewayState
 
 __all__ = ["Admission", "admit"]
+
+# The admission connection is one per process: while Redis does not answer, the call that
+# waits on it holds it (up to gateway.state.REDIS_WAIT_S); the others get a retryable 503
+# after this long instead of queueing behind it one by one.
+QUEUE_WAIT_S = 2.0
+_admitting = threading.Semaphore(1)
 
 
 def admit(state: GatewayState, rollout_id: str, token_sha256: str
@@ -25,7 +33,7 @@ def admit(state: GatewayState, rollout_id: str, token_sha256: str
     s = state.settings
     deadline = time.monotonic() + s.hold_timeout_s
     while True:
-        status, lease_id, version, own = state.admission.admit_call(rollout_id, token_sha256)
+        status, lease_id, version, own = _admit_call(state, rollout_id, token_sha256)
         if status is AdmitStatus.ADMITTED:
             return lease_id, version, own
         if status is AdmitStatus.OVER_CAP:
@@ -47,3 +55,17 @@ def admit(state: GatewayState, rollout_id: str, token_sha256: str
         time.sleep(0.05)
         while gateway_paused(state.redis, 0.05) and time.monotonic() < deadline:
             time.sleep(0.05)
+
+
+def _admit_call(state: GatewayState, rollout_id: str, token_sha256: str
+                ) -> tuple[AdmitStatus, str, int, float | None]:
+    """The admission script, or a retryable 503 when Redis cannot be reached: without it
+    neither the token, the pause nor a lease can be checked, so the call is not forwarded."""
+    if not _admitting.acquire(timeout=QUEUE_WAIT_S):
+        raise redis_unreachable()
+    try:
+        return state.admission.admit_call(rollout_id, token_sha256)
+    except RETRIED_ERRORS as exc:
+        raise redis_unreachable() from exc
+    finally:
+        _admitting.release()

@@ -12,6 +12,7 @@ otherwise retry a 409, which here means a rollout that has ended.
 
 from __future__ import annotations
 
+import redis
 from flask import Flask, jsonify, request
 from werkzeug.exceptions import HTTPException
 
@@ -57,6 +58,13 @@ def retryable(message: str, retry_after: float, code: str = "paused") -> Gateway
     return GatewayError(503, message, type_="server_error", code=code, retry_after=retry_after)
 
 
+def redis_unreachable() -> GatewayError:
+    """The gateway could not reach Redis in time: nothing of the call was forwarded or
+    recorded (a capture that could not be written is not answered either)."""
+    return retryable("the gateway cannot reach its state store (Redis); retry", 1.0,
+                     code="state_unavailable")
+
+
 def anthropic_client() -> bool:
     """The request is an Anthropic one: the Messages route, or any route asked by the
     ``anthropic`` client (which sends ``anthropic-version`` on every request)."""
@@ -82,6 +90,11 @@ def register_error_handlers(app: Flask) -> None:
             resp.headers["Retry-After"] = str(max(1, round(exc.retry_after)))
             resp.headers["Retry-After-Ms"] = str(int(exc.retry_after * 1000))
         return resp
+
+    @app.errorhandler(redis.ConnectionError)
+    @app.errorhandler(redis.TimeoutError)
+    def _redis_error(exc: redis.RedisError):
+        return _gateway_error(redis_unreachable())
 
     @app.errorhandler(HTTPException)
     def _http_error(exc: HTTPException):

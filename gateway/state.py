@@ -16,6 +16,12 @@ from gateway.settings import GatewaySettings
 
 EXTENSION = "carryover"
 log = logging.getLogger(__name__)
+# How long the gateway waits on one Redis command, or one connect: a Redis it cannot reach (a
+# partition drops packets without a word, so nothing else fails) then fails the command
+# instead of holding the call until the network heals. It also bounds the admission
+# connection's reconnects, so that such a call is answered a retryable 503 soon
+# (gateway.admission); a restart of Redis shorter than this is ridden out as before.
+REDIS_WAIT_S = 10.0
 
 
 class GatewayState:
@@ -28,9 +34,13 @@ class GatewayState:
         from gateway.upstream import Upstreams
 
         self.settings = settings
-        self.redis = connect(settings.redis_url, max_connections=1024)
+        self.redis = connect(settings.redis_url, max_connections=1024,
+                             socket_timeout=REDIS_WAIT_S, socket_connect_timeout=REDIS_WAIT_S)
         # Admission and capture (two calls per model call) share one connection
-        self.admission = Admission(connect(settings.redis_url, single_connection=True),
+        self.admission = Admission(connect(settings.redis_url, single_connection=True,
+                                           reconnect_s=REDIS_WAIT_S,
+                                           socket_timeout=REDIS_WAIT_S,
+                                           socket_connect_timeout=REDIS_WAIT_S),
                                    settings.lease_ttl_s,
                                    settings.max_concurrent_per_rollout)
         # the admin routes' pause: an operator's, through any gateway process

@@ -59,12 +59,18 @@ return {1, tonumber(v or '0'), rec[3] or ''}
 # KEYS: leases, rollout_leases, cancelled, rollout_calls, rollout_turns
 # ARGV: lease_id, turn digest ('' = none), tag of the call's response, calls...
 # -> the rollout's number of calls after recording them (1 with nothing to record), 0 the
-# lease was cancelled by a drain timeout: nothing is recorded. The calls are written before
-# the lease goes, in one step: once a drain sees no leases, every admitted call is in Redis.
+# lease was cancelled by a drain timeout, or is no longer live (past its expiry, or dropped
+# as such): nothing is recorded. A gateway that could not keep the lease alive (Redis out
+# of its reach) no longer counts in a drain, so a weight load may have run under the call;
+# and such a write can arrive long after the gateway gave up on it (TCP resends it once a
+# partition heals). The calls are written before the lease goes, in one step: once a drain
+# sees no leases, every admitted call is in Redis.
 # With no calls it is the plain release. A turn kept for token continuity points at the
 # (one) call just recorded: "<its position in rollout_calls>:<tag>".
-RECORD_RELEASE = """
+RECORD_RELEASE = _NOW_MS + """
 local cancelled = redis.call('SISMEMBER', KEYS[3], ARGV[1]) == 1
+local expiry = redis.call('ZSCORE', KEYS[1], ARGV[1])
+if not expiry or tonumber(expiry) < now then cancelled = true end
 local length = 1
 if not cancelled and #ARGV > 3 then
   length = redis.call('RPUSH', KEYS[4], unpack(ARGV, 4))
@@ -243,8 +249,9 @@ class Admission:
     def record_and_release(self, lease_id: str, calls: list[str],
                            turn: tuple[str, str] | None = None) -> bool:
         """Append the captured calls (JSON) to the rollout and release the lease, atomically;
-        False (nothing recorded) when a drain timeout cancelled the lease. ``turn``: (digest,
-        tag) of a one-call conversation kept for token continuity (``gateway/continuity.py``)."""
+        False (nothing recorded) when a drain timeout cancelled the lease, or it expired.
+        ``turn``: (digest, tag) of a one-call conversation kept for token continuity
+        (``gateway/continuity.py``)."""
         rollout_id = lease_id.split("|", 1)[0]
         digest, tag = turn if turn is not None and len(calls) == 1 else ("", "")
         length = int(self._record_release(

@@ -143,3 +143,22 @@ def test_a_rollouts_cap_counts_its_live_leases_only(clean):
     status, lease, _ = one.admit("long")
     assert status == AdmitStatus.ADMITTED
     one.release(lease)
+
+
+def test_a_capture_under_a_lease_no_longer_live_is_not_recorded(clean):
+    """A gateway that could not keep its lease alive (Redis out of its reach) is no longer
+    counted by a drain: its capture, reaching Redis after the lease expired (a write TCP
+    resent when a partition healed), is refused, and so is one whose lease a pause dropped."""
+    gw = Admission(clean, lease_ttl_s=1)
+    status, late, _ = gw.admit("partitioned")
+    assert status == AdmitStatus.ADMITTED
+    status, dropped, _ = gw.admit("partitioned")
+    assert status == AdmitStatus.ADMITTED
+    time.sleep(1.2)
+    assert not gw.record_and_release(late, ["{}"])
+    assert Pause(clean).live_leases() == 0  # drops the expired lease, as a drain does
+    assert not gw.record_and_release(dropped, ["{}"])
+    assert clean.llen(keys.rollout_calls("partitioned")) == 0
+    status, live, _ = gw.admit("partitioned")
+    assert gw.record_and_release(live, ["{}"])
+    assert clean.llen(keys.rollout_calls("partitioned")) == 1

@@ -245,10 +245,11 @@ def test_a_lost_captured_call_keeps_its_sibling_out_of_training(server, tmp_path
         client.hset(keys.rollout(rid), mapping=RolloutRecord(
             rollout_id=rid, run_id="r", group_id=gid, index=i, attempt=1,
             token_sha256="x").to_hash())
-        assert admission.record_and_release(f"{rid}|l1", [captured()])
+        assert admission.record_and_release(admission.admit(rid)[1], [captured()])
     crash = Crash(server, client)
     crash.mark()
-    assert admission.record_and_release("r-a|l2", [captured()])  # ... lost in the crash
+    lease = admission.admit("r-a")[1]
+    assert admission.record_and_release(lease, [captured()])  # ... lost in the crash
     began = time.time()
     crash.lose()
     assert client.llen(keys.rollout_calls("r-a")) == 1

@@ -188,9 +188,10 @@ def test_a_call_recorded_after_a_cancel_keeps_the_short_retention(redis_client, 
 
     admission = Admission(redis_client)
     rid, token = _start_attempt(redis_client, RUN, group, 0, 1)
-    assert admission.record_and_release(f"{rid}|l1", ["{}"], turn=("d1", "t1"))
+    assert admission.record_and_release(admission.admit(rid)[1], ["{}"], turn=("d1", "t1"))
+    lease = admission.admit(rid)[1]
     retention.expire_untrained(redis_client, group)
-    assert admission.record_and_release(f"{rid}|l2", ["{}"], turn=("d2", "t2"))
+    assert admission.record_and_release(lease, ["{}"], turn=("d2", "t2"))
     for key in (keys.rollout_turns(rid), keys.rollout_calls(rid)):
         assert 0 < redis_client.ttl(key) <= retention.UNTRAINED_TTL_S, key
 

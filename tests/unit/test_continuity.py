@@ -40,7 +40,8 @@ def record(tok, redis_client, rid: str, body: dict, answer: dict, prompt: list[i
     call = CapturedCall(list(prompt), list(response), [-0.1] * len(response), "stop", 1, 1.0,
                         "u", 0.0, 0.0, "chat.completions")
     turn = Continuity(tok, redis_client).turn(body, answer, list(response))
-    assert Admission(redis_client).record_and_release(f"{rid}|lease", [call.to_json()], turn)
+    admission = Admission(redis_client)
+    assert admission.record_and_release(admission.admit(rid)[1], [call.to_json()], turn)
 
 
 def first_turn(tok, redis_client, rid: str, question: str = "What is 3 + 4?"):
