@@ -144,10 +144,11 @@ print(json.dumps(out))
 """
 
 
-def run_state(cluster: Cluster, run_id: str, steps: int) -> dict:
+def run_state(cluster: Cluster, run_id: str, steps: int, gone: Iterable[str] = ()) -> dict:
     """What the trainer host reads of run ``run_id``'s first ``steps`` steps; fails naming
-    the stack's Celery nodes that never answered."""
-    want = cluster.expected_nodes()
+    the stack's Celery nodes that never answered, but those in ``gone`` (on a host cut for
+    good: they cannot)."""
+    want = cluster.expected_nodes() - set(gone)
     argv = [str(BIN / "python"), "-c", _RUN_STATE, run_id, str(steps), json.dumps(sorted(want)),
             str(STATS_BOUND_S)]
     try:
