@@ -82,14 +82,21 @@ HOSTS = (
     Host("trainer", 6, ("trainer",)),
     Host("outside", 9, (), credentials=False),
 )
-BY_NAME = {h.name: h for h in HOSTS}
+# A second inference server on a host of its own, for the tests of several servers behind one
+# gateway: off by default (a vLLM server more to start and feed on every update).
+INFER2 = Host("infer2", 7, ("inference",))
+ALL_HOSTS = (*HOSTS[:2], INFER2, *HOSTS[2:])  # the order they start in
+# gunicorn's settings in its environment, read after its config file: an access log line per
+# answered request, "[time] status seconds path" (Cluster's access_log)
+ACCESS_LOG = "--access-logfile - --access-logformat '%(t)s %(s)s %(L)s %(U)s'"
+BY_NAME = {h.name: h for h in ALL_HOSTS}
 # Celery node names the stack is up with (%h is the host's name)
 WORKER_ROLES = ("groups", "rollout", "trainer")
 SECRETS = ("REDIS_PASSWORD", "CARRYOVER_ADMIN_TOKEN", "CARRYOVER_INFERENCE_API_KEY")
 REDIS_PORT, INFERENCE_PORT, GATEWAY_PORT = 6390, 8100, 8200
-# the hosts the inference server's port admits besides its own (the gateway): the trainer
-# loads weights through its dev routes
-ADMITTED_TO_INFERENCE = ("trainer",)
+# the hosts an inference server's port admits besides its own: the trainer loads weights
+# through its dev routes; the gateway, beside the first server, reaches infer2 from its host
+ADMITTED_TO_INFERENCE = {"infer": ("trainer",), "infer2": ("trainer", "infer")}
 
 
 class HarnessError(RuntimeError):
@@ -169,12 +176,19 @@ def missing_capability() -> str | None:
 
 
 class Cluster:
-    """The hosts of one stack: namespaces named ``<prefix><host>``, files under ``run_dir``."""
+    """The hosts of one stack: namespaces named ``<prefix><host>``, files under ``run_dir``.
+    ``infer2``: a second inference host (INFER2) that runs only the inference server, on
+    its own address, which the gateway and the trainer reach beside the first
+    (``inference.urls`` names both). ``access_log``: the gateway logs every request it
+    answered (gunicorn's access log, in its log: time, status, seconds taken, path)."""
 
     def __init__(self, run_dir: Path = RUN_DIR, prefix: str = PREFIX,
                  base_config: Path = BASE_CONFIG, overrides: Iterable[str] = (),
-                 start_timeout_s: float = START_TIMEOUT_S):
+                 start_timeout_s: float = START_TIMEOUT_S, infer2: bool = False,
+                 access_log: bool = False):
         self.run_dir = Path(run_dir).resolve()
+        self.hosts = tuple(h for h in ALL_HOSTS if h in HOSTS or (infer2 and h is INFER2))
+        self.access_log = access_log
         self.prefix = prefix
         self.base_config = Path(base_config)
         self.overrides = list(overrides)
@@ -246,6 +260,10 @@ class Cluster:
     def gateway_url(self) -> str:
         return f"http://{self.address('infer')}:{GATEWAY_PORT}"
 
+    def inference_urls(self) -> list[str]:
+        return [f"http://{self.address(h.name)}:{INFERENCE_PORT}" for h in self.hosts
+                if "inference" in h.roles]
+
     # -- config and secrets
     def _secrets(self) -> dict[str, str]:
         try:
@@ -265,9 +283,10 @@ class Cluster:
                       "dir": str(self.host_dir("redis") / "data")},
             "inference": {
                 "host": inference, "port": INFERENCE_PORT,
-                "urls": [f"http://{inference}:{INFERENCE_PORT}"],
-                "dev_routes_guard": "the infer host's policy routing drops a connection "
-                                    "to the port but from the trainer host (bench/multihost.py)"},
+                "urls": self.inference_urls(),
+                "dev_routes_guard": "each inference host's policy routing drops a "
+                                    "connection to the port but from the trainer host (and, "
+                                    "on infer2, the gateway's) (bench/multihost.py)"},
             "gateway": {"host": inference, "port": GATEWAY_PORT, "url": self.gateway_url},
             "trainer": {"weights_dir": str(shared / "weights"),
                         "checkpoint_dir": str(self.host_dir("trainer") / "checkpoints")},
@@ -287,8 +306,10 @@ class Cluster:
                "OMP_WAIT_POLICY": "PASSIVE"}
         if BY_NAME[host].credentials:
             env["CARRYOVER_CONFIG"] = str(self.config)
-            if self.overrides:
-                env["CARRYOVER_OVERRIDES"] = json.dumps(self.overrides)
+            # a second inference server binds its own host's address, not the config's
+            own = [f"inference.host={self.address(host)}"] if host == INFER2.name else []
+            if self.overrides or own:
+                env["CARRYOVER_OVERRIDES"] = json.dumps([*self.overrides, *own])
             env.update(self._secrets())
         return env
 
@@ -343,7 +364,7 @@ class Cluster:
 
     def existing(self) -> list[str]:
         """This stack's namespaces that are there."""
-        mine = {self.switch, *(self.ns(h.name) for h in HOSTS)}
+        mine = {self.switch, *(self.ns(h.name) for h in ALL_HOSTS)}
         return [n for n in namespaces(self.prefix) if n in mine]
 
     # -- the network
@@ -353,7 +374,7 @@ class Cluster:
         _ip("-n", sw, "link", "set", "lo", "up")
         _ip("-n", sw, "link", "add", BRIDGE, "type", "bridge")
         _ip("-n", sw, "link", "set", BRIDGE, "up")
-        for host in HOSTS:
+        for host in self.hosts:
             ns = self.ns(host.name)
             _ip("netns", "add", ns)
             _ip("-n", ns, "link", "set", "lo", "up")
@@ -364,16 +385,19 @@ class Cluster:
             _ip("-n", sw, "link", "set", self.port_name(host.name), "master", BRIDGE, "up")
             _ip("-n", ns, "addr", "add", f"{self.address(host.name)}/24", "dev", "eth0")
             _ip("-n", ns, "link", "set", "eth0", "up")
-        self._guard_inference()
+        for host in self.hosts:
+            if "inference" in host.roles:
+                self._guard_inference(host.name)
 
-    def _guard_inference(self) -> None:
-        """``inference.dev_routes_guard``'s network rule, kept on the infer host: a connection
-        to the inference port from another host but the trainer is dropped (vLLM's dev routes
-        take no key). Policy routing, which needs no firewall tools: the rules are read before
-        the local table (moved behind them), so an input route to the port is looked up
-        there first. The gateway beside the server reaches it over loopback."""
-        ns, port = self.ns("infer"), str(INFERENCE_PORT)
-        for host in ADMITTED_TO_INFERENCE:
+    def _guard_inference(self, server: str) -> None:
+        """``inference.dev_routes_guard``'s network rule, kept on each inference host: a
+        connection to the inference port from another host but the trainer (and, on infer2,
+        the gateway's host) is dropped (vLLM's dev routes take no key). Policy routing, which
+        needs no firewall tools: the rules are read before the local table (moved behind
+        them), so an input route to the port is looked up there first. The gateway beside
+        the first server reaches it over loopback."""
+        ns, port = self.ns(server), str(INFERENCE_PORT)
+        for host in ADMITTED_TO_INFERENCE[server]:
             _ip("-n", ns, "rule", "add", "pref", "10", "iif", "eth0", "from", self.address(host),
                 "ipproto", "tcp", "dport", port, "lookup", "local")
         _ip("-n", ns, "rule", "add", "pref", "20", "iif", "eth0", "ipproto", "tcp", "dport", port,
@@ -440,10 +464,10 @@ class Cluster:
         self.run_dir.mkdir(parents=True, mode=0o700)
         (self.run_dir / MARKER).write_text("a run directory of bench/multihost.py\n")
         self._remove_tmp()
-        for host in HOSTS:
+        for host in self.hosts:
             (self.host_dir(host.name) / "logs").mkdir(parents=True)
         try:
-            for host in HOSTS:
+            for host in self.hosts:
                 self._make_tmp(host.name)
             fd = os.open(self.secrets_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
@@ -452,7 +476,7 @@ class Cluster:
             self._create_network()
             self._start(("redis",), "redis")
             self._wait(redis_only=True)
-            for host in HOSTS:
+            for host in self.hosts:
                 if host.name != "redis" and host.roles:
                     self._start(host.roles, host.name)
             self._wait()
@@ -463,10 +487,14 @@ class Cluster:
     def _start(self, roles: Iterable[str], host: str) -> None:
         commands = procfile()
         for role in roles:
-            self.procs[host, role] = self.popen(host, commands[role], log=self.log(host, role))
+            env = {"GUNICORN_CMD_ARGS": ACCESS_LOG} if role == "gateway" and self.access_log \
+                else {}
+            self.procs[host, role] = self.popen(host, commands[role], log=self.log(host, role),
+                                                env=env)
 
     def expected_nodes(self) -> set[str]:
-        return {f"{role}@{h.name}" for h in HOSTS for role in h.roles if role in WORKER_ROLES}
+        return {f"{role}@{h.name}" for h in self.hosts for role in h.roles
+                if role in WORKER_ROLES}
 
     def _dead_roles(self) -> list[str]:
         """The hosts of the roles started here that exited."""
@@ -498,7 +526,7 @@ class Cluster:
             time.sleep(3)
         raise HarnessError(f"the stack was not up in {self.start_timeout_s:.0f} s "
                            f"(CARRYOVER_MH_START_TIMEOUT_S); last look: {seen}\n"
-                           + self.tails([h.name for h in HOSTS if h.roles]))
+                           + self.tails([h.name for h in self.hosts if h.roles]))
 
     def tails(self, hosts: Iterable[str], lines: int = 20) -> str:
         out = []
@@ -516,7 +544,7 @@ class Cluster:
         found = self.existing()
         hosts = [n for n in found if n != self.switch]
         # the driver and workers first, Redis last, as `carryover up` stops them
-        order = {self.ns(h.name): i for i, h in enumerate(reversed(HOSTS))}
+        order = {self.ns(h.name): i for i, h in enumerate(reversed(ALL_HOSTS))}
         hosts.sort(key=lambda n: order.get(n, -1))
         for ns in hosts:
             _stop_namespace(ns, STOP_GRACE_S)
@@ -530,7 +558,7 @@ class Cluster:
         """The namespaces, each host's processes and link, and what the trainer host sees."""
         found = set(self.existing())
         lines = []
-        for host in HOSTS:
+        for host in self.hosts:
             ns = self.ns(host.name)
             if ns not in found:
                 lines.append(f"{host.name:8} -")

@@ -60,6 +60,18 @@ def multihost(tmp_root: Path, request: pytest.FixtureRequest) -> Iterator[Cluste
     plainly untested, not passed. A skip rather than a failure, because such a machine (an
     unprivileged container) can still run every other test. ``$CARRYOVER_SKIP_MULTIHOST=1``
     skips them where they could run."""
+    yield from _stack(tmp_root, request)
+
+
+@pytest.fixture(scope="module")
+def multihost_infer2(tmp_root: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
+    """``multihost`` with a second inference server on a host of its own (``infer2``, named
+    in ``inference.urls`` beside the first) and the gateway's access log."""
+    yield from _stack(tmp_root, request, infer2=True, access_log=True)
+
+
+def _stack(tmp_root: Path, request: pytest.FixtureRequest, infer2: bool = False,
+           access_log: bool = False) -> Iterator[Cluster]:
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"the multi-host tests are skipped (${SKIP_ENV}=1)")
     why = missing_capability()
@@ -67,7 +79,7 @@ def multihost(tmp_root: Path, request: pytest.FixtureRequest) -> Iterator[Cluste
         pytest.skip(f"the multi-host harness cannot run here, so the multi-host tests did not "
                     f"run: {why}")
     cluster = Cluster(run_dir=tmp_root / f"multihost-{request.module.__name__.rsplit('.', 1)[-1]}",
-                      prefix=PREFIX)
+                      prefix=PREFIX, infer2=infer2, access_log=access_log)
     for prefix in stack_prefixes():
         stale = STALE.match(prefix)
         if stale and not Path(f"/proc/{stale.group(1)}").exists():
