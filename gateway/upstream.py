@@ -6,7 +6,9 @@ rollout moves to the next one in its own ranking.
 
 Each gateway process also checks every server's ``/health`` every ``health_every_s``: one
 that does not answer 200 is skipped until it does again, so a dead engine behind a live HTTP
-server, or a server that went away between calls, costs no agent a failed call.
+server, or a server that went away between calls, costs no agent a failed call. One that
+answers no connection at all (a partition) also has the calls in flight on it cut off, with a
+retryable error: their answers cannot come.
 
 A server whose connection failed, or that answers a proxy's 502 or 504 after it was healthy
 (an ingress or proxy in front of a restarting server), may come back with its initial
@@ -28,6 +30,7 @@ import hashlib
 import http.client
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -44,6 +47,11 @@ CONNECT_TIMEOUT_S = 5.0
 # the request never reached the engine, so it is sent once more on a fresh connection.
 _STALE_REUSE = (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError,
                 ConnectionAbortedError)
+
+
+class ConnectTimeout(TimeoutError):
+    """No connection in time: nothing answered the handshake (a partition, a host gone),
+    unlike a slow answer on a connection that was made."""
 
 
 class UpstreamUnreachable(Exception):
@@ -93,6 +101,7 @@ class UpstreamResponse:
         if self._released:
             return
         self._released = True
+        self._pool.done(self._conn)
         if reuse and not self._resp.will_close:
             self._pool.put(self._conn)
         else:
@@ -105,6 +114,7 @@ class _OneSend:
 
     hold_head = False  # set for a request with a non-empty body: its first send is the head
     _head: bytes | None = None
+    aborted = False  # shut by Upstreams.check_health: its server stopped answering
 
     def send(self, data):  # type: ignore[no-untyped-def]
         if self.hold_head:
@@ -139,14 +149,37 @@ class _ConnectionPool:
         self.port = u.port or (443 if self.https else 80)
         self.maxsize = maxsize
         self._idle: list[http.client.HTTPConnection] = []
+        self._busy: set[http.client.HTTPConnection] = set()  # a call's, until its release
         self._lock = threading.Lock()
 
     def get(self) -> tuple[http.client.HTTPConnection, bool]:
-        """-> (connection, reused)."""
+        """-> (connection, reused); busy until :meth:`done`."""
         with self._lock:
-            if self._idle:
-                return self._idle.pop(), True
-        return self._new(CONNECT_TIMEOUT_S), False
+            conn, reused = (self._idle.pop(), True) if self._idle else (None, False)
+        if conn is None:
+            conn = self._new(CONNECT_TIMEOUT_S)
+        with self._lock:
+            self._busy.add(conn)
+        return conn, reused
+
+    def done(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._busy.discard(conn)
+
+    def abort_busy(self) -> int:
+        """Shut the connections of the calls in flight: a read blocked on one ends at once
+        and its call fails as cut off (retryable), instead of waiting out its timeout for
+        an answer that cannot come; -> how many."""
+        with self._lock:
+            busy = list(self._busy)
+        for conn in busy:
+            conn.aborted = True  # type: ignore[attr-defined]
+            if conn.sock is not None:
+                try:
+                    conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+        return len(busy)
 
     def _new(self, timeout_s: float) -> http.client.HTTPConnection:
         cls = _HTTPSConnection if self.https else _HTTPConnection
@@ -164,6 +197,10 @@ class _ConnectionPool:
         or spoil, a connection the calls use)."""
         conn = self._new(timeout_s)
         try:
+            try:
+                conn.connect()
+            except TimeoutError as exc:
+                raise ConnectTimeout(f"no connection in {timeout_s:g} s") from exc
             # with the servers' key: a proxy in front may ask for it on every route
             conn.request("GET", path, headers=self.auth)
             resp = conn.getresponse()
@@ -187,7 +224,7 @@ class _ConnectionPool:
                 ok = True
                 return UpstreamResponse(self, conn, resp)
             except _STALE_REUSE as exc:
-                if reused:
+                if reused and not getattr(conn, "aborted", False):
                     continue
                 raise UpstreamUnreachable(exc.__class__.__name__) from exc
             except TimeoutError as exc:
@@ -197,6 +234,7 @@ class _ConnectionPool:
                 raise UpstreamUnreachable(exc.__class__.__name__) from exc
             finally:
                 if not ok:  # failed, or cancelled mid-call (UpstreamCancelled): never reuse
+                    self.done(conn)
                     conn.close()
 
 
@@ -272,16 +310,21 @@ class Upstreams:
         passed before and now refuses, or answers as a proxy with no server behind it
         (502, 504), also goes into the stale set (it may come back with its initial
         weights); one that has not come up yet does not. A 503 is vLLM's own answer for a
-        dead engine, not a restart: skipped, not stale."""
+        dead engine, not a restart: skipped, not stale.
+
+        A skipped server that answers no connection (a partition, a host gone) gets no
+        answer out to the calls in flight on it either: those are cut off (retryable, the
+        agents send them again to another server) rather than left hanging until
+        ``upstream_timeout_s`` or a weight update's drain."""
         results = {}
         for url in self.urls:
-            refused = False
+            refused = unreachable = False
             try:
                 status: int | str = self._pools[url].fetch("/health", timeout_s)[0]
             except (ConnectionRefusedError, ConnectionResetError) as exc:
                 status, refused = exc.__class__.__name__, True
             except (OSError, http.client.HTTPException) as exc:
-                status = exc.__class__.__name__
+                status, unreachable = exc.__class__.__name__, isinstance(exc, ConnectTimeout)
             passed = status == 200
             results[url] = passed
             if passed:
@@ -306,6 +349,12 @@ class Upstreams:
                             status)
             if went_away:  # not a server still starting up: it may come back fresh
                 self.mark_down(url, restarted=True)
+            if unreachable and now_unhealthy:
+                cut = self._pools[url].abort_busy()
+                if cut:
+                    log.warning("inference server %s answers no connection: %d calls in "
+                                "flight on it cut off (the agents retry them elsewhere)", url,
+                                cut)
         return results
 
     def _check_held(self, url: str, timeout_s: float) -> None:

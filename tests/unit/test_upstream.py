@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -104,3 +105,45 @@ def test_a_silent_server_times_out_as_a_slow_answer(server):
     with pytest.raises(UpstreamUnreachable) as err:
         Upstreams([url]).post(url, "/v1/completions", b"{}", 0.3)
     assert err.value.timed_out
+
+
+def test_a_server_that_answers_no_connection_has_its_calls_in_flight_cut_off(server):
+    """A server cut off by a partition: its health check gets no connection (twice, so it is
+    skipped), and a call already sent there ends at once, retryable, instead of waiting for
+    an answer that cannot come until its timeout (or a weight update's drain)."""
+    from gateway.upstream import ConnectTimeout
+
+    def silent(conn: socket.socket) -> None:
+        _read_request(conn)  # and never answers
+
+    url = server(silent)
+    ups = Upstreams([url])
+    outcome: list[BaseException | None] = []
+
+    def call() -> None:
+        try:
+            ups.post(url, "/v1/completions", b"{}", timeout_s=60).read()
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - what the call ended with
+            outcome.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    pool = ups._pools[url]
+    for _ in range(500):  # the call is sent
+        if pool._busy:
+            break
+        time.sleep(0.01)
+
+    def no_connection(path: str, timeout_s: float) -> tuple[int, bytes]:
+        raise ConnectTimeout("no connection")
+
+    pool.fetch = no_connection  # type: ignore[method-assign]
+    assert ups.check_health() == {url: False}
+    caller.join(0.5)
+    assert caller.is_alive(), "one failed check is not an outage: the call goes on"
+    ups.check_health()
+    caller.join(5)
+    assert not caller.is_alive(), "the call waits on the cut server"
+    assert isinstance(outcome[0], UpstreamUnreachable) and not outcome[0].timed_out, outcome
+    assert ups.healthy() == [] and not pool._busy
