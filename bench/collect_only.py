@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from app.config.schema import Config
 from app.driver.collector import Collector
 from app.state import keys
 
@@ -26,11 +27,9 @@ class CollectRun:
     selected: list[list[str]] = field(default_factory=list)
 
 
-def start_run(client: Any, cfg: Any, run_id: str) -> tuple[Collector, CollectRun]:
+def start_run(client: Any, cfg: Config, run_id: str) -> tuple[Collector, CollectRun]:
     """Create the run and fill its pool (timed as ``fill_s``)."""
-    from omegaconf import OmegaConf
-
-    Collector.create_run(client, run_id, OmegaConf.to_container(cfg, resolve=True),
+    Collector.create_run(client, run_id, cfg.to_dict(),
                          "async" if cfg.agentlightning.async_rollout.enabled else "sync")
     collector = Collector(client, run_id, cfg)
     t = time.perf_counter()

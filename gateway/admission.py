@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 import time
 
+import redis
+
 from app.state import keys
 from app.state.cached_reads import gateway_paused
 from app.state.connection import RETRIED_ERRORS
@@ -20,10 +22,23 @@ from gateway.state import GatewayState
 __all__ = ["Admission", "admit"]
 
 # The admission connection is one per process: while Redis does not answer, the call that
-# waits on it holds it (up to gateway.state.REDIS_WAIT_S); the others get a retryable 503
-# after this long instead of queueing behind it one by one.
+# waits on it holds it (up to gateway.state.REDIS_WAIT_S); once it has held it this long, the
+# others get a retryable 503 instead of queueing behind it one by one. A long queue behind a
+# Redis that answers (a burst of held calls let in at a pause's end) waits its turn.
 QUEUE_WAIT_S = 2.0
-_admitting = threading.Semaphore(1)
+_admitting = threading.Lock()
+_held_since = [0.0]  # when the current call took the connection (monotonic); 0.0: free
+
+
+def _take_connection() -> bool:
+    """Wait for the admission connection while its holder is getting answers; False once
+    the holder has waited on Redis longer than ``QUEUE_WAIT_S``."""
+    while not _admitting.acquire(timeout=0.25):
+        since = _held_since[0]
+        if since and time.monotonic() - since > QUEUE_WAIT_S:
+            return False
+    _held_since[0] = time.monotonic()
+    return True
 
 
 def admit(state: GatewayState, rollout_id: str, token_sha256: str
@@ -61,11 +76,14 @@ def _admit_call(state: GatewayState, rollout_id: str, token_sha256: str
                 ) -> tuple[AdmitStatus, str, int, float | None]:
     """The admission script, or a retryable 503 when Redis cannot be reached: without it
     neither the token, the pause nor a lease can be checked, so the call is not forwarded."""
-    if not _admitting.acquire(timeout=QUEUE_WAIT_S):
+    if not _take_connection():
         raise redis_unreachable()
     try:
         return state.admission.admit_call(rollout_id, token_sha256)
+    except redis.AuthenticationError:
+        raise  # a wrong password is not an outage to retry through (a 500, logged)
     except RETRIED_ERRORS as exc:
         raise redis_unreachable() from exc
     finally:
+        _held_since[0] = 0.0
         _admitting.release()

@@ -94,6 +94,8 @@ def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(redis.ConnectionError)
     @app.errorhandler(redis.TimeoutError)
     def _redis_error(exc: redis.RedisError):
+        if isinstance(exc, redis.AuthenticationError):
+            return _unexpected(exc)  # a wrong password is not an outage to retry through
         return _gateway_error(redis_unreachable())
 
     @app.errorhandler(HTTPException)

@@ -33,6 +33,7 @@ import logging
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -92,6 +93,11 @@ class UpstreamResponse:
         except (OSError, http.client.HTTPException) as exc:
             self._release(reuse=False)
             raise UpstreamUnreachable(f"answer cut off ({exc.__class__.__name__})") from exc
+        except BaseException:
+            # cancelled mid-read (a drain's UpstreamCancelled, a killed greenlet): closed now,
+            # so the server sees its client leave and stops generating
+            self._release(reuse=False)
+            raise
 
     def release(self) -> None:
         """Give the connection back; one whose answer was not read to the end is closed."""
@@ -149,7 +155,9 @@ class _ConnectionPool:
         self.port = u.port or (443 if self.https else 80)
         self.maxsize = maxsize
         self._idle: list[http.client.HTTPConnection] = []
-        self._busy: set[http.client.HTTPConnection] = set()  # a call's, until its release
+        # a call's, until its release; weak, so that a response dropped unreleased (a stream
+        # closed before it ran) is still closed when it is collected
+        self._busy: weakref.WeakSet[http.client.HTTPConnection] = weakref.WeakSet()
         self._lock = threading.Lock()
 
     def get(self) -> tuple[http.client.HTTPConnection, bool]:
@@ -172,8 +180,9 @@ class _ConnectionPool:
         an answer that cannot come; -> how many."""
         with self._lock:
             busy = list(self._busy)
+            for conn in busy:  # under the lock: a call ending meanwhile is not pooled (put)
+                conn.aborted = True  # type: ignore[attr-defined]
         for conn in busy:
-            conn.aborted = True  # type: ignore[attr-defined]
             if conn.sock is not None:
                 try:
                     conn.sock.shutdown(socket.SHUT_RDWR)
@@ -187,7 +196,8 @@ class _ConnectionPool:
 
     def put(self, conn: http.client.HTTPConnection) -> None:
         with self._lock:
-            if len(self._idle) < self.maxsize:
+            # a shut connection would fail the next call without a retry (it is aborted)
+            if len(self._idle) < self.maxsize and not getattr(conn, "aborted", False):
                 self._idle.append(conn)
                 return
         conn.close()

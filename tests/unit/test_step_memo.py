@@ -31,3 +31,16 @@ def test_a_remembered_step_is_answered_only_by_the_trainer_that_holds_it(redis_c
     monkeypatch.setattr(resident, "_resident", SimpleNamespace(run_id="memo", generation=2))
     redis_client.delete(keys.run_step_result("memo", 0))
     assert tasks.train_step("memo", 0) == {"n": 2} and trained == [0, 0]  # trained again
+
+
+def test_an_update_already_in_the_weights_stays_due_until_its_publish_starts():
+    """A step whose update ran here is published again, not trained again, on every
+    attempt until a publish starts: a pause lost before it (the weights untouched) must not
+    use the mark up, or the next attempt rolls the trainer back to its last checkpoint."""
+    resident = SimpleNamespace(unrecorded=True, updated_step=4)
+    assert once.update_already_in_weights(resident, 4)
+    assert once.update_already_in_weights(resident, 4)  # the pause was lost: still due
+    once.publishing_again(resident)
+    assert not once.update_already_in_weights(resident, 4)  # one publish try only
+    assert not once.update_already_in_weights(SimpleNamespace(unrecorded=False,
+                                                              updated_step=4), 4)

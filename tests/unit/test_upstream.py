@@ -147,3 +147,79 @@ def test_a_server_that_answers_no_connection_has_its_calls_in_flight_cut_off(ser
     assert not caller.is_alive(), "the call waits on the cut server"
     assert isinstance(outcome[0], UpstreamUnreachable) and not outcome[0].timed_out, outcome
     assert ups.healthy() == [] and not pool._busy
+
+
+class _Cancelled(BaseException):
+    """What a drain raises into a call's greenlet (gateway's UpstreamCancelled, a kill)."""
+
+
+def _headers_then_nothing(closed: threading.Event) -> Callable[[socket.socket], None]:
+    def handle(conn: socket.socket) -> None:
+        _read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")  # the body never comes
+        conn.settimeout(10)
+        try:
+            if conn.recv(1) == b"":
+                closed.set()
+        except OSError:
+            pass
+
+    return handle
+
+
+def test_a_call_cancelled_mid_read_closes_its_connection(server):
+    """The server must see its client leave (vLLM then stops generating), and the
+    connection is neither kept nor pooled."""
+    closed = threading.Event()
+    url = server(_headers_then_nothing(closed))
+    ups = Upstreams([url])
+    resp = ups.post(url, "/v1/completions", b"{}", timeout_s=60)
+
+    def cancelled_read() -> bytes:
+        raise _Cancelled
+
+    with pytest.raises(_Cancelled):
+        resp._guarded(cancelled_read)
+    assert closed.wait(5), "the server never saw the connection close"
+    pool = ups._pools[url]
+    assert not pool._busy and not pool._idle
+
+
+def test_a_response_dropped_unreleased_still_closes_its_connection(server):
+    import gc
+
+    closed = threading.Event()
+    url = server(_headers_then_nothing(closed))
+    ups = Upstreams([url])
+    ups.post(url, "/v1/completions", b"{}", timeout_s=60)  # dropped: a stream never read
+    gc.collect()
+    assert closed.wait(5), "the busy set kept the connection open"
+    assert not ups._pools[url]._busy
+
+
+def test_a_connection_shut_by_an_abort_is_not_pooled(server, monkeypatch):
+    """A call that ends between the abort's look at the busy calls and its shutdown hands
+    its connection back: it must not serve the next call (a shut socket, not retried)."""
+
+    def answer(conn: socket.socket) -> None:
+        while _read_request(conn):
+            conn.sendall(ANSWER)
+
+    url = server(answer)
+    ups = Upstreams([url])
+    pool = ups._pools[url]
+    resp = ups.post(url, "/v1/completions", b"{}", timeout_s=10)
+    real_shutdown = socket.socket.shutdown
+    ended: list[bytes] = []
+
+    def call_ends_first(sock: socket.socket, how: int) -> None:
+        if not ended:
+            ended.append(resp.read())  # the call ends and hands its connection back
+        real_shutdown(sock, how)
+
+    monkeypatch.setattr(socket.socket, "shutdown", call_ends_first)
+    assert pool.abort_busy() == 1
+    assert ended == [b"{}"]
+    assert not pool._idle, "a shut connection went back to the pool"
+    monkeypatch.undo()
+    assert ups.post(url, "/v1/completions", b"{}", timeout_s=10).read() == b"{}"

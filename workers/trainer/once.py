@@ -90,13 +90,20 @@ def stored_answer(client: redis.Redis, run_id: str, step: int) -> Metrics | None
 
 def update_already_in_weights(resident: Resident, step: int) -> bool:
     """Record (3): whether this step's update already ran in this trainer (the step failed
-    after it). True once: the mark is cleared, so a second failure reloads the checkpoint."""
+    after it, before it was recorded)."""
     if not (resident.unrecorded and resident.updated_step == step):
         return False
     log.warning("step %d: its update is already in this trainer's weights (the step failed "
                 "after it); publishing it again, its groups not trained again", step)
-    resident.updated_step = None
     return True
+
+
+def publishing_again(resident: Resident) -> None:
+    """Record (3) is used up once such an update's publish starts: should it fail again
+    (weights the servers cannot load, say), the next attempt reloads the last checkpoint
+    instead of trying them for ever. A pause lost before the publish started (the weights
+    untouched) leaves the mark, so the step taken up again publishes, not rolls back."""
+    resident.updated_step = None
 
 
 def claim_groups(client: redis.Redis, group_ids: list[str], step: int) -> list[str]:

@@ -110,6 +110,8 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Config,
                 update(resident, samples, stats, step, metrics, timings)
             timings["update"] = time.monotonic() - t  # the engines' sleep included
         require_pause(pause, "loading the new weights")
+        if redo:
+            once.publishing_again(resident)
         published = publish(client, settings, resident, timings, metrics, asleep, held)
         verify(client, settings, resident, published, resident.probe_prev, metrics, timings)
     version = published.version
