@@ -66,12 +66,16 @@ def multihost(tmp_root: Path, request: pytest.FixtureRequest) -> Iterator[Cluste
 @pytest.fixture(scope="module")
 def multihost_infer2(tmp_root: Path, request: pytest.FixtureRequest) -> Iterator[Cluster]:
     """``multihost`` with a second inference server on a host of its own (``infer2``, named
-    in ``inference.urls`` beside the first) and the gateway's access log."""
-    yield from _stack(tmp_root, request, infer2=True, access_log=True)
+    in ``inference.urls`` beside the first) and the gateway's access log. A drain waits up
+    to 120 s (``gateway.drain_timeout_s``) for the calls in flight: a call hung on a cut
+    server is then ended by the gateway's own health check or not for minutes, so a test
+    can tell the two apart by a bound far from both, whatever the machine's speed."""
+    yield from _stack(tmp_root, request, infer2=True, access_log=True,
+                      overrides=("gateway.drain_timeout_s=120",))
 
 
 def _stack(tmp_root: Path, request: pytest.FixtureRequest, infer2: bool = False,
-           access_log: bool = False) -> Iterator[Cluster]:
+           access_log: bool = False, overrides: tuple[str, ...] = ()) -> Iterator[Cluster]:
     if os.environ.get(SKIP_ENV) == "1":
         pytest.skip(f"the multi-host tests are skipped (${SKIP_ENV}=1)")
     why = missing_capability()
@@ -79,7 +83,8 @@ def _stack(tmp_root: Path, request: pytest.FixtureRequest, infer2: bool = False,
         pytest.skip(f"the multi-host harness cannot run here, so the multi-host tests did not "
                     f"run: {why}")
     cluster = Cluster(run_dir=tmp_root / f"multihost-{request.module.__name__.rsplit('.', 1)[-1]}",
-                      prefix=PREFIX, infer2=infer2, access_log=access_log)
+                      prefix=PREFIX, infer2=infer2, access_log=access_log,
+                      overrides=overrides)
     for prefix in stack_prefixes():
         stale = STALE.match(prefix)
         if stale and not Path(f"/proc/{stale.group(1)}").exists():
