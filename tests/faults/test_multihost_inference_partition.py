@@ -272,8 +272,18 @@ def test_gateway_partitioned_from_one_inference_server(multihost_infer2,  # noqa
     samples = [r for r in _records(seen) if "held" in r]
     first_back = min((c for c in calls(healed) if c["up"] == url2), key=lambda c: c["t0"])
     before_back = [s for s in samples if s["t"] <= first_back["t0"]]
-    assert before_back and before_back[-1]["held"] == str(first_back["v"]) \
-        and url2 not in before_back[-1]["stale"], (first_back, before_back[-3:])
+    after_back = [s for s in samples if s["t"] >= first_back["t0"]]
+    assert before_back and url2 not in before_back[-1]["stale"], (first_back, before_back[-3:])
+    last = before_back[-1]
+    if last["version"] == first_back["v"]:
+        held_ok = last["held"] == str(first_back["v"])
+    else:
+        # the trainer loaded every server and bumped the version between the last look and
+        # the call: infer2 held the version current at that look, and the next look finds
+        # it holding the call's (a server is loaded before the bump that stamps calls)
+        held_ok = last["held"] == str(last["version"]) and bool(after_back) \
+            and after_back[0]["held"].isdigit() and int(after_back[0]["held"]) >= first_back["v"]
+    assert held_ok, (first_back, before_back[-3:], after_back[:2])
     stale_in_cut = [s["t"] - cut for s in samples if cut <= s["t"] and url2 in s["stale"]]
 
     gaps = [(a, b) for (a, _), (b, _) in zip(done, done[1:], strict=False)]
