@@ -57,7 +57,7 @@ def test_calls_behind_a_redis_that_does_not_answer_get_a_retryable_503_soon():
     assert len(failed) == 3 and outcomes.count(None) == 1
     assert all(isinstance(o, GatewayError) and o.status == 503 for o in failed)
     # answered while the first call still waits on Redis, not after it
-    assert max(failed_at) - t < admission.QUEUE_WAIT_S + 1.5
+    assert max(failed_at) - t < admission.QUEUE_WAIT_S + 2.5  # the holder waits 5 s
 
 
 @pytest.fixture(autouse=True)
