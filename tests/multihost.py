@@ -285,3 +285,56 @@ def warm_inference(cluster: Cluster) -> None:
     """Have the inference server answer a probe-like call before a run starts."""
     status = cluster.python("trainer", _WARM, timeout=660)
     assert status == 200, f"the inference server answered {status} to a warm-up call"
+
+
+# On the trainer host, driven by lines on stdin. "wait": answers "busy N" once the rollout
+# worker of host argv[1] reports N tasks it runs (or "idle" after argv[2] seconds). "held":
+# answers "held [[task, [group, index]], ...]", the messages that host's rollout worker received
+# and Redis still holds unacknowledged (what the reaper will requeue): asked once the host
+# is cut, when it can no longer acknowledge any.
+CUT_PROBE = """
+import ast, json, sys, time
+from app.celery_app import celery_app
+from app.config import service_config
+from app.state import keys
+from app.state.connection import connect, resolve_redis_url
+host, wait_s = sys.argv[1], float(sys.argv[2])
+node = "rollout@" + host
+text = lambda v: v.decode() if isinstance(v, bytes) else v
+c = connect(resolve_redis_url(service_config()))
+with celery_app.connection_for_write() as conn:
+    unacked = conn.default_channel.unacked_key
+print("ready", flush=True)
+for command in sys.stdin:
+    if command.strip() == "wait":
+        deadline, active = time.monotonic() + wait_s, {}
+        while time.monotonic() < deadline:
+            active = celery_app.control.inspect(destination=[node], timeout=1.0,
+                                                limit=1).active() or {}
+            if active.get(node):
+                break
+        print(f"busy {len(active[node])}" if active.get(node) else "idle", flush=True)
+    elif command.strip() == "held":
+        held = []
+        for worker in map(text, c.smembers(keys.rollout_workers())):
+            if worker.startswith(host + ":"):
+                for tag in c.hkeys(keys.worker_deliveries(worker)):
+                    body = c.hget(unacked, tag)
+                    if body is not None:
+                        headers = json.loads(body)[0]["headers"]
+                        held.append([headers["task"], ast.literal_eval(headers["argsrepr"])])
+        print("held " + json.dumps(held), flush=True)
+"""
+
+
+def probe_answer(proc: subprocess.Popen, command: str | None, prefix: tuple[str, ...]) -> str:
+    """Writes ``command`` to the cut probe and returns its next line starting with one of
+    ``prefix`` (the probe bounds its own waits)."""
+    assert proc.stdin is not None and proc.stdout is not None
+    if command is not None:
+        proc.stdin.write(command + "\n")
+        proc.stdin.flush()
+    for line in proc.stdout:
+        if line.startswith(prefix):
+            return line.strip()
+    raise AssertionError(f"the cut probe on the trainer host exited {proc.wait()}")

@@ -12,6 +12,7 @@ beside the ordinary step's."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import secrets
@@ -22,8 +23,8 @@ import time
 import pytest
 
 from bench.multihost import BIN, HarnessError
-from tests.multihost import DRIVER as _DRIVER
 from tests.multihost import (
+    CUT_PROBE,
     RUN_TIMEOUT_S,
     SMALL_RUN,
     STEP_LINE,
@@ -31,9 +32,11 @@ from tests.multihost import (
     assert_trained_once_and_whole,
     metrics_rows,
     multihost,  # noqa: F401 - fixture
+    probe_answer,
     run_id_of,
     run_state,
 )
+from tests.multihost import DRIVER as _DRIVER
 from tests.multihost import Lines as _Lines
 from tests.multihost import stop_session as _stop_session
 
@@ -53,42 +56,6 @@ STEPS_AFTER_HEAL = 6
 BUSY_WAIT_S = 180.0
 CUT_TRIES = 3
 HEAL_WAIT_S = 300.0
-
-# On the trainer host, driven by lines on stdin. "wait": answers "busy N" once the rollout
-# worker of host argv[1] reports N tasks it runs (or "idle" after argv[2] seconds). "held":
-# answers "held N", the messages that host's workers received and Redis still holds
-# unacknowledged (what the reaper will requeue): asked once the host is cut, when it can no
-# longer acknowledge any.
-_CUT_PROBE = """
-import sys, time
-from app.celery_app import celery_app
-from app.config import service_config
-from app.state import keys
-from app.state.connection import connect, resolve_redis_url
-host, wait_s = sys.argv[1], float(sys.argv[2])
-node = "rollout@" + host
-text = lambda v: v.decode() if isinstance(v, bytes) else v
-c = connect(resolve_redis_url(service_config()))
-with celery_app.connection_for_write() as conn:
-    unacked = conn.default_channel.unacked_key
-print("ready", flush=True)
-for command in sys.stdin:
-    if command.strip() == "wait":
-        deadline, active = time.monotonic() + wait_s, {}
-        while time.monotonic() < deadline:
-            active = celery_app.control.inspect(destination=[node], timeout=1.0,
-                                                limit=1).active() or {}
-            if active.get(node):
-                break
-        print(f"busy {len(active[node])}" if active.get(node) else "idle", flush=True)
-    elif command.strip() == "held":
-        held = 0
-        for worker in map(text, c.smembers(keys.rollout_workers())):
-            if worker.startswith(host + ":"):
-                held += sum(1 for tag in c.hkeys(keys.worker_deliveries(worker))
-                            if c.hexists(unacked, tag))
-        print(f"held {held}", flush=True)
-"""
 
 # On the trainer host: prints the id of each attempt of run argv[1] that a worker of host
 # argv[2] started after argv[3] (epoch seconds), as it appears, for argv[4] seconds. An
@@ -121,19 +88,6 @@ while time.monotonic() < deadline:
 """
 
 
-def _answer(proc: subprocess.Popen, command: str | None, prefixes: tuple[str, ...]) -> str:
-    """Writes ``command`` to ``proc`` (the cut probe) and returns its next line that starts
-    with one of ``prefixes`` (the probe bounds its own waits)."""
-    assert proc.stdin is not None and proc.stdout is not None
-    if command is not None:
-        proc.stdin.write(command + "\n")
-        proc.stdin.flush()
-    for line in proc.stdout:
-        if line.startswith(prefixes):
-            return line.strip()
-    raise AssertionError(f"the cut probe on the trainer host exited {proc.wait()}")
-
-
 def test_rollout_host_partitioned_then_healed(multihost, record_property):  # noqa: F811
     python = str(BIN / "python")
     run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
@@ -158,12 +112,12 @@ def test_rollout_host_partitioned_then_healed(multihost, record_property):  # no
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         with open(probe_log, "ab") as errors:
-            probe = multihost.popen("trainer", [python, "-c", _CUT_PROBE, "roll1",
+            probe = multihost.popen("trainer", [python, "-c", CUT_PROBE, "roll1",
                                                 str(BUSY_WAIT_S)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=errors, text=True)
         procs.append(probe)
-        _answer(probe, None, ("ready",))
+        probe_answer(probe, None, ("ready",))
         while len(steps_done()) < CUT_AFTER_STEP:
             assert train.poll() is None, f"the run ended early:\n{output()}"
             assert time.monotonic() < deadline, f"no step {CUT_AFTER_STEP}:\n{output()}"
@@ -172,12 +126,12 @@ def test_rollout_host_partitioned_then_healed(multihost, record_property):  # no
         # (acknowledged) in the instant before the cut
         held = 0
         for _ in range(CUT_TRIES):
-            busy = _answer(probe, "wait", ("busy", "idle"))
+            busy = probe_answer(probe, "wait", ("busy", "idle"))
             assert busy.startswith("busy"), \
                 f"roll1's rollout worker ran no task in {BUSY_WAIT_S:.0f} s:\n{output()}"
             multihost.cut("roll1")
             cut_at, cut_wall = time.monotonic(), datetime.datetime.now(datetime.UTC)
-            held = int(_answer(probe, "held", ("held",)).split()[1])
+            held = len(json.loads(probe_answer(probe, "held", ("held",)).split(" ", 1)[1]))
             if held:
                 break
             multihost.heal("roll1")

@@ -23,6 +23,7 @@ import pytest
 
 from bench.multihost import BIN, Cluster
 from tests.multihost import (
+    CUT_PROBE,
     DRIVER,
     RUN_TIMEOUT_S,
     SMALL_RUN,
@@ -30,6 +31,7 @@ from tests.multihost import (
     Lines,
     metrics_rows,
     multihost,  # noqa: F401 - fixture
+    probe_answer,
     run_id_of,
     run_state,
     stop_session,
@@ -47,57 +49,7 @@ CUT_TRIES = 3
 REQUEUE = re.compile(r"^\[([\d-]+ [\d:,]+): .*rollout worker roll1:\S+ died: requeued its task",
                      re.MULTILINE)
 
-# On the trainer host, driven by lines on stdin. "wait": answers "busy N" once the rollout
-# worker of host argv[1] reports N tasks it runs (or "idle" after argv[2] seconds). "held":
-# answers "held [[task, [group, index]], ...]", the messages that host's rollout worker received
-# and Redis still holds unacknowledged (what the reaper will requeue): asked once the host
-# is cut, when it can no longer acknowledge any.
-_CUT_PROBE = """
-import ast, json, sys, time
-from app.celery_app import celery_app
-from app.config import service_config
-from app.state import keys
-from app.state.connection import connect, resolve_redis_url
-host, wait_s = sys.argv[1], float(sys.argv[2])
-node = "rollout@" + host
-text = lambda v: v.decode() if isinstance(v, bytes) else v
-c = connect(resolve_redis_url(service_config()))
-with celery_app.connection_for_write() as conn:
-    unacked = conn.default_channel.unacked_key
-print("ready", flush=True)
-for command in sys.stdin:
-    if command.strip() == "wait":
-        deadline, active = time.monotonic() + wait_s, {}
-        while time.monotonic() < deadline:
-            active = celery_app.control.inspect(destination=[node], timeout=1.0,
-                                                limit=1).active() or {}
-            if active.get(node):
-                break
-        print(f"busy {len(active[node])}" if active.get(node) else "idle", flush=True)
-    elif command.strip() == "held":
-        held = []
-        for worker in map(text, c.smembers(keys.rollout_workers())):
-            if worker.startswith(host + ":"):
-                for tag in c.hkeys(keys.worker_deliveries(worker)):
-                    body = c.hget(unacked, tag)
-                    if body is not None:
-                        headers = json.loads(body)[0]["headers"]
-                        held.append([headers["task"], ast.literal_eval(headers["argsrepr"])])
-        print("held " + json.dumps(held), flush=True)
-"""
 
-
-def _answer(proc: subprocess.Popen, command: str | None, prefix: tuple[str, ...]) -> str:
-    """Writes ``command`` to the cut probe and returns its next line starting with one of
-    ``prefix`` (the probe bounds its own waits)."""
-    assert proc.stdin is not None and proc.stdout is not None
-    if command is not None:
-        proc.stdin.write(command + "\n")
-        proc.stdin.flush()
-    for line in proc.stdout:
-        if line.startswith(prefix):
-            return line.strip()
-    raise AssertionError(f"the cut probe on the trainer host exited {proc.wait()}")
 
 
 def _requeues(cluster: Cluster) -> list[datetime.datetime]:
@@ -123,11 +75,11 @@ def test_rollout_host_partitioned_for_good(multihost, record_property):  # noqa:
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         with open(multihost.log("trainer", "cut-probe"), "ab") as errors:
-            probe = multihost.popen("trainer", [python, "-c", _CUT_PROBE, "roll1",
+            probe = multihost.popen("trainer", [python, "-c", CUT_PROBE, "roll1",
                                                 str(BUSY_WAIT_S)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                     stderr=errors, text=True)
-        _answer(probe, None, ("ready",))
+        probe_answer(probe, None, ("ready",))
         while len(driver.steps()) < CUT_AFTER_STEP:
             assert train.poll() is None, f"the run ended early:\n{driver.text()}"
             assert time.monotonic() < deadline, f"no step {CUT_AFTER_STEP}:\n{driver.text()}"
@@ -137,12 +89,12 @@ def test_rollout_host_partitioned_for_good(multihost, record_property):  # noqa:
         # cut again: the last cut is for good
         held: list = []
         for _ in range(CUT_TRIES):
-            busy = _answer(probe, "wait", ("busy", "idle"))
+            busy = probe_answer(probe, "wait", ("busy", "idle"))
             assert busy.startswith("busy"), \
                 f"roll1's rollout worker ran no task in {BUSY_WAIT_S:.0f} s:\n{driver.text()}"
             multihost.cut("roll1")
             cut_at, cut_wall = time.monotonic(), datetime.datetime.now(datetime.UTC)
-            held = json.loads(_answer(probe, "held", ("held",)).split(" ", 1)[1])
+            held = json.loads(probe_answer(probe, "held", ("held",)).split(" ", 1)[1])
             if held:
                 break
             multihost.heal("roll1")
