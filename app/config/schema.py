@@ -328,14 +328,12 @@ class Config:
     services: ServicesConfig
 
     @classmethod
-    def of(cls, source: Any) -> Config:
-        """The typed view of a validated configuration (a ``DictConfig`` or a plain mapping,
-        e.g. a run's config read back from Redis). A section whose keys differ from the
-        dataclass's is refused with a ``ConfigError`` naming the key: the schema and
-        ``config/default.yaml`` have drifted apart."""
-        if isinstance(source, Config):
-            return source
-        return _build(cls, _plain(source), "")
+    def of(cls, source: Mapping[str, Any]) -> Config:
+        """The typed view of a validated configuration as a plain mapping (what
+        ``load_config`` validated, or ``to_dict()`` of a run's config). A section whose keys
+        differ from the dataclass's is refused with a ``ConfigError`` naming the key: the
+        schema and ``config/default.yaml`` have drifted apart."""
+        return _build(cls, source, "")
 
     def select(self, key: str) -> Any:
         """The value at a dotted key (``"inference.urls"``), as a plain JSON value."""
@@ -350,16 +348,6 @@ class Config:
 
 
 T = TypeVar("T")
-
-
-def _plain(source: Any) -> Any:
-    try:
-        from omegaconf import DictConfig, OmegaConf
-    except ImportError:  # pragma: no cover - omegaconf is a dependency
-        return source
-    if isinstance(source, DictConfig):
-        return OmegaConf.to_container(source, resolve=True)
-    return source
 
 
 def _build(cls: type[T], node: Any, path: str) -> T:
