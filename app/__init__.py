@@ -6,10 +6,13 @@ access, not at import: the CLI first learns which config (and so which Redis) to
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> Celery:
     if name == "celery":
         from app.celery_app import celery_app
 

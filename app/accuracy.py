@@ -12,31 +12,95 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Literal, NotRequired, TypedDict
 
 from app.driver.metrics import CARRY
 
+# A metrics file's line: names to JSON values (``app.driver.metrics.Metrics``).
+Row = Mapping[str, object]
 
-def split_rows(rows: Iterable[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+# The figures compared per mode, each a run summary's key.
+Figure = Literal["minutes_to_threshold", "val_success_final", "training_minutes",
+                 "trained_rollouts_per_minute", "sample_age_mean_steps", "sample_age_max_steps",
+                 "carried_over_rollouts_total", "carry_over_age_max_steps"]
+
+
+class RunSummary(TypedDict):
+    """One run's figures (``run_summary``); the threshold's two only against one."""
+
+    steps: int
+    training_minutes: float
+    val_success_first: float | None
+    val_success_final: float | None
+    trained_rollouts_per_minute: float
+    sample_age_mean_steps: float
+    sample_age_max_steps: float
+    carried_over_rollouts_total: float
+    carry_over_age_max_steps: float
+    curve: list[tuple[float, float]]
+    threshold: NotRequired[float]
+    minutes_to_threshold: NotRequired[float | None]
+
+
+class Spread(TypedDict):
+    """Median and range of one figure over runs (``spread``)."""
+
+    median: float | None
+    min: float | None
+    max: float | None
+    runs: list[float | None]
+
+
+class ModeComparison(TypedDict):
+    """A mode's runs and the spread of each of ``FIGURES`` over them."""
+
+    runs: list[RunSummary]
+    minutes_to_threshold: Spread
+    val_success_final: Spread
+    training_minutes: Spread
+    trained_rollouts_per_minute: Spread
+    sample_age_mean_steps: Spread
+    sample_age_max_steps: Spread
+    carried_over_rollouts_total: Spread
+    carry_over_age_max_steps: Spread
+
+
+class Comparison(TypedDict):
+    """``compare``'s answer."""
+
+    threshold: float | None
+    modes: dict[str, ModeComparison]
+    speedup_to_threshold: NotRequired[float]
+
+
+def _scalar(value: object) -> int | float | str:
+    """A row's value that ``float`` and ``int`` take; anything else raises the TypeError
+    they would."""
+    if isinstance(value, int | float | str):
+        return value
+    raise TypeError(f"a metrics value must be a number, not '{type(value).__name__}'")
+
+
+def split_rows(rows: Iterable[Row]) -> tuple[list[Row], list[Row]]:
     """A metrics file's lines as (step rows, evaluation rows)."""
-    steps: list[dict] = []
-    evals: list[dict] = []
+    steps: list[Row] = []
+    evals: list[Row] = []
     for row in rows:
         (evals if "val/success_rate" in row else steps).append(row)
     return steps, evals
 
 
-def curve(steps: list[dict], evals: list[dict]) -> list[tuple[float, float]]:
+def curve(steps: Sequence[Row], evals: Sequence[Row]) -> list[tuple[float, float]]:
     """(minutes of training before the evaluated update, held-out success), in order."""
     minutes = [0.0]
     for s in steps:
-        minutes.append(minutes[-1] + float(s["timing/step_seconds"]) / 60)
+        minutes.append(minutes[-1] + float(_scalar(s["timing/step_seconds"])) / 60)
     out = []
     for e in evals:
-        at = min(int(e["val/sent_at_step"]), len(steps))
-        out.append((minutes[at], float(e["val/success_rate"])))
+        at = min(int(_scalar(e["val/sent_at_step"])), len(steps))
+        out.append((minutes[at], float(_scalar(e["val/success_rate"]))))
     return out
 
 
@@ -47,19 +111,20 @@ def minutes_to(points: list[tuple[float, float]], threshold: float) -> float | N
     return next((m for m, s in points if m > 0 and s >= threshold - 1e-9), None)
 
 
-def run_summary(steps: list[dict], evals: list[dict], threshold: float | None = None
-                ) -> dict[str, Any]:
+def run_summary(steps: Sequence[Row], evals: Sequence[Row], threshold: float | None = None
+                ) -> RunSummary:
     """One run's figures: final success, throughput, sample age and carry-over."""
-    minutes = sum(float(s["timing/step_seconds"]) for s in steps) / 60
-    trained = sum(float(s.get(CARRY + "n_completed_rollouts") or 0) for s in steps)
+    minutes = sum(float(_scalar(s["timing/step_seconds"])) for s in steps) / 60
+    trained = sum(float(_scalar(s.get(CARRY + "n_completed_rollouts") or 0)) for s in steps)
     points = curve(steps, evals)
 
     def values(key: str) -> list[float]:
-        return [float(s[CARRY + key]) for s in steps if s.get(CARRY + key) is not None]
+        return [float(_scalar(s[CARRY + key])) for s in steps
+                if s.get(CARRY + key) is not None]
 
     ages = values("consumed_age_mean_steps")
     oldest = values("consumed_age_max_steps")
-    out: dict[str, Any] = {
+    out: RunSummary = {
         "steps": len(steps),
         "training_minutes": minutes,
         "val_success_first": points[0][1] if points else None,
@@ -77,7 +142,7 @@ def run_summary(steps: list[dict], evals: list[dict], threshold: float | None = 
     return out
 
 
-def spread(values: list[float | None]) -> dict[str, Any]:
+def spread(values: list[float | None]) -> Spread:
     """Median and range of runs' figures; a run that never got there (None) counts as
     infinitely slow for the median, which is None when it falls there."""
     known = [v for v in values if v is not None]
@@ -86,9 +151,13 @@ def spread(values: list[float | None]) -> dict[str, Any]:
             "min": min(known, default=None), "max": max(known, default=None), "runs": values}
 
 
-FIGURES = ("minutes_to_threshold", "val_success_final", "training_minutes",
-           "trained_rollouts_per_minute", "sample_age_mean_steps", "sample_age_max_steps",
-           "carried_over_rollouts_total", "carry_over_age_max_steps")
+FIGURES: tuple[Figure, ...] = (
+    "minutes_to_threshold", "val_success_final", "training_minutes",
+    "trained_rollouts_per_minute", "sample_age_mean_steps", "sample_age_max_steps",
+    "carried_over_rollouts_total", "carry_over_age_max_steps")
+
+# Runs per mode, each its step and evaluation rows.
+Runs = Mapping[str, Sequence[Iterable[Row]]]
 
 
 # How far above the base model's success the default threshold is at least: reaching it
@@ -96,7 +165,7 @@ FIGURES = ("minutes_to_threshold", "val_success_final", "training_minutes",
 MIN_GAIN = 0.1
 
 
-def default_threshold(runs: dict[str, list[list[dict[str, Any]]]]) -> float | None:
+def default_threshold(runs: Runs) -> float | None:
     """The synchronous runs' median final success minus 0.05, and at least ``MIN_GAIN``
     above the median success before training (a synchronous run that did not learn would
     otherwise set a threshold every run meets before its first update)."""
@@ -111,17 +180,30 @@ def default_threshold(runs: dict[str, list[list[dict[str, Any]]]]) -> float | No
     return round(min(max(final - 0.05, start + MIN_GAIN), 1.0), 4)
 
 
-def compare(runs: dict[str, list[list[dict[str, Any]]]], threshold: float | None = None
-            ) -> dict[str, Any]:
+def _mode(summaries: list[RunSummary]) -> ModeComparison:
+    """The runs of one mode with the spread of each of ``FIGURES``, in that order."""
+    def of(k: Figure) -> Spread:
+        return spread([s.get(k) for s in summaries])
+
+    return {"runs": summaries,
+            "minutes_to_threshold": of("minutes_to_threshold"),
+            "val_success_final": of("val_success_final"),
+            "training_minutes": of("training_minutes"),
+            "trained_rollouts_per_minute": of("trained_rollouts_per_minute"),
+            "sample_age_mean_steps": of("sample_age_mean_steps"),
+            "sample_age_max_steps": of("sample_age_max_steps"),
+            "carried_over_rollouts_total": of("carried_over_rollouts_total"),
+            "carry_over_age_max_steps": of("carry_over_age_max_steps")}
+
+
+def compare(runs: Runs, threshold: float | None = None) -> Comparison:
     """Runs of each mode (step and evaluation rows per run) summarised against one threshold
     (by default ``default_threshold``)."""
     if threshold is None:
         threshold = default_threshold(runs)
-    out: dict[str, Any] = {"threshold": threshold, "modes": {}}
+    out: Comparison = {"threshold": threshold, "modes": {}}
     for mode, rs in runs.items():
-        summaries = [run_summary(*split_rows(r), threshold) for r in rs]
-        out["modes"][mode] = {"runs": summaries,
-                              **{k: spread([s.get(k) for s in summaries]) for k in FIGURES}}
+        out["modes"][mode] = _mode([run_summary(*split_rows(r), threshold) for r in rs])
     a, s = out["modes"].get("async"), out["modes"].get("sync")
     if a and s and a["minutes_to_threshold"]["median"] and s["minutes_to_threshold"]["median"]:
         out["speedup_to_threshold"] = (s["minutes_to_threshold"]["median"]
@@ -129,7 +211,7 @@ def compare(runs: dict[str, list[list[dict[str, Any]]]], threshold: float | None
     return out
 
 
-def _cell(fig: dict[str, Any]) -> str:
+def _cell(fig: Spread) -> str:
     def f(v: float | None) -> str:
         return "never" if v is None else f"{v:.2f}"
 
@@ -138,7 +220,7 @@ def _cell(fig: dict[str, Any]) -> str:
     return f"{f(fig['median'])} ({f(fig['min'])}-{f(fig['max'])})"
 
 
-def table(result: dict[str, Any]) -> str:
+def table(result: Comparison) -> str:
     """The comparison as a text table: median (range) of each figure per mode."""
     modes = list(result["modes"])
     width = 24
@@ -153,7 +235,7 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(result: dict[str, Any], path: str | Path, title: str = "held-out success"
+def plot(result: Comparison, path: str | Path, title: str = "held-out success"
          ) -> str | Path:
     """Held-out success against minutes of training, every run of every mode on one figure."""
     import matplotlib

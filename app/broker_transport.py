@@ -14,14 +14,12 @@ Selected with ``broker_transport`` in ``app.celery_app``; everything else is kom
 
 from __future__ import annotations
 
-from typing import Any
-
 import redis
 from kombu.transport import redis as kombu_redis
 
 
 class Channel(kombu_redis.Channel):
-    def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
+    def _connparams(self, asynchronous: bool = False) -> dict[str, object]:
         if self.connection is None or self.connection.client is None:
             raise redis.exceptions.ConnectionError(
                 "the broker connection was already collected; unacknowledged messages stay "

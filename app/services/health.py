@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import requests
 
@@ -305,7 +305,17 @@ def role_restarts(cfg: Config, timeout: float = 2.0) -> dict[str, int]:
         return {}
 
 
-def redis_outages(cfg: Config, timeout: float = 2.0) -> list[dict[str, Any]]:
+class Outage(TypedDict):
+    """A Redis outage as ``carryover status`` lists it: the processes' overlapping records
+    merged."""
+
+    down_at: float
+    up_at: float
+    roles: set[str]
+    seconds: float
+
+
+def redis_outages(cfg: Config, timeout: float = 2.0) -> list[Outage]:
     """The Redis outages the stack's processes rode out, oldest first, each
     ``{"down_at", "up_at", "seconds", "roles"}``: the processes' records
     (``keys.redis_outages``) merged where they overlap ([] if Redis is down)."""
@@ -318,17 +328,15 @@ def redis_outages(cfg: Config, timeout: float = 2.0) -> list[dict[str, Any]]:
         raw = client.lrange(keys.redis_outages(), 0, -1)
     except Exception:  # noqa: BLE001 - status reports what it can
         return []
-    merged: list[dict[str, Any]] = []
+    merged: list[tuple[float, float, set[str]]] = []  # (down_at, up_at, roles)
     for rec in sorted((OutageRecord.from_json(r) for r in raw), key=lambda r: r.down_at):
-        if merged and rec.down_at <= merged[-1]["up_at"] + 1.0:
-            last = merged[-1]
-            last["up_at"] = max(last["up_at"], rec.up_at)
-            last["roles"].add(rec.role)
+        if merged and rec.down_at <= merged[-1][1] + 1.0:
+            down_at, up_at, roles = merged[-1]
+            merged[-1] = (down_at, max(up_at, rec.up_at), roles | {rec.role})
         else:
-            merged.append({"down_at": rec.down_at, "up_at": rec.up_at, "roles": {rec.role}})
-    for outage in merged:
-        outage["seconds"] = outage["up_at"] - outage["down_at"]
-    return merged
+            merged.append((rec.down_at, rec.up_at, {rec.role}))
+    return [{"down_at": down_at, "up_at": up_at, "roles": roles, "seconds": up_at - down_at}
+            for down_at, up_at, roles in merged]
 
 
 def environment(repo: str | Path | None = None) -> list[tuple[str, str]]:

@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TypedDict
 from urllib.parse import quote
 
 import redis
@@ -279,7 +279,15 @@ RETRIED_ERRORS = (redis.ConnectionError, redis.TimeoutError, socket.timeout,
                   redis.BusyLoadingError)
 
 
-def reconnect_options(url: str, reconnect_s: float | None = None) -> dict[str, Any]:
+class ReconnectOptions(TypedDict):
+    """redis-py connection options (keyword arguments of a pool's connections)."""
+
+    retry: ReconnectRetry
+    retry_on_error: list[type[Exception]]
+    redis_connect_func: Callable[[AbstractConnection], None]
+
+
+def reconnect_options(url: str, reconnect_s: float | None = None) -> ReconnectOptions:
     """redis-py connection options that ride out a Redis restart; for every pool the project
     builds (``connect`` and the Celery result backend's)."""
     budget = reconnect_budget() if reconnect_s is None else float(reconnect_s)
@@ -303,7 +311,7 @@ def _connect_hook(outage: Outage) -> Callable[[AbstractConnection], None]:
 
 
 def connect(url: str, max_connections: int = 512, single_connection: bool = False,
-            reconnect_s: float | None = None, **kwargs: Any) -> redis.Redis:
+            reconnect_s: float | None = None, **kwargs: object) -> redis.Redis:
     """A client with string responses that rides out a Redis restart: every command, blocking
     ones included, reconnects and is sent again for up to ``reconnect_s`` seconds (default
     ``redis.reconnect_s`` of the service config). The AOF brings the data back; callers just
@@ -321,7 +329,7 @@ def connect(url: str, max_connections: int = 512, single_connection: bool = Fals
     ``single_connection``: every call shares one connection, taken in turn under a lock.
     For short, frequent calls (the gateway's hot path) this skips the pool's per-call
     checkout, which polls the socket before every command."""
-    opts: dict[str, Any] = {
+    opts: dict[str, object] = {
         "decode_responses": True,
         "health_check_interval": 30,
         "socket_keepalive": True,
