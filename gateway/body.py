@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+from collections.abc import Mapping
+from typing import cast
 
 import orjson
 from flask import request
 
+from gateway.bodies import Answer
 from gateway.errors import bad_request
 
 
-def loads(raw: bytes | str) -> Any:
+def loads(raw: bytes | str) -> object:
     """orjson (several times faster on the hot path), falling back to the json module for
     what only it reads (NaN and Infinity tokens)."""
     try:
@@ -20,7 +22,16 @@ def loads(raw: bytes | str) -> Any:
         return json.loads(raw)
 
 
-def check_int(body: dict, name: str, lo: int, hi: int | None = None) -> None:
+def answer_of(raw: bytes | str) -> Answer:
+    """An inference server's answer, or one chunk of its stream, read."""
+    value = loads(raw)
+    if not isinstance(value, dict):
+        raise ValueError(f"an inference server answered with JSON that is not an object: "
+                         f"{str(raw)[:200]}")
+    return cast(Answer, value)  # the server's: vLLM's OpenAI-compatible shape
+
+
+def check_int(body: Mapping[str, object], name: str, lo: int, hi: int | None = None) -> None:
     """An optional integer field of a request body, within bounds, or a 400 naming it."""
     v = body.get(name)
     if v is None:
@@ -30,7 +41,15 @@ def check_int(body: dict, name: str, lo: int, hi: int | None = None) -> None:
         raise bad_request(f"'{name}' must be an integer >= {lo}{limit}", param=name)
 
 
-def json_body() -> Any:
+def json_object() -> dict[str, object]:
+    """The request's body, a JSON object, else a 400."""
+    body = json_body()
+    if not isinstance(body, dict):
+        raise bad_request("request body must be a JSON object")
+    return body
+
+
+def json_body() -> object:
     # get_data() enforces MAX_CONTENT_LENGTH (413); get_json(silent=True) would hide that.
     raw = request.get_data(cache=True)
     try:

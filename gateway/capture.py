@@ -10,15 +10,16 @@ import copy
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from app.state.records import CapturedCall
+from gateway.bodies import Answer, AnswerMessage, Choice, Logprobs, Request, ToolCall
 
 
-def prepare_upstream_body(body: dict[str, Any], endpoint: str, model: str,
-                          default_max_tokens: int, default_temperature: float) -> dict[str, Any]:
+def prepare_upstream_body(body: Request, endpoint: str, model: str,
+                          default_max_tokens: int, default_temperature: float) -> Request:
     """The request sent upstream: the agent's body plus the fields capture needs."""
-    out = dict(body)
+    out = body.copy()
     out["model"] = model
     out["return_token_ids"] = True
     # vLLM leaves every token id and log-prob out of an answer whose reasoning is hidden;
@@ -37,12 +38,12 @@ def prepare_upstream_body(body: dict[str, Any], endpoint: str, model: str,
     if out.get("temperature") is None:
         out["temperature"] = default_temperature
     if out.get("stream"):
-        opts = dict(out.get("stream_options") or {})
+        opts = (out.get("stream_options") or {}).copy()
         out["stream_options"] = opts
     return out
 
 
-def agent_wants(body: dict[str, Any], endpoint: str) -> tuple[bool, bool]:
+def agent_wants(body: Request, endpoint: str) -> tuple[bool, bool]:
     """(wants log-probs, wants token ids) as the agent asked for them."""
     wants_ids = bool(body.get("return_token_ids"))
     if endpoint == "chat.completions":
@@ -51,12 +52,9 @@ def agent_wants(body: dict[str, Any], endpoint: str) -> tuple[bool, bool]:
     return (lp is not None and lp is not False), wants_ids
 
 
-def hides_reasoning(body: dict[str, Any]) -> bool:
+def hides_reasoning(body: Request) -> bool:
     """The agent asked for the answer without its reasoning (``include_reasoning: false``)."""
     return body.get("include_reasoning") is False
-
-
-REASONING_FIELDS = ("reasoning", "reasoning_content")
 
 
 # vLLM's request fields that constrain decoding to a grammar (the older guided_* names are
@@ -73,7 +71,7 @@ def auto_tool_grammar(tools: Iterable[object], strict_level: str) -> bool:
         and t["function"].get("strict") is True for t in tools)
 
 
-def constrained_by(body: dict[str, Any], tool_call_parser: str | None = None,
+def constrained_by(body: Request, tool_call_parser: str | None = None,
                    strict_level: str = "auto") -> str | None:
     """The parameter that makes vLLM sample under a grammar mask, or None.
 
@@ -106,14 +104,14 @@ def constrained_by(body: dict[str, Any], tool_call_parser: str | None = None,
 AUTO_TOOL_GRAMMAR = ("tools", "parallel_tool_calls")
 
 
-def _choice_logprobs(choice: dict[str, Any], endpoint: str) -> list[float | None]:
+def _choice_logprobs(choice: Choice, endpoint: str) -> list[float | None]:
     lp = choice.get("logprobs") or {}
     if endpoint == "chat.completions":
         return [item.get("logprob") for item in (lp.get("content") or [])]
     return list(lp.get("token_logprobs") or [])
 
 
-def calls_from_response(resp: dict[str, Any], endpoint: str, version: int, temperature: float,
+def calls_from_response(resp: Answer, endpoint: str, version: int, temperature: float,
                         upstream: str, started_at: float, stream: bool = False,
                         version_end: int | None = None,
                         switches: dict[int, list[list[int]]] | None = None,
@@ -162,7 +160,7 @@ class CallMeta:
     constrained: str | None  # what made vLLM sample under a grammar (constrained_by)
     continued: bool          # its prompt went as an earlier turn's ids (token continuity)
 
-    def calls(self, resp: dict[str, Any], version_end: int,
+    def calls(self, resp: Answer, version_end: int,
               switches: dict[int, list[list[int]]], stream: bool = False) -> list[CapturedCall]:
         """The call's whole answer as captured calls (:func:`calls_from_response`)."""
         return calls_from_response(resp, self.endpoint, self.version, self.temperature,
@@ -171,8 +169,16 @@ class CallMeta:
                                    constrained=self.constrained, continued=self.continued)
 
 
-def strip_for_agent(resp: dict[str, Any], endpoint: str, wants_logprobs: bool,
-                    wants_ids: bool, hide_reasoning: bool = False) -> dict[str, Any]:
+def _without_reasoning(message: AnswerMessage) -> AnswerMessage:
+    """The message without a reasoning parser's text (vLLM names it either way)."""
+    out = message.copy()
+    out.pop("reasoning", None)
+    out.pop("reasoning_content", None)
+    return out
+
+
+def strip_for_agent(resp: Answer, endpoint: str, wants_logprobs: bool,
+                    wants_ids: bool, hide_reasoning: bool = False) -> Answer:
     """The OpenAI-shaped answer (or stream chunk), without the fields the agent did not ask
     for."""
     if wants_logprobs and wants_ids and not hide_reasoning:
@@ -182,18 +188,30 @@ def strip_for_agent(resp: dict[str, Any], endpoint: str, wants_logprobs: bool,
         out.pop("prompt_token_ids", None)
     choices = []
     for choice in resp.get("choices") or []:
-        c = dict(choice)
+        c = choice.copy()
         if not wants_ids:
             c.pop("token_ids", None)
             c.pop("prompt_token_ids", None)
         if not wants_logprobs:
             c["logprobs"] = None
-        for part in ("message", "delta"):
-            if hide_reasoning and isinstance(c.get(part), dict):
-                c[part] = {k: v for k, v in c[part].items() if k not in REASONING_FIELDS}
+        if hide_reasoning and isinstance(c.get("message"), dict):
+            c["message"] = _without_reasoning(c["message"])
+        if hide_reasoning and isinstance(c.get("delta"), dict):
+            c["delta"] = _without_reasoning(c["delta"])
         choices.append(c)
     out["choices"] = choices
     return out
+
+
+class _Partial(TypedDict):
+    """One choice of a stream, as its chunks have added up so far."""
+
+    token_ids: list[int]
+    lp: list[float | None]
+    finish_reason: str | None
+    content: str
+    tool_calls: dict[int, ToolCall]
+    prompt_ids: list[int]
 
 
 class StreamAccumulator:
@@ -202,7 +220,7 @@ class StreamAccumulator:
     def __init__(self, endpoint: str) -> None:
         self.endpoint = endpoint
         self.prompt_ids: list[int] = []
-        self.choices: dict[int, dict[str, Any]] = {}
+        self.choices: dict[int, _Partial] = {}
         self.switches: dict[int, list[list[int]]] = {}
         self.pending_switch: int | None = None   # for choices that had no token yet
 
@@ -213,11 +231,12 @@ class StreamAccumulator:
             self.switches.setdefault(idx, []).append([len(acc["token_ids"]), version])
         self.pending_switch = version
 
-    def add(self, chunk: dict[str, Any]) -> None:
+    def add(self, chunk: Answer) -> None:
         # the first prompt is the call's: a continuation's (gateway.continuation) holds the
         # response so far too
-        if chunk.get("prompt_token_ids") and not self.prompt_ids:
-            self.prompt_ids = list(chunk["prompt_token_ids"])
+        top_prompt = chunk.get("prompt_token_ids")
+        if top_prompt and not self.prompt_ids:
+            self.prompt_ids = list(top_prompt)
         for choice in chunk.get("choices") or []:
             idx = choice.get("index", 0)
             if idx not in self.choices and self.pending_switch is not None:
@@ -227,10 +246,11 @@ class StreamAccumulator:
                                                 "prompt_ids": []})
             # completions: each choice's first chunk holds its own prompt's ids (a call may
             # send several prompts)
-            if choice.get("prompt_token_ids") and not acc["prompt_ids"]:
-                acc["prompt_ids"] = list(choice["prompt_token_ids"])
-            if choice.get("prompt_token_ids") and not self.prompt_ids:
-                self.prompt_ids = list(choice["prompt_token_ids"])
+            prompt = choice.get("prompt_token_ids")
+            if prompt and not acc["prompt_ids"]:
+                acc["prompt_ids"] = list(prompt)
+            if prompt and not self.prompt_ids:
+                self.prompt_ids = list(prompt)
             acc["token_ids"].extend(choice.get("token_ids") or [])
             delta = choice.get("delta") or {}
             # the text so far: chat's deltas, or completions' text pieces
@@ -255,16 +275,17 @@ class StreamAccumulator:
             if acc["finish_reason"] == "abort":
                 acc["finish_reason"] = "length"
 
-    def response(self) -> dict[str, Any]:
-        choices = []
+    def response(self) -> Answer:
+        choices: list[Choice] = []
         for idx in sorted(self.choices):
             acc = self.choices[idx]
+            lp: Logprobs
             if self.endpoint == "chat.completions":
                 lp = {"content": [{"logprob": v} for v in acc["lp"]]}
             else:
                 lp = {"token_logprobs": acc["lp"]}
             calls = [acc["tool_calls"][k] for k in sorted(acc["tool_calls"])]
-            choice = {"index": idx, "token_ids": acc["token_ids"], "logprobs": lp,
+            choice: Choice = {"index": idx, "token_ids": acc["token_ids"], "logprobs": lp,
                       "finish_reason": acc["finish_reason"],
                       "message": {"content": acc["content"], "tool_calls": calls or None}}
             if acc["prompt_ids"]:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
 
 from app.state.cached_reads import policy_version
 from gateway import continuation
-from gateway.body import loads
+from gateway.bodies import Answer, Request
+from gateway.body import answer_of
 from gateway.errors import GatewayError, retryable
 from gateway.leases import UpstreamCancelled
 from gateway.send import cancelled, send
@@ -39,7 +39,7 @@ class CarryOn:
     the call's lease's cancel event."""
 
     def __init__(self, state: GatewayState, rollout_id: str, lease_id: str,
-                 cancel: threading.Event, endpoint: str, body: dict[str, Any]) -> None:
+                 cancel: threading.Event, endpoint: str, body: Request) -> None:
         self.state = state
         self.rollout_id = rollout_id
         self.lease_id = lease_id
@@ -52,7 +52,7 @@ class CarryOn:
         asked once per cut, as its answer comes back cut."""
         return continuation.carries_on(self.state.redis)
 
-    def refusal(self, answer: dict[str, Any], reasoning: bool = False) -> GatewayError | None:
+    def refusal(self, answer: Answer, reasoning: bool = False) -> GatewayError | None:
         """The retryable error that ends a cut call the gateway cannot carry on exactly.
         ``reasoning``: a stream's deltas held a reasoning parser's text (its accumulated
         answer keeps none)."""
@@ -71,7 +71,7 @@ class CarryOn:
                  "retries it", self.rollout_id, why)
         return cancelled(self.state)
 
-    def resend(self, body: dict[str, Any], stream: bool
+    def resend(self, body: Request, stream: bool
                ) -> tuple[UpstreamResponse, bytes | None, int, str]:
         """Send a cut call's continuation ``body`` once the pause has ended, to whichever
         server is usable then (the re-sent tokens are a prefill anywhere); -> (the response,
@@ -102,7 +102,7 @@ class CarryOn:
                     "was sent; the agent retries the call", self.rollout_id)
         return cancelled(self.state)
 
-    def whole(self, data: dict[str, Any], version: int) -> tuple[dict[str, Any], Switches]:
+    def whole(self, data: Answer, version: int) -> tuple[Answer, Switches]:
         """A plain (not streamed) answer, sampled from ``version`` on, carried on past each
         weight update that cut it (``finish_reason: abort``) until it ends; -> the answer,
         and where its tokens changed version."""
@@ -118,7 +118,7 @@ class CarryOn:
                 return continuation.ended_by_length(data), switches
             _, raw, now, _ = self.resend(more_body, False)
             assert raw is not None
-            more = loads(raw)
+            more = answer_of(raw)
             if continuation.sent_prompt(more) != [*prompt_ids, *so_far]:
                 raise self.misread()
             if now != current:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from gateway.bodies import Request
 from gateway.rendering import TemplateInput, extra_template_inputs
 
 if TYPE_CHECKING:
@@ -74,7 +75,7 @@ class ContextCheck:
             return 1 << 30, 1 << 30
         return 2 * one, 2 * max(per, 1)
 
-    def surely_fits(self, body: dict[str, Any], max_tokens: int) -> bool:
+    def surely_fits(self, body: Request, max_tokens: int) -> bool:
         """A bound that needs no tokenizer: a token stands for at least one byte of the
         rendered text (byte-level BPE, characters, SentencePiece with byte fallback), so a
         chat whose contents plus the template's measured overhead have fewer bytes than
@@ -97,7 +98,7 @@ class ContextCheck:
                 + len(str(m.get("name") or "").encode())
         return size + max_tokens <= self.max_model_len
 
-    def prompt_tokens(self, body: dict[str, Any], endpoint: str) -> int:
+    def prompt_tokens(self, body: Request, endpoint: str) -> int:
         if endpoint == "chat.completions":
             ids = self.tokenizer.apply_chat_template(
                 self.template_input(body["messages"]), tools=body.get("tools"),
@@ -116,7 +117,7 @@ class ContextCheck:
         return max(len(p) if isinstance(p, list) else len(self.tokenizer.encode(p))
                    for p in prompt)
 
-    def check(self, body: dict[str, Any], endpoint: str,
+    def check(self, body: Request, endpoint: str,
               prompt_ids: list[int] | None = None) -> tuple[int, int] | None:
         """``None`` when the call fits, else (prompt tokens, max_tokens). ``body`` is the
         upstream body (its ``max_tokens`` filled in); ``prompt_ids``: the prompt already

@@ -32,11 +32,12 @@ from __future__ import annotations
 import copy
 import threading
 import time
-from typing import Any
+from typing import Literal
 
 import redis
 
 from app.state import keys
+from gateway.bodies import Answer, Request
 from gateway.capture import constrained_by
 from gateway.leases import UpstreamCancelled
 
@@ -45,7 +46,7 @@ ABORT = "abort"
 CALL_MARKUP = {"hermes": "<tool_call>"}
 
 
-def refusal(body: dict[str, Any], tool_call_parser: str | None) -> str | None:
+def refusal(body: Request, tool_call_parser: str | None) -> str | None:
     """Why a call of this request cannot be continued after an abort, or None."""
     if int(body.get("n") or 1) > 1:
         return "n > 1"
@@ -62,22 +63,22 @@ def refusal(body: dict[str, Any], tool_call_parser: str | None) -> str | None:
     return None
 
 
-def one_choice(resp: dict[str, Any]) -> bool:
+def one_choice(resp: Answer) -> bool:
     return len(resp.get("choices") or []) == 1
 
 
-def aborted(resp: dict[str, Any]) -> bool:
+def aborted(resp: Answer) -> bool:
     return any(c.get("finish_reason") == ABORT for c in resp.get("choices") or [])
 
 
-def finished(chunk: dict[str, Any]) -> bool:
+def finished(chunk: Answer) -> bool:
     """A stream's chunk gives its finish reason. vLLM sends no abort chunk for a call that
     had sampled nothing when its engine was paused (it waited for a slot, or was in chunked
     prefill): its stream ends after its first chunk with none."""
     return any(c.get("finish_reason") for c in chunk.get("choices") or [])
 
 
-def reasoned(resp: dict[str, Any]) -> bool:
+def reasoned(resp: Answer) -> bool:
     """The partial answer (or a stream's chunk) carries a reasoning parser's text. A
     continuation's answer is parsed without the prompt's part of the answer: a tail past the
     end of the reasoning would come back as reasoning, the answer and any tool call in it
@@ -86,7 +87,7 @@ def reasoned(resp: dict[str, Any]) -> bool:
                for c in resp.get("choices") or [] for k in ("reasoning", "reasoning_content"))
 
 
-def cut_in_call(resp: dict[str, Any], tool_call_parser: str | None) -> bool:
+def cut_in_call(resp: Answer, tool_call_parser: str | None) -> bool:
     """The partial answer stops inside a tool call's markup (its text has the call's start:
     the parser could not read it whole)."""
     marker = CALL_MARKUP.get(str(tool_call_parser))
@@ -102,21 +103,22 @@ def cut_in_call(resp: dict[str, Any], tool_call_parser: str | None) -> bool:
     return False
 
 
-def prompt_and_response(resp: dict[str, Any]) -> tuple[list[int], list[int]]:
+def prompt_and_response(resp: Answer) -> tuple[list[int], list[int]]:
     """The prompt's and the (one) choice's token ids of a chat or completions answer."""
     choice = (resp.get("choices") or [{}])[0]
     prompt = choice.get("prompt_token_ids") or resp.get("prompt_token_ids") or []
     return list(prompt), list(choice.get("token_ids") or [])
 
 
-def resend_body(body: dict[str, Any], endpoint: str, prompt_ids: list[int],
-                so_far: list[int]) -> dict[str, Any] | None:
+def resend_body(body: Request, endpoint: str, prompt_ids: list[int],
+                so_far: list[int]) -> Request | None:
     """The upstream request that carries the call on from ``so_far``; None when the tokens
     already reached the call's limit (the answer ends there, by length)."""
-    out = dict(body)
-    key = "max_completion_tokens" if out.get("max_completion_tokens") is not None \
-        else "max_tokens"
-    left = int(out[key]) - len(so_far)
+    out = body.copy()
+    key: Literal["max_completion_tokens", "max_tokens"] = (
+        "max_completion_tokens" if out.get("max_completion_tokens") is not None
+        else "max_tokens")
+    left = int(out.get(key) or 0) - len(so_far)
     if left <= 0:
         return None
     out[key] = left
@@ -129,7 +131,7 @@ def resend_body(body: dict[str, Any], endpoint: str, prompt_ids: list[int],
     return out
 
 
-def ended_by_length(resp: dict[str, Any]) -> dict[str, Any]:
+def ended_by_length(resp: Answer) -> Answer:
     out = copy.deepcopy(resp)
     for choice in out.get("choices") or []:
         if choice.get("finish_reason") == ABORT:
@@ -137,12 +139,12 @@ def ended_by_length(resp: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def merge(first: dict[str, Any], more: dict[str, Any], endpoint: str) -> dict[str, Any]:
+def merge(first: Answer, more: Answer, endpoint: str) -> Answer:
     """One answer from a cut one and its continuation (one choice each): tokens, log-probs
     and text joined, the prompt and the id of the first, the end of the second."""
     out = copy.deepcopy(first)
     a, b = out["choices"][0], (more.get("choices") or [{}])[0]
-    a["token_ids"] = [*(a.get("token_ids") or []), *(b.get("token_ids") or [])]
+    ids = a["token_ids"] = [*(a.get("token_ids") or []), *(b.get("token_ids") or [])]
     a["finish_reason"] = b.get("finish_reason")
     a["stop_reason"] = b.get("stop_reason")
     lp_a, lp_b = a.get("logprobs") or {}, b.get("logprobs") or {}
@@ -158,41 +160,46 @@ def merge(first: dict[str, Any], more: dict[str, Any], endpoint: str) -> dict[st
         before = a.get("text") or ""
         a["text"] = before + (b.get("text") or "")
         if lp_a or lp_b:
-            a["logprobs"] = {k: [*(lp_a.get(k) or []), *(lp_b.get(k) or [])]
-                             for k in ("tokens", "token_logprobs", "top_logprobs")}
-            # the continuation's offsets count from its own text's start
-            a["logprobs"]["text_offset"] = [*(lp_a.get("text_offset") or []), *(
-                o + len(before) for o in lp_b.get("text_offset") or [])]
+            a["logprobs"] = {
+                "tokens": [*(lp_a.get("tokens") or []), *(lp_b.get("tokens") or [])],
+                "token_logprobs": [*(lp_a.get("token_logprobs") or []),
+                                   *(lp_b.get("token_logprobs") or [])],
+                "top_logprobs": [*(lp_a.get("top_logprobs") or []),
+                                 *(lp_b.get("top_logprobs") or [])],
+                # the continuation's offsets count from its own text's start
+                "text_offset": [*(lp_a.get("text_offset") or []),
+                                *(o + len(before) for o in lp_b.get("text_offset") or [])]}
     usage_a, usage_b = out.get("usage") or {}, more.get("usage") or {}
     if usage_a or usage_b:
-        done = len(a["token_ids"])
+        done = len(ids)
         prompt = usage_a.get("prompt_tokens", 0)
         out["usage"] = {**usage_a, "completion_tokens": done, "total_tokens": prompt + done}
     return out
 
 
-def sent_prompt(resp: dict[str, Any]) -> list[int]:
+def sent_prompt(resp: Answer) -> list[int]:
     """The prompt ids a continuation's answer (or its first streamed chunk) says it read."""
     choice = (resp.get("choices") or [{}])[0]
     return list(choice.get("prompt_token_ids") or resp.get("prompt_token_ids") or [])
 
 
-def without_abort(chunk: dict[str, Any]) -> dict[str, Any]:
+def without_abort(chunk: Answer) -> Answer:
     """A streamed chunk that ended the cut call, as the agent sees it: the call goes on."""
-    out = dict(chunk)
+    out = chunk.copy()
     out["choices"] = [{**c, "finish_reason": None} if c.get("finish_reason") == ABORT else c
                       for c in chunk.get("choices") or []]
     return out
 
 
-def as_part_of_call(chunk: dict[str, Any], done: int, text_done: int = 0) -> dict[str, Any]:
+def as_part_of_call(chunk: Answer, done: int, text_done: int = 0) -> Answer:
     """A continuation's streamed chunk as part of the agent's call, ``done`` tokens and
     ``text_done`` characters in: its prompt is the call's (so no second prompt's ids), its
     usage counts the whole answer, its text offsets (completions) the whole text."""
-    out = {k: v for k, v in chunk.items() if k != "prompt_token_ids"}
-    out["choices"] = [{k: v for k, v in c.items() if k != "prompt_token_ids"}
-                      for c in chunk.get("choices") or []]
+    out = chunk.copy()
+    out.pop("prompt_token_ids", None)
+    out["choices"] = [c.copy() for c in chunk.get("choices") or []]
     for choice in out["choices"]:
+        choice.pop("prompt_token_ids", None)
         lp = choice.get("logprobs")
         if text_done and isinstance(lp, dict) and lp.get("text_offset"):
             choice["logprobs"] = {**lp, "text_offset": [o + text_done

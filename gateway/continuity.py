@@ -24,12 +24,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import orjson
 import redis
 
 from app.state import keys
+from gateway.bodies import Answer, AnswerMessage, Message, Request, Tool
 from gateway.rendering import TemplateInput, extra_template_inputs
 
 if TYPE_CHECKING:
@@ -46,12 +47,14 @@ def _arguments(raw: object) -> object:
     return raw
 
 
-def normalized(message: dict[str, Any]) -> dict[str, Any]:
+def normalized(message: Message) -> dict[str, object]:
+    """What of a message an agent echoes back as it came: text stripped, tool calls by name
+    and parsed arguments."""
     content = message.get("content")
     if isinstance(content, list):
         # joined as vLLM joins text parts: a list and its joined string are one message
         content = "\n".join(p.get("text", "") for p in content if isinstance(p, dict))
-    out: dict[str, Any] = {"role": message.get("role"),
+    out: dict[str, object] = {"role": message.get("role"),
                            "content": (content or "").strip() if isinstance(content, str)
                            or content is None else content}
     calls = message.get("tool_calls")
@@ -64,7 +67,7 @@ def normalized(message: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def digest(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+def digest(messages: list[Message], tools: list[Tool] | None) -> str:
     data = orjson.dumps([[normalized(m) for m in messages], tools or []],
                         option=orjson.OPT_SORT_KEYS)
     return hashlib.sha256(data).hexdigest()[:32]
@@ -104,7 +107,7 @@ class Continuity:
         self.eos_text: str = tokenizer.decode([eos]) if eos is not None else ""
         self._lookup = client.register_script(LOOKUP)
 
-    def turn(self, body: dict[str, Any], answer: dict[str, Any],
+    def turn(self, body: Request, answer: AnswerMessage,
              response_ids: list[int]) -> tuple[str, str] | None:
         """(digest, tag) that keeps the conversation ``body`` + ``answer`` (an assistant
         message) as the call being recorded; None for an answer that did not end with the
@@ -114,10 +117,12 @@ class Continuity:
             # a turn rendered with template inputs (a reasoning effort) is not the prompt a
             # later call without them would get
             return None
-        conversation = [*body["messages"], {"role": "assistant", **answer}]
+        said: Message = {"role": "assistant", "content": answer.get("content"),
+                         "tool_calls": answer.get("tool_calls")}
+        conversation = [*body["messages"], said]
         return digest(conversation, body.get("tools")), tag(response_ids)
 
-    def prompt_ids(self, rollout_id: str, body: dict[str, Any]) -> list[int] | None:
+    def prompt_ids(self, rollout_id: str, body: Request) -> list[int] | None:
         """The prompt for ``body`` continuing a kept conversation of the rollout, or None
         (render as usual)."""
         msgs = body.get("messages") or []
@@ -144,8 +149,8 @@ class Continuity:
             return None
         return None if suffix is None else call["prompt_ids"] + call["response_ids"] + suffix
 
-    def _suffix(self, msgs: list[dict[str, Any]], last: int,
-                tools: list[dict[str, Any]] | None) -> list[int] | None:
+    def _suffix(self, msgs: list[Message], last: int,
+                tools: list[Tool] | None) -> list[int] | None:
         """Token ids of what the template puts after the kept conversation's end-of-turn
         token (the messages after ``last`` and the generation prompt), or None when the
         template does not render the kept part as a prefix of the whole."""
@@ -153,9 +158,8 @@ class Continuity:
         served, merged = self.template_input.convert(msgs)  # what the server renders
         if merged:
             return None  # system messages merged into the first: the kept turn changed
-        msgs = served
-        whole = str(render(msgs, tools=tools, add_generation_prompt=True, tokenize=False))
-        head = str(render(msgs[:last + 1], tools=tools, add_generation_prompt=False,
+        whole = str(render(served, tools=tools, add_generation_prompt=True, tokenize=False))
+        head = str(render(served[:last + 1], tools=tools, add_generation_prompt=False,
                           tokenize=False))
         cut = head.rfind(self.eos_text)
         if not whole.startswith(head) or cut < 0:
@@ -164,8 +168,8 @@ class Continuity:
                                           add_special_tokens=False))
 
 
-def kept_turn(continuity: Continuity | None, body: dict[str, Any],
-              answer: dict[str, Any]) -> tuple[str, str] | None:
+def kept_turn(continuity: Continuity | None, body: Request,
+              answer: Answer) -> tuple[str, str] | None:
     """What keeps a whole one-choice chat ``answer`` to ``body`` for its conversation's next
     turn, recorded with the call (``Continuity.turn``); None without token continuity."""
     choices = answer.get("choices") or []

@@ -13,7 +13,7 @@ handed to the stream that will end it.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Literal
 
 import orjson
 from flask import Response
@@ -22,7 +22,8 @@ from app.state.cached_reads import policy_version
 from gateway import capture, sampling
 from gateway.admission import admit
 from gateway.auth import rollout_token_sha256
-from gateway.body import check_int, json_body, loads
+from gateway.bodies import Request
+from gateway.body import answer_of, check_int, json_object
 from gateway.carry_on import CarryOn
 from gateway.continuity import kept_turn
 from gateway.errors import bad_request, retryable
@@ -35,7 +36,9 @@ from gateway.stream import AnswerStream
 TEXT_PARTS = ("text", "input_text", "output_text", "refusal", "thinking")
 
 
-def validate_body(body: object, endpoint: str) -> dict:
+def validate_body(body: Request, endpoint: str) -> Request:
+    """The chat or completions body, checked where the gateway relies on its fields (a
+    protocol's translation, or the agent's body as it came)."""
     if not isinstance(body, dict):
         raise bad_request("request body must be a JSON object")
     if endpoint == "chat.completions":
@@ -83,17 +86,19 @@ def validate_body(body: object, endpoint: str) -> dict:
 
 
 # vLLM's removed guided-decoding fields and what each is in ``structured_outputs``
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+GUIDED_FIELDS: dict[Literal["guided_json", "guided_regex", "guided_choice", "guided_grammar"],
+                    str] = {"guided_json": "json", "guided_regex": "regex",
+                            "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
-def _guided_to_structured(body: dict[str, Any]) -> None:
+def _guided_to_structured(body: Request) -> None:
     """An agent written for an older vLLM asks for a constraint in ``guided_*`` fields, which
     vLLM 0.32 ignores (it samples freely, and only its log says so): they go on as the
     ``structured_outputs`` they became, so the call is constrained as the agent meant."""
     given = [name for name in GUIDED_FIELDS if body.get(name) is not None]
-    for name in ("guided_decoding_backend", "guided_whitespace_pattern"):
-        body.pop(name, None)  # the server's choice, as in vLLM's structured_outputs
+    # the server's choice, as in vLLM's structured_outputs
+    body.pop("guided_decoding_backend", None)
+    body.pop("guided_whitespace_pattern", None)
     if not given:
         return
     if len(given) > 1 or body.get("structured_outputs") is not None:
@@ -117,7 +122,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
     temperature = s.default_temperature if own is None else own
     mode = s.sampling if own is None else "enforce"
     with state.leases.held(lease_id) as lease:
-        request = json_body()
+        request = json_object()
         grammar = ToolGrammar(s.tool_call_parser, s.tool_strict_level)
         body = sampling.apply(validate_body(protocol.to_chat(request, grammar), endpoint),
                               mode, temperature)
@@ -134,7 +139,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         started = time.time()
         resp, data = send(state, rollout_id, lease_id, upstream, endpoint, up_body, stream)
         meta = capture.CallMeta(endpoint=endpoint, version=version,
-                                temperature=float(up_body["temperature"]),
+                                temperature=float(up_body.get("temperature") or 0.0),
                                 upstream=upstream, started_at=started,
                                 constrained=capture.constrained_by(
                                     body, s.tool_call_parser, s.tool_strict_level),
@@ -147,7 +152,7 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
             return Response(answer_stream.events(), mimetype="text/event-stream",
                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         assert data is not None  # read above: not streamed
-        answer, switches = carry.whole(loads(data), version)
+        answer, switches = carry.whole(answer_of(data), version)
         # a call frozen across a weight update ends on a later version than it started
         calls = meta.calls(answer, switches=switches, version_end=policy_version(state.redis))
         if not lease.record([c.to_json() for c in calls],
@@ -158,8 +163,8 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
 
 
 def _upstream_body(state: GatewayState, rollout_id: str, endpoint: str, protocol: Protocol,
-                   body: dict[str, Any], version: int, temperature: float
-                   ) -> tuple[dict[str, Any], bool]:
+                   body: Request, version: int, temperature: float
+                   ) -> tuple[Request, bool]:
     """The request sent upstream (``capture.prepare_upstream_body``), its prompt the ids of
     the conversation so far where token continuity has them; -> (it, whether it is), or the
     agent's context-length error."""

@@ -17,7 +17,9 @@ user turn) or fail in the template.
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
+
+from gateway.bodies import Message, Request
 
 if TYPE_CHECKING:
     import jinja2
@@ -25,6 +27,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 ContentFormat = Literal["string", "openai"]
+# a message as the chat template gets it: the request's, reshaped as vLLM reshapes it
+ServedMessage = dict[str, object]
 
 
 def _unwrapped(node: jinja2.nodes.Node | None) -> jinja2.nodes.Node | None:
@@ -51,16 +55,16 @@ def _reads_content(node: jinja2.nodes.Node | None) -> bool:
         and node.arg.value == "content"
 
 
-def _content_params(ast: Any) -> dict[int, set[str]]:
+def _content_params(ast: jinja2.nodes.Template) -> dict[int, set[str]]:
     """Per macro (by id), its parameters that some call of it passes a content in."""
     import jinja2.nodes as n
 
-    calls = [c for c in ast.find_all(n.Call) if isinstance(c.node, n.Name)]
+    calls = [(c.node.name, c) for c in ast.find_all(n.Call) if isinstance(c.node, n.Name)]
     out: dict[int, set[str]] = {}
     for macro in ast.find_all(n.Macro):
         names = [a.name for a in macro.args]
         params = set()
-        for call in (c for c in calls if c.node.name == macro.name):
+        for call in (c for name, c in calls if name == macro.name):
             params |= {names[i] for i, a in enumerate(call.args[:len(names)])
                        if _reads_content(a)}
             params |= {k.key for k in call.kwargs if k.key in names and _reads_content(k.value)}
@@ -119,10 +123,10 @@ class TemplateInput:
         self.developer_role = isinstance(template, str) and (
             '"developer"' in template or "'developer'" in template)
 
-    def __call__(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    def __call__(self, messages: list[Message]) -> list[ServedMessage]:
         return self.convert(messages)[0]
 
-    def convert(self, messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], bool]:
+    def convert(self, messages: list[Message]) -> tuple[list[ServedMessage], bool]:
         """-> (the messages as served, whether system messages were merged into one: the
         served list is then not the request's message for message)."""
         out = [self._message(m) for m in messages]
@@ -131,8 +135,8 @@ class TemplateInput:
             return merged, merged is not out
         return out, False
 
-    def _message(self, message: dict[str, Any]) -> dict[str, Any]:
-        out = dict(message)
+    def _message(self, message: Message) -> ServedMessage:
+        out: ServedMessage = dict(message)
         if out.get("role") == "developer" and not self.developer_role:
             out["role"] = "system"
         content = out.get("content")
@@ -157,7 +161,7 @@ class TemplateInput:
         return out
 
 
-def extra_template_inputs(body: dict[str, Any]) -> dict[str, Any]:
+def extra_template_inputs(body: Request) -> dict[str, object]:
     """The extra inputs vLLM gives the chat template for the chat body ``body``: its
     ``chat_template_kwargs``, and a ``reasoning_effort`` (with ``enable_thinking`` set from it
     unless given, for templates where thinking is opt-in)."""
@@ -181,7 +185,7 @@ def _texts(content: object) -> list[str] | None:
     return None
 
 
-def _one_system_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _one_system_message(messages: list[ServedMessage]) -> list[ServedMessage]:
     """After developer messages became system ones: every system message merged into one,
     first (some templates refuse a system message anywhere else), as vLLM does."""
     systems = [i for i, m in enumerate(messages) if m.get("role") == "system"]

@@ -16,21 +16,26 @@ Pure functions: no IO here.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Literal
 
+from gateway.bodies import Request
 from gateway.errors import bad_request
 
-# parameter -> (values that change nothing, the value enforce sends)
-NEUTRAL: dict[str, tuple[tuple[Any, ...], Any]] = {
-    "top_p": ((1, 1.0), 1.0),
-    "top_k": ((0, -1), 0),
-    "min_p": ((0, 0.0), 0.0),
-    "presence_penalty": ((0, 0.0), 0.0),
-    "frequency_penalty": ((0, 0.0), 0.0),
-    "repetition_penalty": ((1, 1.0), 1.0),
+# parameter -> the values that change nothing
+NEUTRAL: dict[str, tuple[float, ...]] = {
+    "top_p": (1, 1.0),
+    "top_k": (0, -1),
+    "min_p": (0, 0.0),
+    "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0),
+    "repetition_penalty": (1, 1.0),
 }
+# what enforce sends for each of them
+ENFORCED: Request = {"top_p": 1.0, "top_k": 0, "min_p": 0.0, "presence_penalty": 0.0,
+                     "frequency_penalty": 0.0, "repetition_penalty": 1.0}
 # parameters enforce removes (empty or absent changes nothing)
-REMOVED = ("logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
+REMOVED: tuple[Literal["logit_bias", "allowed_token_ids", "bad_words", "min_tokens"], ...] = (
+    "logit_bias", "allowed_token_ids", "bad_words", "min_tokens")
 WHY = "it changes the distribution tokens are sampled from, which the trainer does not model"
 
 
@@ -38,7 +43,7 @@ def _neutral_removed(value: object) -> bool:
     return value is None or value == 0 or value == {} or value == []
 
 
-def apply(body: dict[str, Any], mode: str, temperature: float) -> dict[str, Any]:
+def apply(body: Request, mode: str, temperature: float) -> Request:
     """The request body with sampling the trainer models (``enforce``), or the body as is
     after checking it (``reject``)."""
     if mode == "reject":
@@ -49,19 +54,19 @@ def apply(body: dict[str, Any], mode: str, temperature: float) -> dict[str, Any]
                 f"'temperature' {temp} differs from the rollout temperature {temperature} "
                 f"the trainer models{greedy}; remove it, or set gateway.sampling: enforce",
                 param="temperature")
-        for name, (neutral, _) in NEUTRAL.items():
-            if body.get(name) is not None and body[name] not in neutral:
-                raise bad_request(f"'{name}' {body[name]!r} is not allowed: {WHY} "
+        for name, neutral in NEUTRAL.items():
+            value = body.get(name)
+            if value is not None and value not in neutral:
+                raise bad_request(f"'{name}' {value!r} is not allowed: {WHY} "
                                   "(gateway.sampling: reject)", param=name)
         for name in REMOVED:
             if not _neutral_removed(body.get(name)):
                 raise bad_request(f"'{name}' is not allowed: {WHY} (gateway.sampling: reject)",
                                   param=name)
         return body
-    out = dict(body)
+    out = body.copy()
     out["temperature"] = temperature
-    for name, (_, value) in NEUTRAL.items():
-        out[name] = value
+    out.update(ENFORCED)
     for name in REMOVED:
         out.pop(name, None)
     return out

@@ -12,12 +12,12 @@ its OpenAI code (and a count on the rollout's record).
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import orjson
 
 from app.state import keys
 from app.state.records import RolloutRecord
+from gateway.bodies import Request
 from gateway.body import loads
 from gateway.context import is_vllm_overflow
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, GatewayError, bad_request, retryable
@@ -31,7 +31,7 @@ ENDPOINT_PATHS = {"chat.completions": "/v1/chat/completions", "completions": "/v
 
 
 def send(state: GatewayState, rollout_id: str, lease_id: str, upstream: str, endpoint: str,
-         body: dict[str, Any], stream: bool) -> tuple[UpstreamResponse, bytes | None]:
+         body: Request, stream: bool) -> tuple[UpstreamResponse, bytes | None]:
     """Post one upstream call under the lease; -> (the response, its body unless streamed),
     or the error the agent gets."""
     s = state.settings
@@ -91,10 +91,13 @@ def overflowed(state: GatewayState, rollout_id: str, err: GatewayError) -> Gatew
 def upstream_error(status: int, data: bytes) -> GatewayError:
     """vLLM's error answer (``status``, body ``data``) as the agent gets it."""
     try:
-        err = loads(data).get("error", {})
-        if isinstance(err, str):
-            err = {"message": err}
-    except (ValueError, AttributeError):
+        value = loads(data)
+    except ValueError:
+        value = None
+    err = value.get("error") if isinstance(value, dict) else None
+    if isinstance(err, str):
+        err = {"message": err}
+    if not isinstance(err, dict):
         err = {}
     message = err.get("message") or f"inference server answered {status}"
     if status < 500:

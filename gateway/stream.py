@@ -33,13 +33,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from app.state.cached_reads import policy_version
 from gateway import capture, continuation
-from gateway.body import loads
+from gateway.bodies import Answer, Choice
+from gateway.body import answer_of
 from gateway.carry_on import CarryOn
 from gateway.continuity import kept_turn
 from gateway.errors import GatewayError, retryable
@@ -144,7 +144,7 @@ class AnswerStream:
                 continue
             payload = line[5:].strip()
             if payload != "[DONE]":
-                yield from self._chunk(loads(payload))
+                yield from self._chunk(answer_of(payload))
                 continue
             if self.cut:
                 break
@@ -160,10 +160,9 @@ class AnswerStream:
             raise _Ends(self._cut_off(None))
         return self.cut
 
-    def _chunk(self, chunk: Any) -> Iterator[bytes]:
-        """One chunk of the upstream answer (any JSON it sent), into the capture and on to
-        the agent."""
-        if isinstance(chunk, dict) and chunk.get("error"):
+    def _chunk(self, chunk: Answer) -> Iterator[bytes]:
+        """One chunk of the upstream answer, into the capture and on to the agent."""
+        if chunk.get("error"):
             # vLLM's error inside a stream (then [DONE]): the agent gets it in its
             # protocol's shape, and the partial call is not captured
             err = stream_error(chunk["error"])
@@ -265,7 +264,7 @@ class AnswerStream:
                                              so_far)
         if more_body is None:  # the cut came at the call's last token
             self.acc.end_by_length()
-            last: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+            last: Choice = {"index": 0, "finish_reason": "length"}
             if self.meta.endpoint == "chat.completions":
                 last["delta"] = {}
             else:
@@ -287,7 +286,7 @@ class AnswerStream:
         self.resumed = _Resumed(len(so_far), self.acc.text_length(), [*prompt_ids, *so_far])
         return True
 
-    def _as_part_of_call(self, chunk: dict[str, Any], resumed: _Resumed) -> dict[str, Any]:
+    def _as_part_of_call(self, chunk: Answer, resumed: _Resumed) -> Answer:
         """A continuation's chunk as part of the agent's call; the first that names the
         prompt ids its server read must name the ones sent."""
         if resumed.expected is not None and continuation.sent_prompt(chunk):

@@ -9,12 +9,13 @@ the chat body, so they are the same on every route. Pure functions: no IO here.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import orjson
 
+from gateway.bodies import Answer, Function, NamedToolChoice, Request, Tool
 from gateway.capture import auto_tool_grammar
 from gateway.errors import GatewayError, bad_request, overflow_error
 
@@ -22,7 +23,7 @@ from gateway.errors import GatewayError, bad_request, overflow_error
 class StreamTranslator:
     """Chat-completions chunks in, the protocol's server-sent events out."""
 
-    def chunk(self, chunk: dict[str, Any]) -> Iterator[bytes]:
+    def chunk(self, chunk: Answer) -> Iterator[bytes]:
         yield b"data: " + orjson.dumps(chunk) + b"\n\n"
 
     def done(self) -> Iterator[bytes]:
@@ -46,13 +47,16 @@ class Protocol:
 
     name = "openai"
 
-    def to_chat(self, body: Any, tools: ToolGrammar = ToolGrammar()) -> dict[str, Any]:
-        return body
+    def to_chat(self, body: dict[str, object], tools: ToolGrammar = ToolGrammar()) -> Request:
+        """The agent's request (a JSON object) as a chat-completions body; the route checks
+        that body next (``gateway.forward.validate_body``)."""
+        return cast(Request, body)  # already one: checked next, as every protocol's is
 
-    def answer(self, chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, chat: Answer, request: dict[str, object]) -> Mapping[str, object]:
+        """The chat answer as the protocol's answer to ``request``."""
         return chat
 
-    def stream(self, request: dict[str, Any]) -> StreamTranslator:
+    def stream(self, request: dict[str, object]) -> StreamTranslator:
         return StreamTranslator()
 
     def overflow(self, prompt_tokens: int, max_tokens: int, max_model_len: int,
@@ -66,7 +70,7 @@ class Protocol:
 OPENAI = Protocol()
 
 
-def required_string(obj: dict[str, Any], name: str, where: str) -> str:
+def required_string(obj: Mapping[str, object], name: str, where: str) -> str:
     """``obj[name]``, a non-empty string, else a 400 naming ``where.name`` (taken as it came
     it would enter the prompt as the word None, or as a Python repr)."""
     value = obj.get(name)
@@ -75,7 +79,7 @@ def required_string(obj: dict[str, Any], name: str, where: str) -> str:
     return value
 
 
-def template_kwargs(body: dict[str, Any], chat: dict[str, Any]) -> None:
+def template_kwargs(body: Mapping[str, object], chat: Request) -> None:
     """vLLM's ``chat_template_kwargs`` (an SDK's ``extra_body``: Qwen3's ``enable_thinking``,
     say) go on to the chat body as the chat route takes them."""
     kwargs = body.get("chat_template_kwargs")
@@ -89,7 +93,7 @@ def template_kwargs(body: dict[str, Any], chat: dict[str, Any]) -> None:
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")  # vLLM's chat field
 
 
-def reasoning_effort(effort: object, param: str, chat: dict[str, Any]) -> None:
+def reasoning_effort(effort: object, param: str, chat: Request) -> None:
     """A reasoning effort goes on as the chat route's ``reasoning_effort``, which vLLM hands
     the chat template (gpt-oss and Qwen3 templates read it; others ignore it) rather than
     drop it: the prompt the model sees then is the one the provider's API would give it."""
@@ -100,7 +104,7 @@ def reasoning_effort(effort: object, param: str, chat: dict[str, Any]) -> None:
     chat["reasoning_effort"] = effort
 
 
-def format_shuts_out_tools(chat: dict[str, Any], tools: ToolGrammar) -> bool:
+def format_shuts_out_tools(chat: Request, tools: ToolGrammar) -> bool:
     """Whether a structured-output format sent with ``chat`` would keep the model from
     calling its tools. OpenAI and Anthropic hold only the final text answer to the format.
     vLLM holds every token to it (a forced call overrides it), unless under tool_choice auto
@@ -114,17 +118,18 @@ def format_shuts_out_tools(chat: dict[str, Any], tools: ToolGrammar) -> bool:
     return not (tools.parser and auto_tool_grammar(chat["tools"], tools.strict_level))
 
 
-def function_tool(tool: dict[str, Any], schema_key: str) -> dict[str, Any]:
-    """A chat-completions function tool from another protocol's (its JSON schema under
-    ``schema_key``); ``strict`` asks vLLM to hold the arguments to the schema."""
-    fn = {"name": tool["name"], "parameters": tool.get(schema_key) or {"type": "object"}}
-    for name in ("description", "strict"):
-        if tool.get(name) is not None:
-            fn[name] = tool[name]
+def function_tool(name: str, tool: Mapping[str, object], schema_key: str) -> Tool:
+    """A chat-completions function tool ``name`` from another protocol's (its JSON schema
+    under ``schema_key``); ``strict`` asks vLLM to hold the arguments to the schema."""
+    fn: Function = {"name": name, "parameters": tool.get(schema_key) or {"type": "object"}}
+    if tool.get("description") is not None:
+        fn["description"] = tool["description"]
+    if tool.get("strict") is not None:
+        fn["strict"] = tool["strict"]
     return {"type": "function", "function": fn}
 
 
-def named_function(name: str) -> dict[str, Any]:
+def named_function(name: str) -> NamedToolChoice:
     """The chat-completions ``tool_choice`` that forces the function ``name``."""
     return {"type": "function", "function": {"name": name}}
 
