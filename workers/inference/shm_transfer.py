@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import (
@@ -38,7 +37,7 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
     update_info_cls = ShmUpdateInfo
     supports_draft_weight_update = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)
         self.directory: Path | None = None
 
@@ -65,7 +64,7 @@ class SharedMemoryTransferEngine(WeightTransferEngine[ShmInitInfo, ShmUpdateInfo
 
         finalize_layerwise_reload(self.model, self.model_config)
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
+    def update_weights(self, update_info: dict[str, object]) -> None:
         # the base class synchronizes the accelerator, which a CPU server does not have
         self.receive_weights(self.parse_update_info(update_info))
         if self.device.type != "cpu":

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from app.state.records import checked_reward
 
@@ -48,7 +47,7 @@ class LLMEndpoint:
                 "CARRYOVER_MAX_WAIT_S": str(self.max_wait_s)}
 
 
-def parse_reward(value: Any) -> float:
+def parse_reward(value: object) -> float:
     """A finite float of sane size, or AgentError naming what came back."""
     if isinstance(value, dict) and "reward" in value:
         value = value["reward"]
@@ -107,7 +106,7 @@ class Controller:
 
     def run(self, sample: dict, llm: LLMEndpoint, timeout_s: float, clock: PauseAwareClock,
             cancelled: Callable[[], bool],
-            posted_reward: Callable[[], Any] = lambda: None, adopted: bool = False) -> float:
+            posted_reward: Callable[[], object] = lambda: None, adopted: bool = False) -> float:
         """``posted_reward`` reads a reward the agent POSTed to the gateway (or None);
         ``adopted``: the agent of ``llm.rollout_id`` is already running (see :meth:`adopt`)."""
         raise NotImplementedError

@@ -29,7 +29,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any, TypedDict, Unpack
 
 import redis
 
@@ -45,6 +45,9 @@ from workers.rollout.base import (
     stop_reason,
 )
 
+if TYPE_CHECKING:
+    from app.config.schema import KubernetesConfig
+
 log = logging.getLogger(__name__)
 
 __all__ = ["AgentError", "Controller", "LLMEndpoint", "PauseAwareClock", "ProcessController",
@@ -52,7 +55,7 @@ __all__ = ["AgentError", "Controller", "LLMEndpoint", "PauseAwareClock", "Proces
 
 
 class PythonController(Controller):
-    def __init__(self, ref: str, settings: dict[str, Any]) -> None:
+    def __init__(self, ref: str, settings: dict[str, object]) -> None:
         module, _, name = ref.partition(":")
         try:
             self.fn = getattr(importlib.import_module(module), name)
@@ -173,7 +176,7 @@ def _start_ticks(pid: int) -> str | None:
 
 
 class ProcessController(Controller):
-    def __init__(self, command: str, settings: dict[str, Any],
+    def __init__(self, command: str, settings: dict[str, object],
                  client: redis.Redis | None = None) -> None:
         self.command = command
         self.settings = settings
@@ -270,8 +273,20 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait(5)
 
 
-def make_controller(backend: str, agent: str, settings: dict[str, Any],
-                    **context: Any) -> Controller:
+class ControllerContext(TypedDict, total=False):
+    """What a backend needs beyond the agent and its settings: ``client`` (process and
+    kubernetes); all of them (kubernetes)."""
+
+    client: redis.Redis
+    kcfg: KubernetesConfig
+    gateway_url: str
+    run_id: str
+    group_id: str
+    index: int
+
+
+def make_controller(backend: str, agent: str, settings: dict[str, object],
+                    **context: Unpack[ControllerContext]) -> Controller:
     """``context``: client (process and kubernetes); kcfg, gateway_url, run_id, group_id,
     index (kubernetes)."""
     if backend == "python":

@@ -22,7 +22,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import redis
 import tenacity
@@ -163,19 +163,20 @@ def build_job(kcfg: KubernetesConfig, *, command: str, llm: LLMEndpoint, gateway
                                            spec=pod)))
 
 
-def _plain(env: Mapping[str, Any]) -> dict[str, str]:
+def _plain(env: Mapping[str, str | Mapping[str, str]]) -> dict[str, str]:
     """``controller.kubernetes.env``'s plain values."""
-    return {k: str(v) for k, v in dict(env).items() if not hasattr(v, "keys")}
+    return {k: str(v) for k, v in dict(env).items() if not isinstance(v, Mapping)}
 
 
-def _secret_refs(env: Mapping[str, Any]) -> dict[str, dict[str, str]]:
+def _secret_refs(env: Mapping[str, str | Mapping[str, str]]) -> dict[str, dict[str, str]]:
     """``controller.kubernetes.env``'s Secret keys (``{secret: name, key: key}``): the value
     is read from the Secret by the kubelet and never stands in the Job spec."""
     return {k: {"secret": str(v["secret"]), "key": str(v["key"])}
-            for k, v in dict(env).items() if hasattr(v, "keys")}
+            for k, v in dict(env).items() if isinstance(v, Mapping)}
 
 
-def _resources(spec: Mapping[str, Any] | None) -> dict[str, dict[str, str]]:
+def _resources(spec: Mapping[str, Mapping[str, str | float]] | None
+               ) -> dict[str, dict[str, str]]:
     """``controller.kubernetes.resources`` (its shape checked when the config loads) with
     each quantity as the string the API takes."""
     return {k: {rk: str(rv) for rk, rv in dict(v).items()} for k, v in dict(spec or {}).items()}
@@ -253,7 +254,7 @@ def api_message(exc: ApiException) -> str:
 
 
 class KubernetesController(Controller):
-    def __init__(self, command: str, settings: dict[str, Any], kcfg: KubernetesConfig, *,
+    def __init__(self, command: str, settings: dict[str, object], kcfg: KubernetesConfig, *,
                  client: redis.Redis, gateway_url: str, run_id: str, group_id: str,
                  index: int) -> None:
         from kubernetes import client as k8s

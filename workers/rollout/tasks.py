@@ -6,11 +6,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from celery.signals import task_received, worker_ready, worker_shutdown
 
 from app.celery_app import celery_app, task_redis
+
+if TYPE_CHECKING:
+    from celery.worker.request import Request
 
 
 @celery_app.task(name="workers.rollout.tasks.run_rollout")
@@ -33,7 +36,7 @@ def finish_group(results: list, group_id: str) -> str:
 # --- liveness: a dead worker's deliveries are requeued by its peers (workers.rollout.reaper)
 
 @worker_ready.connect
-def _start_reaper(sender: Any = None, **_: Any) -> None:
+def _start_reaper(sender: object = None, **_: object) -> None:
     if not {"rollout", "groups"} & set(celery_app.amqp.queues.consume_from or {}):
         return  # the trainer worker: acknowledges on receipt, re-sent by the driver
     from app.config import service_config
@@ -43,7 +46,8 @@ def _start_reaper(sender: Any = None, **_: Any) -> None:
 
 
 @task_received.connect
-def _record_delivery(sender: Any = None, request: Any = None, **_: Any) -> None:
+def _record_delivery(sender: object = None, request: Request | None = None,
+                     **_: object) -> None:
     from workers.rollout.reaper import running_reaper
 
     reaper = running_reaper()
@@ -52,7 +56,7 @@ def _record_delivery(sender: Any = None, request: Any = None, **_: Any) -> None:
 
 
 @worker_shutdown.connect
-def _stop_reaper(sender: Any = None, **_: Any) -> None:
+def _stop_reaper(sender: object = None, **_: object) -> None:
     from workers.rollout.reaper import stop_reaper
 
     stop_reaper()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import requests
 
 
@@ -16,7 +14,7 @@ def server_session(api_key: str | None = None) -> requests.Session:
     if api_key:
         session.headers["Authorization"] = f"Bearer {api_key}"
 
-    def drop_pool(response: requests.Response, *args: Any, **kwargs: Any) -> None:
+    def drop_pool(response: requests.Response, *args: object, **kwargs: object) -> None:
         if response.status_code >= 500:
             response.content  # noqa: B018 - read whole before the pool goes
             session.get_adapter(response.url).close()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import Any
 
 from celery.signals import worker_init, worker_ready, worker_shutdown
 
@@ -82,7 +81,7 @@ def restore_servers(run_id: str) -> dict:
 
 
 @worker_init.connect
-def _refuse_without_shared_secret(sender: Any = None, **_: Any) -> None:
+def _refuse_without_shared_secret(sender: object = None, **_: object) -> None:
     """A trainer worker started by plain ``celery`` (the Procfile's line) is checked as
     ``carryover serve trainer`` is: before it takes a task, not at its first weight load,
     where servers on other hosts would refuse this machine's own key. A ``SystemExit`` is
@@ -99,7 +98,7 @@ def _refuse_without_shared_secret(sender: Any = None, **_: Any) -> None:
 
 
 @worker_ready.connect
-def _start_upstream_keeper(sender: Any = None, **_: Any) -> None:
+def _start_upstream_keeper(sender: object = None, **_: object) -> None:
     if "trainer" not in (celery_app.amqp.queues.consume_from or {}):
         return  # a rollout or groups worker
     from app.config import service_config
@@ -121,7 +120,7 @@ def _start_upstream_keeper(sender: Any = None, **_: Any) -> None:
 
 
 @worker_shutdown.connect
-def _close_resident(sender: Any = None, **_: Any) -> None:
+def _close_resident(sender: object = None, **_: object) -> None:
     """A worker that stops (warm shutdown) finishes its checkpoint write and frees what its
     run held, its exports in shared memory among them."""
     if "workers.trainer.resident" not in sys.modules:
