@@ -9,9 +9,10 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Callable
-from typing import Any, get_args
+from typing import Protocol, TypeGuard, get_args
 
 from app.config.errors import ConfigError
+from app.config.raw import YamlMap, at, section
 from app.config.schema import DrainMode
 from app.config.settings import TransferEngine, WeightSync, transfer_engine
 from app.config.verl_names import ADV_ESTIMATORS, POLICY_LOSSES, ROLLOUT_RS_OPTIONS
@@ -46,78 +47,72 @@ KL_TYPES = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
 FILTER_METRICS = ("score", "acc", "seq_reward", "seq_final_reward")
 
 
-def _get(cfg: dict[str, Any], key: str) -> Any:
-    node: Any = cfg
-    for part in key.split("."):
-        node = node[part]
-    return node
-
-
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> TypeGuard[int]:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_num(v: Any) -> bool:
+def _is_num(v: object) -> TypeGuard[int | float]:
     return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
 
 
-def _fmt(v: Any) -> str:
+def _fmt(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     return "null" if v is None else repr(v)
 
 
-Check = Callable[[Any], str | None]
+# A rule for one key: it takes whatever the YAML held, and says what is wrong with it, or None.
+Check = Callable[[object], str | None]
 
 
-def positive_int(v: Any) -> str | None:
+def positive_int(v: object) -> str | None:
     return None if _is_int(v) and v > 0 else "must be a positive integer"
 
 
-def non_negative_int(v: Any) -> str | None:
+def non_negative_int(v: object) -> str | None:
     return None if _is_int(v) and v >= 0 else "must be an integer >= 0"
 
 
-def finite_num(v: Any) -> str | None:
+def finite_num(v: object) -> str | None:
     return None if _is_num(v) else "must be a number"
 
 
-def positive_num(v: Any) -> str | None:
+def positive_num(v: object) -> str | None:
     return None if _is_num(v) and v > 0 else "must be a positive number"
 
 
-def non_negative_num(v: Any) -> str | None:
+def non_negative_num(v: object) -> str | None:
     return None if _is_num(v) and v >= 0 else "must be a number >= 0"
 
 
 def at_least(low: float) -> Check:
-    def check(v: Any) -> str | None:
+    def check(v: object) -> str | None:
         return None if _is_num(v) and v >= low else f"must be a number >= {_fmt(low)}"
 
     return check
 
 
 def int_at_least(low: int) -> Check:
-    def check(v: Any) -> str | None:
+    def check(v: object) -> str | None:
         return None if _is_int(v) and v >= low else f"must be an integer >= {low}"
 
     return check
 
 
-def share(v: Any) -> str | None:
+def share(v: object) -> str | None:
     """A share of something that must be given some: above 0, at most 1."""
     return None if _is_num(v) and 0 < v <= 1 else "must be a number above 0, at most 1"
 
 
-def fraction(v: Any) -> str | None:
+def fraction(v: object) -> str | None:
     return None if _is_num(v) and 0 <= v <= 1 else "must be a number from 0 to 1"
 
 
-def boolean(v: Any) -> str | None:
+def boolean(v: object) -> str | None:
     return None if isinstance(v, bool) else "must be true or false"
 
 
-def string(v: Any) -> str | None:
+def string(v: object) -> str | None:
     if isinstance(v, str) and v.strip():
         return None
     if isinstance(v, (int, float)):  # bool too: true, 123 and 1e3 are read as YAML scalars
@@ -125,11 +120,11 @@ def string(v: Any) -> str | None:
     return "must be a non-empty string"
 
 
-def port(v: Any) -> str | None:
+def port(v: object) -> str | None:
     return None if _is_int(v) and 0 < v < 65536 else "must be a port number 1-65535"
 
 
-def url(v: Any) -> str | None:
+def url(v: object) -> str | None:
     """An HTTP server's base URL (the gateway's, an inference server's): the routes are
     added to it, so one that already ends in /v1 (an OpenAI base URL) would get a second."""
     from urllib.parse import urlsplit
@@ -148,13 +143,13 @@ def url(v: Any) -> str | None:
     return None
 
 
-def redis_url(v: Any) -> str | None:
+def redis_url(v: object) -> str | None:
     ok = isinstance(v, str) and re.match(r"^(rediss?|unix)://\S+$", v)
     return None if ok else "must be a URL like redis://host:port (or rediss://, unix://)"
 
 
-def one_of(*choices: Any) -> Check:
-    def check(v: Any) -> str | None:
+def one_of(*choices: object) -> Check:
+    def check(v: object) -> str | None:
         # by type too: 1 == True and 0 == False, which would let a 1 pass as true here and
         # then miss every rule that tests ``is True``
         if any(v == c and type(v) is type(c) for c in choices):
@@ -166,14 +161,14 @@ def one_of(*choices: Any) -> Check:
 
 
 def optional(check: Check) -> Check:
-    def wrapped(v: Any) -> str | None:
+    def wrapped(v: object) -> str | None:
         return None if v is None else check(v)
 
     return wrapped
 
 
 def auto_or(check: Check) -> Check:
-    def wrapped(v: Any) -> str | None:
+    def wrapped(v: object) -> str | None:
         if v == "auto" or check(v) is None:
             return None
         return f"{check(v)}, or auto"
@@ -186,7 +181,7 @@ def _names(options: str) -> list[str]:
     return list(dict.fromkeys(p.strip() for p in options.split(",") if p.strip()))
 
 
-def rejection_options(v: Any) -> str | None:
+def rejection_options(v: object) -> str | None:
     names = _names(v) if isinstance(v, str) else []
     if names and all(n in ROLLOUT_RS_OPTIONS for n in names):
         return None
@@ -194,18 +189,21 @@ def rejection_options(v: Any) -> str | None:
             + ", ".join(ROLLOUT_RS_OPTIONS))
 
 
-def rejection_threshold(v: Any) -> str | None:
+def rejection_threshold(v: object) -> str | None:
     ok = (_is_num(v) and v > 0) or (isinstance(v, str) and v.strip() != "")
     return None if ok else "must be a positive number or a string of thresholds"
 
 
-def _rejection_thresholds(options: str, spec: Any) -> str | None:
+def _rejection_thresholds(options: str, spec: object) -> str | None:
     """What verl would refuse in ``rollout_rs_threshold`` for ``options``
     (``rollout_corr_helper._parse_rollout_rs_thresholds``), or None."""
     names = _names(options)
-    if spec is None:
+    if _is_num(spec):
+        parts = [str(spec)]
+    elif isinstance(spec, str):
+        parts = [p.strip() for p in spec.split(",") if p.strip()]
+    else:  # null: its own rule takes nothing else
         return f"must be a positive number when rollout_rs is {options!r}"
-    parts = [str(spec)] if _is_num(spec) else [p.strip() for p in spec.split(",") if p.strip()]
     if len(parts) not in (1, len(names)):
         return f"must give one threshold, or one per rollout_rs option ({len(names)})"
     for name, part in zip(names, parts * len(names) if len(parts) == 1 else parts,
@@ -229,25 +227,25 @@ def _rejection_thresholds(options: str, spec: Any) -> str | None:
     return None
 
 
-def url_list(v: Any) -> str | None:
+def url_list(v: object) -> str | None:
     if not isinstance(v, list) or not v:
         return "must be a non-empty list of URLs"
     bad = [f"{u!r} {url(u)}" for u in v if url(u)]
     return f"has entries that are not servers' URLs: {'; '.join(bad)}" if bad else None
 
 
-def mapping(v: Any) -> str | None:
+def mapping(v: object) -> str | None:
     return None if isinstance(v, dict) else "must be a mapping"
 
 
-def string_mapping(v: Any) -> str | None:
+def string_mapping(v: object) -> str | None:
     if not isinstance(v, dict):
         return "must be a mapping of strings"
     bad = [k for k, x in v.items() if not isinstance(x, str)]
     return f"must map to strings; not strings: {bad}" if bad else None
 
 
-def k8s_env_mapping(v: Any) -> str | None:
+def k8s_env_mapping(v: object) -> str | None:
     """Each value a string, or a Secret's key: ``{secret: <name>, key: <key>}``."""
     if not isinstance(v, dict):
         return "must be a mapping of strings or {secret: name, key: key}"
@@ -261,14 +259,14 @@ def k8s_env_mapping(v: Any) -> str | None:
             "give it another name" if taken else None)
 
 
-def k8s_namespace(v: Any) -> str | None:
+def k8s_namespace(v: object) -> str | None:
     problem = string(v)
-    if problem is None and not re.match(K8S_NAMESPACE, v):
+    if problem is None and isinstance(v, str) and not re.match(K8S_NAMESPACE, v):
         return "must be a Kubernetes namespace name (lower-case letters, digits and -)"
     return problem
 
 
-def k8s_resources(v: Any) -> str | None:
+def k8s_resources(v: object) -> str | None:
     """``{limits: {cpu: 1, memory: 2Gi}, requests: {...}}``, as a container spec has it."""
     if not isinstance(v, dict):
         return "must be a mapping like {limits: {cpu: 1, memory: 2Gi}, requests: {...}}"
@@ -281,9 +279,9 @@ def k8s_resources(v: Any) -> str | None:
             if bad else None)
 
 
-def k8s_label_mapping(v: Any) -> str | None:
+def k8s_label_mapping(v: object) -> str | None:
     problem = string_mapping(v)
-    if problem:
+    if problem or not isinstance(v, dict):  # (no problem: a mapping of strings)
         return problem
     bad = [f"{k}={x}" for k, x in v.items() if not re.match(K8S_LABEL_VALUE, x)]
     if bad:
@@ -292,12 +290,12 @@ def k8s_label_mapping(v: Any) -> str | None:
     return f"has label keys Kubernetes refuses: {bad}" if bad else None
 
 
-def test_freq(v: Any) -> str | None:
+def test_freq(v: object) -> str | None:
     ok = _is_int(v) and (v == -1 or v > 0)
     return None if ok else "must be a positive integer, or -1 (never)"
 
 
-def lora_targets(v: Any) -> str | None:
+def lora_targets(v: object) -> str | None:
     if v == "all-linear":
         return None
     if not isinstance(v, list | tuple) or not v or not all(isinstance(x, str) and x for x in v):
@@ -309,7 +307,7 @@ def lora_targets(v: Any) -> str | None:
     return None
 
 
-def agent_ref(v: Any) -> str | None:
+def agent_ref(v: object) -> str | None:
     if isinstance(v, str) and v.strip():
         return None
     return "must name the agent (module:function or a command)"
@@ -499,29 +497,71 @@ RULES: dict[str, Check] = {
 }
 
 
-def _bypass_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+class KeysOk(Protocol):
+    """Whether each key named passed its own rule (in ``RULES``): a rule between keys is
+    checked only then."""
+
+    def __call__(self, *keys: str) -> bool: ...
+
+
+# A rule between keys reads a key's value as the type its own rule holds it to, once
+# ``ok(key)`` said it passed that rule: a TypeError here is a rule that read a key too early.
+def _int(cfg: YamlMap, key: str) -> int:
+    value = at(cfg, key)
+    if not _is_int(value):
+        raise TypeError(f"{key}: {value!r} read as an integer before its rule passed")
+    return value
+
+
+def _optional_int(cfg: YamlMap, key: str) -> int | None:
+    value = at(cfg, key)
+    return None if value is None else _int(cfg, key)
+
+
+def _num(cfg: YamlMap, key: str) -> float:
+    value = at(cfg, key)
+    if not _is_num(value):
+        raise TypeError(f"{key}: {value!r} read as a number before its rule passed")
+    return value  # an int stays one: the messages show the value as given
+
+
+def _str(cfg: YamlMap, key: str) -> str:
+    value = at(cfg, key)
+    if not isinstance(value, str):
+        raise TypeError(f"{key}: {value!r} read as a string before its rule passed")
+    return value
+
+
+def _strs(cfg: YamlMap, key: str) -> list[str]:
+    value = at(cfg, key)
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise TypeError(f"{key}: {value!r} read as a list of strings before its rule passed")
+    return [x for x in value if isinstance(x, str)]
+
+
+def _bypass_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """What verl's bypass loss (``algorithm.rollout_correction.bypass_mode``) cannot take."""
     problems = []
-    loss_mode = _get(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode")
+    loss_mode = at(cfg, "actor_rollout_ref.actor.policy_loss.loss_mode")
     if loss_mode != "vanilla":
         problems.append(
             f"actor_rollout_ref.actor.policy_loss.loss_mode: value {_fmt(loss_mode)} cannot be "
             "used with algorithm.rollout_correction.bypass_mode (verl's bypass loss is PPO's "
             "clip or REINFORCE, chosen by algorithm.rollout_correction.loss_type): set it to "
             "vanilla or turn bypass_mode off")
-    micro = _get(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
-    tr = cfg["trainer"]
-    ranks = max(tr["ranks"], tr["nnodes"] * tr["n_gpus_per_node"]) \
+    micro = at(cfg, "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")
+    ranks = max(_int(cfg, "trainer.ranks"),
+                _int(cfg, "trainer.nnodes") * _int(cfg, "trainer.n_gpus_per_node")) \
         if ok("trainer.ranks", "trainer.nnodes", "trainer.n_gpus_per_node") else 1
     # use_dynamic_bsz auto is false here
     if micro == 1 and ranks > 1 and \
-            _get(cfg, "actor_rollout_ref.actor.use_dynamic_bsz") is not True:
+            at(cfg, "actor_rollout_ref.actor.use_dynamic_bsz") is not True:
         problems.append(
             f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu: value 1 cannot be used "
             f"with algorithm.rollout_correction.bypass_mode over {ranks} ranks: a batch that "
             "does not divide over them leaves a rank a micro-batch of padding alone, with no "
             "trained token, which verl's bypass loss refuses; use 2 or more")
-    if ranks > 1 and _get(cfg, "actor_rollout_ref.actor.use_dynamic_bsz") is True:
+    if ranks > 1 and at(cfg, "actor_rollout_ref.actor.use_dynamic_bsz") is True:
         problems.append(
             f"actor_rollout_ref.actor.use_dynamic_bsz: value true cannot be used with "
             f"algorithm.rollout_correction.bypass_mode over {ranks} ranks: verl cuts every "
@@ -532,64 +572,69 @@ def _bypass_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
     return problems
 
 
-def _data_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _data_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """The batch sizes fit in one another, and the prompts' chat template is a file."""
     problems = []
-    tbs = _get(cfg, "data.train_batch_size")
-    async_cfg = cfg["agentlightning"]["async_rollout"]
-    atbs = async_cfg["async_train_batch_size"]
     if ok("data.train_batch_size", "agentlightning.async_rollout.async_train_batch_size",
-          "agentlightning.async_rollout.enabled") and async_cfg["enabled"] and atbs <= tbs:
-        problems.append(
-            f"agentlightning.async_rollout.async_train_batch_size: value {atbs} must be strictly "
-            f"greater than data.train_batch_size ({tbs}) when async_rollout.enabled is true "
-            f"(a good start is 2 x train_batch_size = {2 * tbs})"
-        )
-    mini = _get(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size")
-    if ok("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size") and mini \
-            and mini > tbs:
-        # as verl's actor config refuses it: it would silently mean the whole batch
-        problems.append(f"actor_rollout_ref.actor.ppo_mini_batch_size: value {mini} is more "
-                        f"than data.train_batch_size ({tbs}): groups per optimizer step, at "
-                        "most the batch (0 for the whole batch in one)")
+          "agentlightning.async_rollout.enabled") \
+            and at(cfg, "agentlightning.async_rollout.enabled"):
+        tbs = _int(cfg, "data.train_batch_size")
+        atbs = _int(cfg, "agentlightning.async_rollout.async_train_batch_size")
+        if atbs <= tbs:
+            problems.append(
+                f"agentlightning.async_rollout.async_train_batch_size: value {atbs} must be "
+                f"strictly greater than data.train_batch_size ({tbs}) when "
+                f"async_rollout.enabled is true (a good start is 2 x train_batch_size = "
+                f"{2 * tbs})"
+            )
+    if ok("data.train_batch_size", "actor_rollout_ref.actor.ppo_mini_batch_size"):
+        tbs = _int(cfg, "data.train_batch_size")
+        mini = _int(cfg, "actor_rollout_ref.actor.ppo_mini_batch_size")
+        if mini and mini > tbs:
+            # as verl's actor config refuses it: it would silently mean the whole batch
+            problems.append(f"actor_rollout_ref.actor.ppo_mini_batch_size: value {mini} is "
+                            f"more than data.train_batch_size ({tbs}): groups per optimizer "
+                            "step, at most the batch (0 for the whole batch in one)")
     from app.config.loader import repo_path  # the loader imports this module
 
-    template = _get(cfg, "inference.chat_template")
-    if ok("inference.chat_template") and template and not repo_path(template).is_file():
+    template = at(cfg, "inference.chat_template")  # null, or a non-empty string
+    if ok("inference.chat_template") and isinstance(template, str) \
+            and not repo_path(template).is_file():
         problems.append(f"inference.chat_template: no file {template!r} (a path relative to "
                         f"the repository, or absolute)")
     return problems
 
 
-def _algorithm_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _algorithm_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """The advantage estimator's groups, the over-long penalty and verl's rollout correction."""
     problems = []
-    n = _get(cfg, "actor_rollout_ref.rollout.n")
-    est = _get(cfg, "algorithm.adv_estimator")
-    if ok("actor_rollout_ref.rollout.n", "algorithm.adv_estimator") and ADV_ESTIMATORS.get(est) \
-            and n < 2:
-        problems.append(
-            f"actor_rollout_ref.rollout.n: value {n} must be >= 2 for the group-relative "
-            f"estimator algorithm.adv_estimator={est}"
-        )
-    ol = cfg["algorithm"]["overlong"]
-    if ok("algorithm.overlong.buffer_len", "algorithm.overlong.max_response_length") \
-            and ol["buffer_len"] > 0 and (ol["max_response_length"] is None
-                                          or ol["max_response_length"] <= ol["buffer_len"]):
-        problems.append(
-            f"algorithm.overlong.max_response_length: value {_fmt(ol['max_response_length'])} "
-            f"must be an integer greater than algorithm.overlong.buffer_len "
-            f"({ol['buffer_len']}) when the soft over-long penalty is on"
-        )
-    rc = cfg["algorithm"]["rollout_correction"]
+    if ok("actor_rollout_ref.rollout.n", "algorithm.adv_estimator"):
+        n = _int(cfg, "actor_rollout_ref.rollout.n")
+        est = _str(cfg, "algorithm.adv_estimator")
+        if ADV_ESTIMATORS.get(est) and n < 2:
+            problems.append(
+                f"actor_rollout_ref.rollout.n: value {n} must be >= 2 for the group-relative "
+                f"estimator algorithm.adv_estimator={est}"
+            )
+    if ok("algorithm.overlong.buffer_len", "algorithm.overlong.max_response_length"):
+        buffer_len = _int(cfg, "algorithm.overlong.buffer_len")
+        longest = _optional_int(cfg, "algorithm.overlong.max_response_length")
+        if buffer_len > 0 and (longest is None or longest <= buffer_len):
+            problems.append(
+                f"algorithm.overlong.max_response_length: value {_fmt(longest)} must be an "
+                f"integer greater than algorithm.overlong.buffer_len ({buffer_len}) when the "
+                "soft over-long penalty is on"
+            )
+    rc = section(cfg, "algorithm.rollout_correction")
     if rc["rollout_is"] is not None and rc["rollout_is_threshold"] is None:
         problems.append(
             f"algorithm.rollout_correction.rollout_is_threshold: value null must be a positive "
             f"number when rollout_is is {rc['rollout_is']!r}"
         )
+    rs = rc["rollout_rs"]  # null, or the names of verl's criteria
     if ok("algorithm.rollout_correction.rollout_rs",
-          "algorithm.rollout_correction.rollout_rs_threshold") and rc["rollout_rs"] is not None:
-        why = _rejection_thresholds(rc["rollout_rs"], rc["rollout_rs_threshold"])
+          "algorithm.rollout_correction.rollout_rs_threshold") and isinstance(rs, str):
+        why = _rejection_thresholds(rs, rc["rollout_rs_threshold"])
         if why is not None:
             problems.append("algorithm.rollout_correction.rollout_rs_threshold: value "
                             f"{_fmt(rc['rollout_rs_threshold'])} {why}")
@@ -598,13 +643,13 @@ def _algorithm_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
     return problems
 
 
-def _controller_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _controller_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """The agent the controller runs: a module:function reference, its settings a mapping."""
     problems = []
-    backend = _get(cfg, "controller.backend")
-    agent = _get(cfg, "controller.agent")
+    backend = at(cfg, "controller.backend")
+    agent = at(cfg, "controller.agent")
     if ok("controller.backend", "controller.agent") and backend == "python" and not re.match(
-        r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", agent
+        r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$", _str(cfg, "controller.agent")
     ):
         problems.append(
             f"controller.agent: value {agent!r} must be module:function when "
@@ -615,27 +660,27 @@ def _controller_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]
     return problems
 
 
-def _update_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _update_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """A weight update: engines that may sleep, a launcher for every node, a drain that fits."""
     problems = []
-    if ok("inference.sleep_mode", "inference.device") and _get(cfg, "inference.sleep_mode") \
-            is True and _get(cfg, "inference.device") == "cpu":
+    if ok("inference.sleep_mode", "inference.device") and at(cfg, "inference.sleep_mode") \
+            is True and at(cfg, "inference.device") == "cpu":
         problems.append("inference.sleep_mode: value true is refused by vLLM on CPU "
                         "(inference.device cpu), where sleeping frees nothing; use auto")
     if ok("inference.sleep_mode", "trainer.pause_during_update") \
-            and _get(cfg, "inference.sleep_mode") is True \
-            and _get(cfg, "trainer.pause_during_update") is False:
+            and at(cfg, "inference.sleep_mode") is True \
+            and at(cfg, "trainer.pause_during_update") is False:
         problems.append("inference.sleep_mode: value true needs updates that pause the gateway "
                         "(the engines sleep only then), and trainer.pause_during_update is "
                         "false: the servers would reserve sleep memory and never sleep; use "
                         "auto")
-    if ok("trainer.launcher", "trainer.nnodes") and _get(cfg, "trainer.launcher") == "local" \
-            and _get(cfg, "trainer.nnodes") > 1:
-        problems.append(f"trainer.nnodes: value {_get(cfg, 'trainer.nnodes')} needs verl's Ray "
+    if ok("trainer.launcher", "trainer.nnodes") and at(cfg, "trainer.launcher") == "local" \
+            and _int(cfg, "trainer.nnodes") > 1:
+        problems.append(f"trainer.nnodes: value {at(cfg, 'trainer.nnodes')} needs verl's Ray "
                         "worker group, and trainer.launcher is local (ranks on this host, "
                         "trainer.ranks): use launcher ray or auto")
-    if ok("inference.sleep_mode", "gateway.drain_mode") and _get(cfg, "gateway.drain_mode") \
-            == "keep" and _get(cfg, "inference.sleep_mode") is True:
+    if ok("inference.sleep_mode", "gateway.drain_mode") and at(cfg, "gateway.drain_mode") \
+            == "keep" and at(cfg, "inference.sleep_mode") is True:
         problems.append("gateway.drain_mode: value 'keep' cannot work with inference.sleep_mode "
                         "true: calls frozen across the update hold the engine's KV cache, which "
                         "a sleeping engine drops; use sleep_mode auto (the engine stays awake and "
@@ -643,29 +688,30 @@ def _update_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
     return problems
 
 
-def _evaluation_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _evaluation_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """Evaluation on held-out prompts: prompts to evaluate, a temperature that can sample."""
     problems = []
-    if ok("trainer.test_freq", "data.val_files") and _get(cfg, "trainer.test_freq") > 0 \
-            and not _get(cfg, "data.val_files"):
-        problems.append(f"trainer.test_freq: value {_get(cfg, 'trainer.test_freq')} needs "
+    if ok("trainer.test_freq", "data.val_files") and _int(cfg, "trainer.test_freq") > 0 \
+            and not at(cfg, "data.val_files"):
+        problems.append(f"trainer.test_freq: value {at(cfg, 'trainer.test_freq')} needs "
                         "data.val_files (the held-out prompts to evaluate); set it, or "
                         "test_freq -1")
     val = "actor_rollout_ref.rollout.val_kwargs."
-    if ok(val + "do_sample", val + "temperature") and _get(cfg, val + "do_sample") \
-            and _get(cfg, val + "temperature") == 0:
+    if ok(val + "do_sample", val + "temperature") and at(cfg, val + "do_sample") \
+            and at(cfg, val + "temperature") == 0:
         problems.append(f"{val}temperature: value 0 cannot sample with {val}do_sample true; "
                         "set a temperature above 0, or do_sample false (greedy)")
     return problems
 
 
-def _retry_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _retry_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """Agents retry for longer than an ordinary pause lasts."""
-    wait = _get(cfg, "controller.retry_max_wait_s")
-    drain = _get(cfg, "gateway.drain_timeout_s")
-    beat = _get(cfg, "trainer.heartbeat_s")
-    if ok("controller.retry_max_wait_s", "gateway.drain_timeout_s", "trainer.heartbeat_s") \
-            and wait < drain + beat:
+    if not ok("controller.retry_max_wait_s", "gateway.drain_timeout_s", "trainer.heartbeat_s"):
+        return []
+    wait = _num(cfg, "controller.retry_max_wait_s")
+    drain = _num(cfg, "gateway.drain_timeout_s")
+    beat = _num(cfg, "trainer.heartbeat_s")
+    if wait < drain + beat:
         return [
             f"controller.retry_max_wait_s: value {wait} must be at least gateway.drain_timeout_s"
             f" + trainer.heartbeat_s ({drain + beat}): agents would give up during an ordinary "
@@ -673,12 +719,13 @@ def _retry_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
     return []
 
 
-def _weight_sync_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _weight_sync_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """New weights reach the servers: dev routes kept guarded, a weight_sync that can work."""
     problems = []
-    host = _get(cfg, "inference.host")
-    if ok("inference.host", "inference.dev_routes_guard") and not is_loopback(host) \
-            and not _get(cfg, "inference.dev_routes_guard"):
+    host = at(cfg, "inference.host")
+    if ok("inference.host", "inference.dev_routes_guard") \
+            and not is_loopback(_str(cfg, "inference.host")) \
+            and not at(cfg, "inference.dev_routes_guard"):
         problems.append(
             f"inference.host: value {host!r} opens the inference server beyond this machine, "
             "and with it vLLM's dev routes, which no API key guards: /collective_rpc loads "
@@ -688,20 +735,20 @@ def _weight_sync_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str
             "network policy admitting only the gateway and trainer hosts; "
             "docs/operations.md, Security)")
     if ok("inference.weight_sync", "inference.urls") \
-            and _get(cfg, "inference.weight_sync") == "transfer":
+            and at(cfg, "inference.weight_sync") == "transfer":
         problems += _transfer_rules(cfg)
     ipc_on_cpu = False
     for side in ("inference.device", "trainer.device"):
         if ok("inference.transfer_engine", side) \
-                and _get(cfg, "inference.transfer_engine") == "ipc" and _get(cfg, side) == "cpu":
+                and at(cfg, "inference.transfer_engine") == "ipc" and at(cfg, side) == "cpu":
             ipc_on_cpu = True
             problems.append("inference.transfer_engine: value 'ipc' hands GPU memory over "
                             f"(CUDA IPC), and {side} is cpu: use shm or auto")
     layout = ("inference.urls", "inference.tensor_parallel_size", "inference.data_parallel_size",
               "trainer.launcher", "trainer.ranks", "trainer.nnodes", "trainer.n_gpus_per_node")
     if ok("inference.transfer_engine", "inference.weight_sync", *layout) and not ipc_on_cpu \
-            and _get(cfg, "inference.weight_sync") == "transfer" \
-            and _get(cfg, "inference.transfer_engine") == "ipc":
+            and at(cfg, "inference.weight_sync") == "transfer" \
+            and at(cfg, "inference.transfer_engine") == "ipc":
         from omegaconf import OmegaConf
 
         try:  # the rule the server command and the trainer apply, on the GPU ipc needs
@@ -711,51 +758,52 @@ def _weight_sync_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str
     return problems
 
 
-def _model_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _model_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """The served model: a LoRA adapter it can serve, a default reply that fits its context."""
     problems = []
-    if ok("actor_rollout_ref.model.lora_rank") and _get(cfg, "actor_rollout_ref.model.lora_rank"):
+    if ok("actor_rollout_ref.model.lora_rank") and at(cfg, "actor_rollout_ref.model.lora_rank"):
         problems += _lora_rules(cfg, ok)
-    max_tokens = _get(cfg, "actor_rollout_ref.rollout.max_tokens")
-    max_len = _get(cfg, "inference.max_model_len")
-    if ok("actor_rollout_ref.rollout.max_tokens", "inference.max_model_len") \
-            and max_tokens >= max_len:
-        problems.append(
-            f"actor_rollout_ref.rollout.max_tokens: value {max_tokens} must be below "
-            f"inference.max_model_len ({max_len}): the gateway asks that many tokens for a "
-            "call that names none, and refuses a prompt that does not fit beside them")
+    if ok("actor_rollout_ref.rollout.max_tokens", "inference.max_model_len"):
+        max_tokens = _int(cfg, "actor_rollout_ref.rollout.max_tokens")
+        max_len = _int(cfg, "inference.max_model_len")
+        if max_tokens >= max_len:
+            problems.append(
+                f"actor_rollout_ref.rollout.max_tokens: value {max_tokens} must be below "
+                f"inference.max_model_len ({max_len}): the gateway asks that many tokens for "
+                "a call that names none, and refuses a prompt that does not fit beside them")
     return problems
 
 
-def _service_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _service_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """The services beside one another: ports of their own, waits that outlast each other's."""
     problems = _port_rules(cfg, ok)
-    slack = _get(cfg, "controller.kubernetes.deadline_slack_s")
-    window = _get(cfg, "controller.kubernetes.watch_timeout_s")
-    if ok("controller.kubernetes.deadline_slack_s", "controller.kubernetes.watch_timeout_s") \
-            and slack < 2 * window:
-        problems.append(
-            f"controller.kubernetes.deadline_slack_s: value {slack} must be at least twice "
-            f"controller.kubernetes.watch_timeout_s ({window}): the Job's deadline is moved "
-            "out by the time paused once per watch window, and must not run out in between")
-    reload_s = _get(cfg, "trainer.reload_timeout_s")
-    start_s = _get(cfg, "inference.startup_timeout_s")
-    if ok("trainer.reload_timeout_s", "inference.startup_timeout_s") and reload_s < start_s:
-        problems.append(
-            f"trainer.reload_timeout_s: value {reload_s} must be at least "
-            f"inference.startup_timeout_s ({start_s}): a server that restarts during a step "
-            "takes up to that long to answer again, and the step would fail (the gateway "
-            "paused meanwhile) before it is back")
+    if ok("controller.kubernetes.deadline_slack_s", "controller.kubernetes.watch_timeout_s"):
+        slack = _num(cfg, "controller.kubernetes.deadline_slack_s")
+        window = _int(cfg, "controller.kubernetes.watch_timeout_s")
+        if slack < 2 * window:
+            problems.append(
+                f"controller.kubernetes.deadline_slack_s: value {slack} must be at least twice "
+                f"controller.kubernetes.watch_timeout_s ({window}): the Job's deadline is moved "
+                "out by the time paused once per watch window, and must not run out in between")
+    if ok("trainer.reload_timeout_s", "inference.startup_timeout_s"):
+        reload_s = _num(cfg, "trainer.reload_timeout_s")
+        start_s = _num(cfg, "inference.startup_timeout_s")
+        if reload_s < start_s:
+            problems.append(
+                f"trainer.reload_timeout_s: value {reload_s} must be at least "
+                f"inference.startup_timeout_s ({start_s}): a server that restarts during a "
+                "step takes up to that long to answer again, and the step would fail (the "
+                "gateway paused meanwhile) before it is back")
     return problems
 
 
 # The groups of rules between keys, in the order their problems are reported.
-CROSS_RULES: tuple[Callable[[dict[str, Any], Callable[..., bool]], list[str]], ...] = (
+CROSS_RULES: tuple[Callable[[YamlMap, KeysOk], list[str]], ...] = (
     _data_rules, _algorithm_rules, _controller_rules, _update_rules, _evaluation_rules,
     _retry_rules, _weight_sync_rules, _model_rules, _service_rules)
 
 
-def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
+def _cross_rules(cfg: YamlMap, bad: set[str]) -> list[str]:
     """Rules between keys; a rule is checked only when each key it reads is valid alone."""
 
     def ok(*names: str) -> bool:
@@ -767,18 +815,18 @@ def _cross_rules(cfg: dict[str, Any], bad: set[str]) -> list[str]:
     return problems
 
 
-def _port_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _port_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """The ports ``carryover up`` binds on this host differ (else a service fails to start
     with an error that blames another stack)."""
     names = ["inference.port", "gateway.port", "services.flower_port"]
-    if _get(cfg, "redis.url") is None:  # the embedded server
+    if at(cfg, "redis.url") is None:  # the embedded server
         names.insert(0, "redis.port")
     seen: dict[int, str] = {}
     out = []
     for name in names:
         if not ok(name):
             continue
-        value = _get(cfg, name)
+        value = _int(cfg, name)
         if value in seen:
             out.append(f"{name}: value {value} is also {seen[value]}: each service on this "
                        "host binds its own port")
@@ -786,28 +834,28 @@ def _port_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
     return out
 
 
-def _lora_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
+def _lora_rules(cfg: YamlMap, ok: KeysOk) -> list[str]:
     """A LoRA adapter the servers can serve, synced the way adapters are."""
     from app.config.settings import MAX_LORA_RANKS
 
-    rank = _get(cfg, "actor_rollout_ref.model.lora_rank")
+    rank = _int(cfg, "actor_rollout_ref.model.lora_rank")  # (read once its rule passed)
     out = []
     if rank > MAX_LORA_RANKS[-1]:
         out.append(f"actor_rollout_ref.model.lora_rank: value {rank} is above the largest "
                    f"rank vLLM serves ({MAX_LORA_RANKS[-1]}, its --max-lora-rank)")
-    if ok("inference.weight_sync") and _get(cfg, "inference.weight_sync") == "transfer":
+    if ok("inference.weight_sync") and at(cfg, "inference.weight_sync") == "transfer":
         out.append("inference.weight_sync: value 'transfer' sends whole weights; with "
                    "actor_rollout_ref.model.lora_rank set, each update's adapter (megabytes) "
                    "is loaded by name instead: use weight_sync disk")
-    if ok("inference.sleep_level") and _get(cfg, "inference.sleep_level") == 2:
+    if ok("inference.sleep_level") and at(cfg, "inference.sleep_level") == 2:
         out.append("inference.sleep_level: value 2 drops the base weights while the engine "
                    "sleeps, and with actor_rollout_ref.model.lora_rank only the adapter is "
                    "loaded after: use sleep_level 1")
-    if ok("trainer.keep_weight_versions") and _get(cfg, "trainer.keep_weight_versions") < 2:
+    if ok("trainer.keep_weight_versions") and _int(cfg, "trainer.keep_weight_versions") < 2:
         out.append("trainer.keep_weight_versions: with actor_rollout_ref.model.lora_rank the "
                    "servers serve the previous version's adapter too, from its folder: keep "
                    "at least 2")
-    if ok("gateway.drain_mode") and _get(cfg, "gateway.drain_mode") == "keep":
+    if ok("gateway.drain_mode") and at(cfg, "gateway.drain_mode") == "keep":
         out.append("gateway.drain_mode: value 'keep' cannot work with a LoRA adapter "
                    "(actor_rollout_ref.model.lora_rank): a frozen call names the previous "
                    "version's adapter and would go on sampling from it after the switch; use "
@@ -815,17 +863,18 @@ def _lora_rules(cfg: dict[str, Any], ok: Callable[..., bool]) -> list[str]:
     return out
 
 
-def _transfer_rules(cfg: dict[str, Any]) -> list[str]:
+def _transfer_rules(cfg: YamlMap) -> list[str]:
     """``weight_sync: transfer`` goes through shared memory, so every server is on the
     trainer's host."""
     from urllib.parse import urlsplit
 
-    far = [u for u in _get(cfg, "inference.urls") if not is_loopback(urlsplit(u).hostname or "")]
+    far = [u for u in _strs(cfg, "inference.urls")
+           if not is_loopback(urlsplit(u).hostname or "")]
     if far:
         return [f"inference.weight_sync: value 'transfer' hands the weights over in this host's "
                 f"shared memory, which the server(s) {', '.join(far)} (inference.urls) cannot "
                 "read: use weight_sync disk for servers on other hosts"]
-    nodes = _get(cfg, "trainer.nnodes")
+    nodes = at(cfg, "trainer.nnodes")
     if _is_int(nodes) and nodes > 1:
         return [f"inference.weight_sync: value 'transfer' needs the trainer's rank 0 on the "
                 f"servers' host, which trainer.nnodes {nodes} does not promise: use "
@@ -845,12 +894,12 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to any interface
 
 
-def validate(cfg: dict[str, Any]) -> list[str]:
+def validate(cfg: YamlMap) -> list[str]:
     """Every problem in ``cfg`` (a merged plain dict), one line each; empty when valid."""
     problems = []
     bad = set()
     for key, check in RULES.items():
-        value = _get(cfg, key)
+        value = at(cfg, key)
         rule = check(value)
         if rule:
             bad.add(key)
