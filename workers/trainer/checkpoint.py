@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 import torch
@@ -37,13 +37,32 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def rng_state() -> dict[str, Any]:
+class RngState(TypedDict):
+    """The generators' state a checkpoint records (``rng.pt``)."""
+
+    torch: torch.Tensor
+    # np.random.get_state(): the legacy tuple (numpy declares a dict as well)
+    numpy: tuple[str, np.ndarray, int, int, float] | dict[str, object]
+    python: tuple[object, ...]                      # random.getstate()
+
+
+class CheckpointMeta(TypedDict):
+    """A checkpoint's ``meta.json``."""
+
+    run_id: str
+    step: int
+    policy_version: int
+    run_state: dict[str, str]  # the run's Redis record (keys.run) when it was saved
+
+
+def rng_state() -> RngState:
     return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
             "python": random.getstate()}
 
 
 def save_checkpoint(trainer: EngineTrainer, root: Path, run_id: str, step: int, version: int,
-                    run_state: dict, keep: int = 2, rng: dict[str, Any] | None = None) -> Path:
+                    run_state: dict[str, str], keep: int = 2, rng: RngState | None = None
+                    ) -> Path:
     """``rng``: the generators' state to record (default: now)."""
     run_dir = root / run_id
     out = run_dir / f"step_{step:06d}"
@@ -57,9 +76,9 @@ def save_checkpoint(trainer: EngineTrainer, root: Path, run_id: str, step: int, 
     try:
         trainer.save(tmp / "engine")
         torch.save(rng if rng is not None else rng_state(), tmp / "rng.pt")
-        (tmp / "meta.json").write_text(json.dumps(
-            {"run_id": run_id, "step": step, "policy_version": version,
-             "run_state": run_state}, indent=1))
+        meta: CheckpointMeta = {"run_id": run_id, "step": step, "policy_version": version,
+                                "run_state": run_state}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
         # on disk before the rename makes it the latest: after a power loss a renamed
         # checkpoint must not hold empty files
         _sync_tree(tmp)
@@ -174,7 +193,7 @@ def set_aside_after(root: Path, run_id: str, recorded: int) -> list[Path]:
     return moved
 
 
-def load_checkpoint(trainer: EngineTrainer, path: Path) -> dict:
+def load_checkpoint(trainer: EngineTrainer, path: Path) -> CheckpointMeta:
     trainer.load(path / "engine")
     rng = torch.load(path / "rng.pt", weights_only=False)
     torch.set_rng_state(rng["torch"])

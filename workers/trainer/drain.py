@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import ClassVar
 
 from app.config.schema import DrainMode
 from app.state.pause import Pause
@@ -42,14 +42,14 @@ class Drain:
         self.timeout_s = timeout_s
         self.urls = list(urls)
 
-    def quiet(self, pause: Pause, metrics: dict[str, Any]) -> weights.Held:
+    def quiet(self, pause: Pause, metrics: dict[str, object]) -> weights.Held:
         raise NotImplementedError
 
 
 class WaitDrain(Drain):
     mode = "wait"
 
-    def quiet(self, pause: Pause, metrics: dict[str, Any]) -> weights.Held:
+    def quiet(self, pause: Pause, metrics: dict[str, object]) -> weights.Held:
         drained = pause.drain(self.timeout_s)
         metrics["training/async/proxy_drain_seconds"] = drained.seconds
         metrics["training/async/proxy_cancelled_at_drain_timeout"] = drained.cancelled
@@ -65,7 +65,7 @@ class _EngineDrain(Drain):
 
     engine_mode: ClassVar[weights.EnginePauseMode]
 
-    def _hold(self, pause: Pause, metrics: dict[str, Any], t: float, cancelled: list[str],
+    def _hold(self, pause: Pause, metrics: dict[str, object], t: float, cancelled: list[str],
               frozen: int) -> weights.Held:
         try:
             held = weights.pause_engines(self.urls, self.engine_mode)
@@ -86,7 +86,7 @@ class KeepDrain(_EngineDrain):
     mode = "keep"
     engine_mode = "keep"
 
-    def quiet(self, pause: Pause, metrics: dict[str, Any]) -> weights.Held:
+    def quiet(self, pause: Pause, metrics: dict[str, object]) -> weights.Held:
         return self._hold(pause, metrics, time.monotonic(), [], pause.live_leases())
 
 
@@ -94,7 +94,7 @@ class AbortDrain(_EngineDrain):
     mode = "abort"
     engine_mode = "abort"
 
-    def quiet(self, pause: Pause, metrics: dict[str, Any]) -> weights.Held:
+    def quiet(self, pause: Pause, metrics: dict[str, object]) -> weights.Held:
         t = time.monotonic()
         return self._hold(pause, metrics, t, pause.cancel_live(), 0)
 
@@ -103,7 +103,7 @@ class ContinueDrain(_EngineDrain):
     mode = "continue"
     engine_mode = "abort"   # the engines end the calls; the gateway carries them on
 
-    def quiet(self, pause: Pause, metrics: dict[str, Any]) -> weights.Held:
+    def quiet(self, pause: Pause, metrics: dict[str, object]) -> weights.Held:
         live = pause.live_leases()
         pause.carry_on_cut_calls()   # before the engines end the calls
         held = self._hold(pause, metrics, time.monotonic(), [], 0)

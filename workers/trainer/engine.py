@@ -44,7 +44,7 @@ from workers.trainer.algorithms import (
     rollout_correction,
 )
 from workers.trainer.engine_config import EngineSpec, engine_spec
-from workers.trainer.ranks import LocalRanks, RayRanks, SpawnedRanks
+from workers.trainer.ranks import LocalRanks, RayRanks, SpawnedRanks, TokenBound
 from workers.trainer.transfer import TransferResult
 from workers.trainer.verl_batch import VerlBatch, to_verl_batch
 
@@ -108,7 +108,7 @@ def _memory_metrics(stage: str, per_rank: list[dict[str, float]]) -> dict[str, f
             for r, m in enumerate(per_rank) for k, v in m.items()}
 
 
-def _bound_origin(bound: dict[str, Any]) -> str:
+def _bound_origin(bound: TokenBound) -> str:
     per_token = f"{bound['bytes_per_token'] / 1e6:.2f} MB a token"
     if "budget_bytes" not in bound:
         return f"ppo_max_token_len_per_gpu; {per_token}"
@@ -129,7 +129,8 @@ class _OneCallAtATime:
         self.size = ranks.size
         self.lock = threading.RLock()
 
-    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
+    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: object
+             ) -> list[Any]:
         with self.lock:
             return self.ranks.call(method, per_rank, **kwargs)
 

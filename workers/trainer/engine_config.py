@@ -12,12 +12,15 @@ set. Nothing ever rounds the master weights to the compute dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Literal, TypedDict
 
 import torch
 
 from app.config.schema import Config
 from app.config.settings import launcher
+
+if TYPE_CHECKING:
+    from verl.workers.config import ActorConfig, TrainingWorkerConfig
 
 PRECISION = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -26,6 +29,25 @@ def pick_device(setting: str) -> str:
     if setting == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return setting
+
+
+class BypassSettings(TypedDict):
+    """``algorithm.rollout_correction`` as verl's ``RolloutCorrectionConfig`` fields."""
+
+    rollout_is: Literal["token", "sequence"] | None
+    rollout_is_threshold: float | None
+    rollout_rs: str | None
+    rollout_rs_threshold: float | str | None
+    bypass_mode: bool
+    loss_type: Literal["ppo_clip", "reinforce"]
+
+
+class LoraSettings(TypedDict):
+    """The LoRA fields of ``EngineSpec``."""
+
+    lora_rank: int
+    lora_alpha: int
+    target_modules: str | tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -60,7 +82,7 @@ class EngineSpec:
     kl_loss_coef: float
     kl_loss_type: str
     # algorithm.rollout_correction in verl's bypass mode, which the loss applies itself
-    bypass: dict[str, Any] | None = None
+    bypass: BypassSettings | None = None
     # how long a rank may wait in a collective (collective_timeout_s)
     collective_timeout_s: float = 1800.0
     # LoRA (verl's names, actor_rollout_ref.model): rank 0 trains every weight
@@ -144,7 +166,7 @@ def collective_timeout_s(cfg: Config) -> float:
     return max(1800.0, servers * (3 * float(cfg.trainer.reload_timeout_s) + 180.0) + 600.0)
 
 
-def bypass_settings(cfg: Config) -> dict[str, Any] | None:
+def bypass_settings(cfg: Config) -> BypassSettings | None:
     """``algorithm.rollout_correction`` as verl's ``RolloutCorrectionConfig`` fields when
     ``bypass_mode`` is on, else None."""
     rc = cfg.algorithm.rollout_correction
@@ -155,14 +177,14 @@ def bypass_settings(cfg: Config) -> dict[str, Any] | None:
             "bypass_mode": True, "loss_type": rc.loss_type}
 
 
-def lora_settings(cfg: Config) -> dict[str, Any]:
+def lora_settings(cfg: Config) -> LoraSettings:
     """``actor_rollout_ref.model.lora_rank`` / ``lora_alpha`` / ``target_modules``."""
     model = cfg.actor_rollout_ref.model
     return {"lora_rank": model.lora_rank, "lora_alpha": model.lora_alpha,
             "target_modules": model.target_modules}
 
 
-def worker_config(spec: EngineSpec, forward_only: bool) -> Any:
+def worker_config(spec: EngineSpec, forward_only: bool) -> TrainingWorkerConfig:
     from verl.trainer.config import CheckpointConfig
     from verl.workers.config import (
         FSDPEngineConfig,
@@ -204,7 +226,7 @@ def worker_config(spec: EngineSpec, forward_only: bool) -> Any:
                                     save_lora_only=spec.lora_rank > 0))
 
 
-def actor_config(spec: EngineSpec) -> Any:
+def actor_config(spec: EngineSpec) -> ActorConfig:
     """verl's ``ActorConfig`` as its ``ppo_loss`` reads it. The batch-size fields are verl's
     validation inputs only: mini- and micro-batches are cut by the controller."""
     from verl.trainer.config.algorithm import RolloutCorrectionConfig

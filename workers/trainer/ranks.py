@@ -26,7 +26,7 @@ import traceback
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
 import torch
 
@@ -97,6 +97,18 @@ def _loopback_store(rank: int, world: int, port: int, timeout: datetime.timedelt
                          master_listen_fd=fd, use_libuv=True)
 
 
+class TokenBound(TypedDict):
+    """A rank's bound on a micro-batch's tokens, with how it was derived: given
+    (``ppo_max_token_len_per_gpu``), from a budget (``micro_batch_memory_gb``), or from the
+    memory available less what the step adds (auto)."""
+
+    bytes_per_token: int
+    available_bytes: NotRequired[int]
+    reserve_bytes: NotRequired[int]
+    budget_bytes: NotRequired[int]
+    max_token_len: int
+
+
 def _plain(value: Any) -> Any:
     """A verl metric (a ``Metric``, a per-data-parallel-rank list of them, or numbers) as a
     float, aggregated the way verl's ``train_mini_batch`` does."""
@@ -146,7 +158,7 @@ class RankEngine:
         # read once both engines hold their weights: what is left is the step's to use
         self.tokens = self._token_bound()
 
-    def _token_bound(self) -> dict[str, Any]:
+    def _token_bound(self) -> TokenBound:
         """This rank's bound on a micro-batch's tokens (``ppo_max_token_len_per_gpu``, or
         what ``micro_batch_memory_gb`` and the model's per-token cost give), with how it was
         derived."""
@@ -160,23 +172,21 @@ class RankEngine:
             tb.model_shape(AutoConfig.from_pretrained(spec.model_path)),
             2 if spec.compute_dtype in ("bfloat16", "float16") else 4,
             spec.gradient_checkpointing)
-        out: dict[str, Any] = {"bytes_per_token": per_token}
         if spec.max_token_len_per_gpu is not None:
-            out["max_token_len"] = spec.max_token_len_per_gpu
-            return out
+            return {"bytes_per_token": per_token, "max_token_len": spec.max_token_len_per_gpu}
         if spec.micro_batch_memory_gb is not None:
-            out["budget_bytes"] = int(spec.micro_batch_memory_gb * tb.GB)
-        else:
-            out["available_bytes"] = tb.available_bytes(spec.device)
-            out["reserve_bytes"] = tb.step_reserve(
-                self.fsdp_units(), self.trainable_count(),
-                dist.get_world_size() if dist.is_initialized() else 1)
-            out["budget_bytes"] = tb.auto_budget(
-                out["available_bytes"], out["reserve_bytes"], tb.sharing_ranks(spec.device))
-        out["max_token_len"] = tb.max_token_len(out["budget_bytes"], per_token)
-        return out
+            budget = int(spec.micro_batch_memory_gb * tb.GB)
+            return {"bytes_per_token": per_token, "budget_bytes": budget,
+                    "max_token_len": tb.max_token_len(budget, per_token)}
+        available = tb.available_bytes(spec.device)
+        reserve = tb.step_reserve(self.fsdp_units(), self.trainable_count(),
+                                  dist.get_world_size() if dist.is_initialized() else 1)
+        budget = tb.auto_budget(available, reserve, tb.sharing_ranks(spec.device))
+        return {"bytes_per_token": per_token, "available_bytes": available,
+                "reserve_bytes": reserve, "budget_bytes": budget,
+                "max_token_len": tb.max_token_len(budget, per_token)}
 
-    def token_bound(self) -> dict[str, Any]:
+    def token_bound(self) -> TokenBound:
         return self.tokens
 
     def _meta(self, td: TensorDict, rows: int, micro: int | None, max_tokens: int | None,
@@ -213,7 +223,7 @@ class RankEngine:
 
     def train(self, vb: VerlBatch, fields: dict[str, torch.Tensor], lr: float,
               global_batch_size: int, micro: int | None = None,
-              max_tokens: int | None = None) -> dict[str, Any]:
+              max_tokens: int | None = None) -> dict[str, object]:
         """One optimizer step on this rank's rows (micro-batches of ``micro`` rows, or of up
         to ``max_tokens`` tokens, accumulate)."""
         from verl.utils import tensordict_utils as tu
@@ -251,7 +261,7 @@ class RankEngine:
 
     def transfer(self, urls: list[str], dtype: str, bucket_bytes: int,
                  timeout: float, api_key: str | None, engine: str = "shm"
-                 ) -> dict[str, Any] | None:
+                 ) -> dict[str, object] | None:
         """Send the weights to ``urls`` through vLLM's weight-transfer routes
         (``transfer.py``) with ``engine`` (``shm``: rank 0 sends while the others take part
         in each tensor's gather; ``ipc``: every rank hands its GPU's copy over).
@@ -390,7 +400,8 @@ class LocalRanks:
         init_process_group(0, 1, free_port(), spec.device, spec.collective_timeout_s)
         self.engine = RankEngine(spec)
 
-    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
+    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: object
+             ) -> list[Any]:
         args = per_rank[0] if per_rank else ()
         return [getattr(self.engine, method)(*args, **kwargs)]
 
@@ -466,7 +477,8 @@ class SpawnedRanks:
             raise RankError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return out
 
-    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
+    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: object
+             ) -> list[Any]:
         for rank, conn in enumerate(self.conns):
             conn.send((method, per_rank[rank] if per_rank else (), kwargs))
         return self._gather(method)
@@ -511,7 +523,8 @@ class RayRanks:
                                     device_name=spec.device)
         self.size = nnodes * per_node
 
-    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: Any) -> list[Any]:
+    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: object
+             ) -> list[Any]:
         n = self.size
         return self.group.execute_all_sync("run", [method] * n,
                                            per_rank if per_rank else [()] * n, [kwargs] * n)
@@ -546,7 +559,7 @@ def _ray_rank_class() -> type:
                                spec.device, spec.collective_timeout_s)
             self.engine = RankEngine(spec)
 
-        def run(self, method: str, args: tuple, kwargs: dict[str, Any]) -> Any:
+        def run(self, method: str, args: tuple, kwargs: dict[str, object]) -> Any:
             return getattr(self.engine, method)(*args, **kwargs)
 
     return RankActor

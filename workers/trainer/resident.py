@@ -22,7 +22,6 @@ import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import redis
 
@@ -156,7 +155,7 @@ def resident_trainer(run_id: str, cfg: Config, settings: TrainerSettings,
 
 
 def _load_checkpoint(trainer: EngineTrainer, cfg: Config, settings: TrainerSettings,
-                     run_id: str) -> tuple[EngineTrainer, dict[str, Any] | None]:
+                     run_id: str) -> tuple[EngineTrainer, checkpoint.CheckpointMeta | None]:
     """The run's newest complete checkpoint loaded into ``trainer`` (or into a new one, if
     the newest was torn); -> the trainer and the checkpoint's meta (None: none)."""
     candidates = checkpoint.complete_checkpoints(settings.checkpoint_dir, run_id)

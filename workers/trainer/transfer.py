@@ -76,7 +76,7 @@ class _Sessions:
         self.result = TransferResult()
         self.live: list[str] = []
 
-    def start(self, init_info: dict[str, Any]) -> None:
+    def start(self, init_info: dict[str, object]) -> None:
         for url in self.urls:
             try:
                 self.post(url, "/init_weight_transfer_engine", {"init_info": init_info})
@@ -95,7 +95,7 @@ class _Sessions:
                 continue
             self.live.append(url)
 
-    def update(self, update_info: dict[str, Any], what: str, nbytes: int) -> None:
+    def update(self, update_info: dict[str, object], what: str, nbytes: int) -> None:
         """One bucket to every server still in the sync."""
         for url in list(self.live):
             try:
@@ -263,10 +263,11 @@ class ShmSender:
 
 # -- CUDA IPC ------------------------------------------------------------------------------
 
-Share = Callable[[torch.Tensor], dict[str, Any]]
+# a buffer's CUDA IPC export by GPU UUID: the arguments torch's rebuild function takes
+Share = Callable[[torch.Tensor], dict[str, tuple[object, ...]]]
 
 
-def cuda_ipc_handle(buffer: torch.Tensor) -> dict[str, Any]:
+def cuda_ipc_handle(buffer: torch.Tensor) -> dict[str, tuple[object, ...]]:
     """``buffer``'s CUDA IPC export under its GPU's UUID, as vLLM's IPC engine looks it up
     (a worker finds the copy on its own GPU). A fresh export each time: torch pairs one
     export with one rebuild and release on the other side, which vLLM's importer does once
@@ -395,10 +396,10 @@ class IpcSender:
             if errors:
                 self.sessions.fail_all(f"the transfer failed on the trainer: {errors[0]}")
             elif self.sessions.live:
-                merged: dict[str, Any] = {}
+                merged: dict[str, tuple[object, ...]] = {}
                 for part, _ in gathered:
                     merged.update(part)
-                info = {"names": packed.names, "dtype_names": packed.dtype_names,
+                info: dict[str, object] = {"names": packed.names, "dtype_names": packed.dtype_names,
                         "shapes": packed.shapes, "tensor_sizes": packed.tensor_sizes,
                         # the HTTP route takes the handles pickled (the server must run
                         # with VLLM_ALLOW_INSECURE_SERIALIZATION: docs/operations.md)

@@ -78,7 +78,7 @@ def register() -> None:
         def is_platform_available(self, use_smi_check: bool = False) -> bool:
             return os.environ.get("VERL_PLATFORM", "").lower() == "cpu"
 
-        def current_device(self) -> Any:
+        def current_device(self) -> str:
             return "cpu"
 
         def device_count(self) -> int:
@@ -127,13 +127,13 @@ def register() -> None:
         def ray_noset_envvars(self) -> list[str]:
             return []
 
-        def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
+        def ray_resource_options(self, num_gpus: float) -> dict[str, float]:
             return {"num_cpus": num_gpus}
 
         def is_ipc_supported(self) -> bool:
             return False
 
-        def cudart(self) -> Any:
+        def cudart(self) -> None:
             return None
 
     PlatformRegistry.register(platform="cpu")(PlatformCPU)
