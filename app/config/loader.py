@@ -11,13 +11,14 @@ import difflib
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import NoReturn
 
 import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from app.config.errors import ConfigError
+from app.config.raw import Yaml, YamlMap, section
 from app.config.schema import Config
 from app.config.validate import FREE_FORM_SECTIONS, validate
 
@@ -30,7 +31,7 @@ def repo_path(p: str) -> Path:
     return path if path.is_absolute() else REPO_ROOT / path
 
 
-def model_dir(cfg: Any) -> Path:
+def model_dir(cfg: Config) -> Path:
     """``actor_rollout_ref.model.path`` as a directory that holds a model (its config.json),
     checked where a role is about to read it: nothing is downloaded, so a Hugging Face id or
     a mistyped path would otherwise fail inside vLLM or transformers with their own words."""
@@ -50,7 +51,7 @@ class _Loader(yaml.SafeLoader):
     section written twice loses the first one's keys)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: dict[Any, int] = {}
+        seen: dict[str, int] = {}  # a key's text: the line it is first on
         for key_node, _ in node.value:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):
                 continue
@@ -90,7 +91,7 @@ def _true_or_false(loader: yaml.SafeLoader, node: yaml.Node) -> bool | str:
     return loader.construct_yaml_bool(node) if text.lower() in _BOOL else text
 
 
-def _no_binary(loader: yaml.SafeLoader, node: yaml.Node) -> Any:
+def _no_binary(loader: yaml.SafeLoader, node: yaml.Node) -> NoReturn:
     raise yaml.constructor.ConstructorError(None, None, "!!binary values are not supported",
                                             node.start_mark)
 
@@ -111,10 +112,10 @@ _Loader.add_implicit_resolver(
 DEFAULT_CONFIG_PATH = REPO_ROOT / "config" / "default.yaml"
 
 
-def flat_keys(node: Any, prefix: str = "", into_free_form: bool = False) -> dict[str, Any]:
+def flat_keys(node: Yaml, prefix: str = "", into_free_form: bool = False) -> YamlMap:
     """Every leaf key of a nested mapping as a dotted path (free-form sections are leaves,
     unless ``into_free_form``)."""
-    out: dict[str, Any] = {}
+    out: YamlMap = {}
     if isinstance(node, dict):
         for key, value in node.items():
             path = f"{prefix}.{key}" if prefix else str(key)
@@ -125,7 +126,7 @@ def flat_keys(node: Any, prefix: str = "", into_free_form: bool = False) -> dict
     return out
 
 
-def _dotted_key_problems(node: Any, source: str, prefix: str = "") -> list[str]:
+def _dotted_key_problems(node: Yaml, source: str, prefix: str = "") -> list[str]:
     """A key with a dot in a file (``actor.lr: 1e-2``) is one literal name to YAML: it would
     pass the unknown-key check (its dotted path is a known key) and then set nothing."""
     problems: list[str] = []
@@ -146,7 +147,7 @@ def _dotted_key_problems(node: Any, source: str, prefix: str = "") -> list[str]:
     return problems
 
 
-def _unknown_key_problems(given: dict[str, Any], known: Iterable[str], source: str) -> list[str]:
+def _unknown_key_problems(given: YamlMap, known: Iterable[str], source: str) -> list[str]:
     dotted = _dotted_key_problems(given, source)
     if dotted:
         return dotted
@@ -169,7 +170,7 @@ def _unknown_key_problems(given: dict[str, Any], known: Iterable[str], source: s
     return problems
 
 
-def _read_yaml(path: Path, label: str = "--config") -> dict[str, Any]:
+def _read_yaml(path: Path, label: str = "--config") -> YamlMap:
     """``label``: how the user gave the file (the option, or ``$CARRYOVER_CONFIG``)."""
     try:
         text = path.read_text(encoding="utf-8")
@@ -192,7 +193,7 @@ def _read_yaml(path: Path, label: str = "--config") -> dict[str, Any]:
     return data
 
 
-def _override_value(raw: str) -> Any:
+def _override_value(raw: str) -> Yaml:
     """A command line's value, read as verl's Hydra overrides read it (numbers, true/false,
     null, flow lists and maps); what is not valid YAML stays text."""
     if not raw.strip():
@@ -203,9 +204,9 @@ def _override_value(raw: str) -> Any:
         return raw
 
 
-def _parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+def _parse_overrides(overrides: Sequence[str]) -> tuple[YamlMap, list[str]]:
     """``a.b.c=value`` strings to a nested dict; values parsed as YAML scalars like verl/Hydra."""
-    nested: dict[str, Any] = {}
+    nested: YamlMap = {}
     problems = []
     for item in overrides:
         key, sep, raw = item.partition("=")
@@ -224,17 +225,19 @@ def _parse_overrides(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str
             node = child
         else:
             last = parts[-1]
-            if isinstance(value, dict) and isinstance(node.get(last), dict):
-                _merge_into(node[last], value)  # a later section adds to an earlier key's
+            earlier = node.get(last)
+            if isinstance(value, dict) and isinstance(earlier, dict):
+                _merge_into(earlier, value)  # a later section adds to an earlier key's
             else:
                 node[last] = value
     return nested, problems
 
 
-def _merge_into(into: dict[str, Any], later: dict[str, Any]) -> None:
+def _merge_into(into: YamlMap, later: YamlMap) -> None:
     for key, value in later.items():
-        if isinstance(value, dict) and isinstance(into.get(key), dict):
-            _merge_into(into[key], value)
+        earlier = into.get(key)
+        if isinstance(value, dict) and isinstance(earlier, dict):
+            _merge_into(earlier, value)
         else:
             into[key] = value
 
@@ -243,7 +246,7 @@ def load_config(
     path: str | Path | None = None,
     overrides: Sequence[str] = (),
     *,
-    base: dict[str, Any] | None = None,
+    base: YamlMap | None = None,
     path_label: str = "--config",
 ) -> Config:
     """Build, validate and freeze a configuration: the typed, frozen ``Config``.
@@ -269,11 +272,11 @@ def load_config(
         raise ConfigError(problems)
 
     if base is not None:  # a stored config was resolved when stored: nothing to resolve
-        user = _literal(user)
+        user = {key: _literal(value) for key, value in user.items()}
     merged = OmegaConf.merge(OmegaConf.create(defaults), OmegaConf.create(user),
                              OmegaConf.create(cli))
     try:
-        plain: dict[str, Any] = OmegaConf.to_container(merged, resolve=True)  # type: ignore[assignment]
+        plain: YamlMap = OmegaConf.to_container(merged, resolve=True)
     except OmegaConfBaseException as exc:
         key = getattr(exc, "full_key", None) or "config"
         why = str(exc).splitlines()[0]
@@ -287,7 +290,7 @@ def load_config(
     return Config.of(plain)
 
 
-def _literal(node: Any) -> Any:
+def _literal(node: Yaml) -> Yaml:
     """``node`` with every ``${`` escaped, so that OmegaConf keeps it as text."""
     if isinstance(node, dict):
         return {k: _literal(v) for k, v in node.items()}
@@ -303,10 +306,10 @@ def given_keys(path: str | Path | None, overrides: Sequence[str] = ()) -> set[st
     return set(flat_keys(user, into_free_form=True)) | set(flat_keys(cli, into_free_form=True))
 
 
-def _fill_derived(cfg: dict[str, Any]) -> None:
+def _fill_derived(cfg: YamlMap) -> None:
     """Documented defaults that depend on other keys."""
-    async_cfg = cfg["agentlightning"]["async_rollout"]
-    tbs = cfg["data"]["train_batch_size"]
+    async_cfg = section(cfg, "agentlightning.async_rollout")
+    tbs = section(cfg, "data")["train_batch_size"]
     if async_cfg.get("async_train_batch_size") is None and isinstance(tbs, int) \
             and not isinstance(tbs, bool) and tbs > 0:
         # The recommended starting point: B_async = 2 * B_train.
