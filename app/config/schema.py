@@ -328,7 +328,7 @@ class Config:
     services: ServicesConfig
 
     @classmethod
-    def of(cls, source: Mapping[str, Any]) -> Config:
+    def of(cls, source: Mapping[str, object]) -> Config:
         """The typed view of a validated configuration as a plain mapping (what
         ``load_config`` validated, or ``to_dict()`` of a run's config). A section whose keys
         differ from the dataclass's is refused with a ``ConfigError`` naming the key: the
@@ -337,20 +337,24 @@ class Config:
 
     def select(self, key: str) -> Any:
         """The value at a dotted key (``"inference.urls"``), as a plain JSON value."""
-        node: Any = self
+        # Any: the caller knows the key's type (a mapping for "agent", a list for
+        # "inference.urls"), which a key given as text cannot tell the type checker
+        node: object = self
         for part in key.split("."):
             node = node[part] if isinstance(node, Mapping) else getattr(node, part)
         return _unfreeze(node)
 
     def to_dict(self) -> dict[str, Any]:
         """The plain mapping (lists for tuples), as YAML and JSON write it."""
+        # Any: callers read and edit sections of it by name (an evaluation's config is made
+        # from it), as JSON values whose types the section's name decides
         return typing.cast(dict[str, Any], _unfreeze(self))
 
 
 T = TypeVar("T")
 
 
-def _build(cls: type[T], node: Any, path: str) -> T:
+def _build(cls: type[T], node: object, path: str) -> T:
     if not isinstance(node, Mapping):
         raise ConfigError([f"{path or 'config'}: must be a mapping (got {node!r})"])
     hints = typing.get_type_hints(cls)
@@ -364,7 +368,7 @@ def _build(cls: type[T], node: Any, path: str) -> T:
     return cls(**{k: _value(hints[k], node[k], f"{path}{k}") for k in fields})
 
 
-def _value(hint: Any, value: Any, path: str) -> Any:
+def _value(hint: object, value: object, path: str) -> object:
     """``value`` as the type ``hint`` says, or a ConfigError naming ``path``."""
     origin = get_origin(hint)
     if dataclasses.is_dataclass(hint):
@@ -404,18 +408,18 @@ def _value(hint: Any, value: Any, path: str) -> Any:
                        "app/config/schema.py and the rule in app/config/validate.py differ)"])
 
 
-def _name(hint: Any) -> str:
+def _name(hint: object) -> str:
     return getattr(hint, "__name__", None) or str(hint).replace("typing.", "")
 
 
-class FrozenMap(Mapping[str, Any]):
+class FrozenMap(Mapping[str, object]):
     """A read-only mapping for the free-form keys (``agent``, Kubernetes labels, ...); unlike
     ``types.MappingProxyType`` it copies and pickles."""
 
-    def __init__(self, items: Mapping[str, Any]) -> None:
+    def __init__(self, items: Mapping[str, object]) -> None:
         self._items = dict(items)
 
-    def __getitem__(self, key: str) -> Any:
+    def __getitem__(self, key: str) -> object:
         return self._items[key]
 
     def __iter__(self) -> typing.Iterator[str]:
@@ -431,7 +435,7 @@ class FrozenMap(Mapping[str, Any]):
         return hash(tuple(self._items.items()))
 
 
-def _freeze(value: Any) -> Any:
+def _freeze(value: object) -> object:
     if isinstance(value, Mapping):
         return FrozenMap({k: _freeze(v) for k, v in value.items()})
     if isinstance(value, list | tuple):
@@ -439,7 +443,7 @@ def _freeze(value: Any) -> Any:
     return value
 
 
-def _unfreeze(value: Any) -> Any:
+def _unfreeze(value: object) -> object:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _unfreeze(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
