@@ -14,10 +14,11 @@ says otherwise, naming each key.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from app.config.loader import repo_path
+from app.config.raw import YamlMap
 from app.config.schema import Config
 from app.config.settings import MAX_LORA_RANKS, lora_rank, served_dtype
 
@@ -31,6 +32,8 @@ LORA = "actor_rollout_ref.model.lora_rank"
 # only what a call gets when its agent sets none: a difference is reported, not refused
 NOTED = ("actor_rollout_ref.rollout.max_tokens",)
 # what the servers were started with, (run's, stack's) -> whether the run's loads work there
+# (Any: each rule compares its key's JSON values as that key's type, ranks as numbers;
+# the gateway's side comes from another process)
 _SERVERS: dict[str, Callable[[Any, Any], bool]] = {
     "inference.weight_sync": lambda run, stack: run != "transfer" or stack == "transfer",
     "inference.transfer_engine": lambda run, stack: run is None or run == stack,
@@ -40,9 +43,9 @@ _SERVERS: dict[str, Callable[[Any, Any], bool]] = {
 }
 
 
-def gateway_view(cfg: Config) -> dict[str, Any]:
+def gateway_view(cfg: Config) -> YamlMap:
     """The values of the keys a gateway serves by, as JSON values."""
-    view: dict[str, Any] = {key: cfg.select(key) for key in _PLAIN}
+    view: YamlMap = {key: cfg.select(key) for key in _PLAIN}
     for key in _PATHS:
         value = cfg.select(key)
         view[key] = str(repo_path(str(value))) if value else None
@@ -61,7 +64,7 @@ def gateway_view(cfg: Config) -> dict[str, Any]:
     return view
 
 
-def disagreements(run: dict[str, Any], gateway: dict[str, Any]
+def disagreements(run: Mapping[str, object], gateway: Mapping[str, object]
                   ) -> tuple[list[str], list[str]]:
     """One line per key the run's view and the running gateway's differ on: (those that
     refuse the run, those only reported: ``NOTED``). Keys one side does not know are left
