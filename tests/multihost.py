@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import secrets
 import subprocess
 import threading
 import time
@@ -238,6 +239,45 @@ class Lines:
         """(when, step) of each step line the driver printed."""
         return [(t, int(m.group(1))) for t, line in list(self.lines)
                 if (m := STEP_LINE.match(line))]
+
+
+class Driver(Lines):
+    """DRIVER run on the trainer host by ``start_driver``: the lines it prints (as ``Lines``),
+    its process (a session of its own), its run id and the file that stops it."""
+
+    def __init__(self, proc: subprocess.Popen, run_id: str, stop_file: Path):
+        assert proc.stdout is not None
+        super().__init__(proc.stdout)
+        self.proc, self.run_id, self.stop_file = proc, run_id, stop_file
+
+    def stop(self, deadline: float, output: Callable[[], str],
+             within_s: float | None = None) -> None:
+        """Ends the run after its current step and waits for the driver to exit, until
+        ``deadline`` (``time.monotonic()``; 1 s at the least); else fails with ``output()``,
+        naming the bound ``within_s`` from the run's start where given."""
+        self.stop_file.touch()
+        try:
+            self.proc.wait(max(deadline - time.monotonic(), 1))
+        except subprocess.TimeoutExpired:
+            bound = "" if within_s is None else f" in {within_s:.0f} s of the run's start"
+            raise AssertionError(f"the driver did not stop{bound}:\n{output()}") from None
+
+    def kill(self) -> None:
+        """SIGKILL the driver's session, if it still runs."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+
+
+def start_driver(cluster: Cluster, *overrides: str) -> Driver:
+    """DRIVER on the trainer host with ``overrides``, under a new run id; the file that will
+    stop it (under the host's directory) removed first."""
+    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    stop = cluster.host_dir("trainer") / "stop-run"
+    stop.unlink(missing_ok=True)
+    proc = cluster.popen("trainer", [str(BIN / "python"), "-c", DRIVER, str(stop), run_id,
+                                     *overrides],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return Driver(proc, run_id, stop)
 
 
 def stop_session(proc: subprocess.Popen) -> None:

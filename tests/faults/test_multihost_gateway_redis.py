@@ -17,7 +17,6 @@ import datetime
 import json
 import os
 import re
-import secrets
 import subprocess
 import time
 
@@ -25,7 +24,6 @@ import pytest
 
 from bench.multihost import BIN
 from tests.multihost import (
-    DRIVER,
     RUN_TIMEOUT_S,
     SMALL_RUN,
     TEST_TIMEOUT_S,
@@ -36,6 +34,7 @@ from tests.multihost import (
     run_id_of,
     run_state,
     stall,
+    start_driver,
     stop_session,
     warm_inference,
 )
@@ -101,17 +100,10 @@ START_EVERY_S = 3.0
 
 def test_gateway_cut_from_redis(multihost, record_property):  # noqa: F811
     python = str(BIN / "python")
-    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-    stop = multihost.host_dir("trainer") / "stop-run"
-    stop.unlink(missing_ok=True)
     warm_inference(multihost)
     rollout_logs = {h: multihost.log(h, "rollout") for h in ("roll1", "roll2")}
     logs_at_start = {h: p.stat().st_size for h, p in rollout_logs.items()}
-    train = multihost.popen("trainer", [python, "-c", DRIVER, str(stop), run_id,
-                                        f"trainer.total_steps={MAX_STEPS}", *SMALL_RUN],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert train.stdout is not None
-    driver = Lines(train.stdout)
+    driver = start_driver(multihost, f"trainer.total_steps={MAX_STEPS}", *SMALL_RUN)
     caller: subprocess.Popen | None = None
 
     def output() -> str:
@@ -119,7 +111,7 @@ def test_gateway_cut_from_redis(multihost, record_property):  # noqa: F811
 
     def wait_steps(n: int, deadline: float) -> None:
         while len(driver.steps()) < n:
-            assert train.poll() is None, f"the run ended early:\n{output()}"
+            assert driver.proc.poll() is None, f"the run ended early:\n{output()}"
             assert time.monotonic() < deadline, f"no step {n}:\n{output()}"
             time.sleep(0.2)
 
@@ -141,7 +133,8 @@ def test_gateway_cut_from_redis(multihost, record_property):  # noqa: F811
         try:
             at_cut = multihost.python("trainer", _CALLS)
             while time.monotonic() - cut_at < PARTITION_S:
-                assert train.poll() is None, f"the driver exited in the partition:\n{output()}"
+                assert driver.proc.poll() is None, \
+                    f"the driver exited in the partition:\n{output()}"
                 time.sleep(0.5)
         finally:
             multihost.heal_pair("infer", "redis")
@@ -149,25 +142,20 @@ def test_gateway_cut_from_redis(multihost, record_property):  # noqa: F811
         time.sleep(LATE_RECORD_S)
         after_heal = multihost.python("trainer", _CALLS)
         while len([t for t, _ in driver.steps() if t > healed_at]) < STEPS_AFTER_HEAL:
-            assert train.poll() is None, f"the run ended after the heal:\n{output()}"
+            assert driver.proc.poll() is None, f"the run ended after the heal:\n{output()}"
             assert time.monotonic() < deadline, (
                 f"the run did not go {STEPS_AFTER_HEAL} steps past the heal in "
                 f"{RUN_TIMEOUT_S:.0f} s of its start:\n{output()}")
             time.sleep(0.5)
-        stop.touch()
-        try:
-            train.wait(max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the driver did not stop:\n{output()}") from None
+        driver.stop(deadline, output)
     finally:
         multihost.heal_pair("infer", "redis")
-        if train.poll() is None:
-            os.killpg(train.pid, 9)
+        driver.kill()
         if caller is not None:
             stop_session(caller)
         driver.thread.join(10)
-    assert train.returncode == 0, f"the driver exited {train.returncode}:\n{output()}"
-    assert run_id_of(driver.text()) == run_id
+    assert driver.proc.returncode == 0, f"the driver exited {driver.proc.returncode}:\n{output()}"
+    assert run_id_of(driver.text()) == driver.run_id
 
     # the calls made in the partition: each answered in time, a retryable 503 in OpenAI's
     # shape; before the cut and after the heal the gateway reads Redis (unknown rollout)
@@ -196,10 +184,10 @@ def test_gateway_cut_from_redis(multihost, record_property):  # noqa: F811
     done = driver.steps()
     steps = len(done)
     assert [s for _, s in done] == list(range(1, steps + 1)), output()
-    state = run_state(multihost, run_id, steps)
+    state = run_state(multihost, driver.run_id, steps)
     assert state["run"].get("status") == "finished", state["run"]
     assert_trained_once_and_whole(state, steps, per_step=2, n=4)
-    rows = metrics_rows(multihost, run_id)
+    rows = metrics_rows(multihost, driver.run_id)
     assert [r["step"] for r in rows] == list(range(steps))
     assert sum(r["training/async/n_dropped_groups"] for r in rows) == 0, rows
 

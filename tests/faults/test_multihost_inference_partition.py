@@ -23,7 +23,6 @@ import calendar
 import json
 import os
 import re
-import secrets
 import statistics
 import subprocess
 import time
@@ -33,7 +32,6 @@ import pytest
 from bench.multihost import BIN, Cluster
 from gateway.upstream import Upstreams
 from tests.multihost import (
-    DRIVER,
     RUN_TIMEOUT_S,
     SMALL_RUN,
     TEST_TIMEOUT_S,
@@ -43,6 +41,7 @@ from tests.multihost import (
     multihost_infer2,  # noqa: F401 - fixture
     run_id_of,
     run_state,
+    start_driver,
     stop_session,
 )
 
@@ -150,14 +149,7 @@ def test_gateway_partitioned_from_one_inference_server(multihost_infer2,  # noqa
     warm = stack.run("trainer", [python, "-c", _WARM, url1, url2], timeout=1300)
     assert warm.returncode == 0 and json.loads(warm.stdout.splitlines()[-1]) == [200, 200], \
         warm.stderr[-2000:]
-    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-    stop = stack.host_dir("trainer") / "stop-run"
-    stop.unlink(missing_ok=True)
-    train = stack.popen("trainer", [python, "-c", DRIVER, str(stop), run_id,
-                                    f"trainer.total_steps={MAX_STEPS}", *SMALL_RUN],
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert train.stdout is not None
-    driver = Lines(train.stdout)
+    driver = start_driver(stack, f"trainer.total_steps={MAX_STEPS}", *SMALL_RUN)
     watch: subprocess.Popen | None = None
     # the hosts' clocks are this one's: epoch times from the hosts against monotonic here
     epoch = time.time() - time.monotonic()
@@ -175,7 +167,7 @@ def test_gateway_partitioned_from_one_inference_server(multihost_infer2,  # noqa
 
         def wait(what: str, done) -> None:  # type: ignore[no-untyped-def]
             while not done():
-                assert train.poll() is None, f"the run ended early:\n{driver.text()}"
+                assert driver.proc.poll() is None, f"the run ended early:\n{driver.text()}"
                 assert time.monotonic() < deadline, \
                     f"{what} not seen in {RUN_TIMEOUT_S:.0f} s:\n{driver.text()}\n" \
                     + stack.tails(["infer", "infer2", "trainer"])
@@ -189,7 +181,8 @@ def test_gateway_partitioned_from_one_inference_server(multihost_infer2,  # noqa
         cut = time.time()
         try:
             while time.time() - cut < PARTITION_S:
-                assert train.poll() is None, f"the run ended in the partition:\n{driver.text()}"
+                assert driver.proc.poll() is None, \
+                    f"the run ended in the partition:\n{driver.text()}"
                 time.sleep(0.5)
         finally:
             stack.heal_pair("infer", "infer2")
@@ -199,33 +192,28 @@ def test_gateway_partitioned_from_one_inference_server(multihost_infer2,  # noqa
         back_at = min(c["t0"] for c in calls(healed) if c["up"] == url2) - epoch
         wait(f"{STEPS_AFTER_BACK} steps after infer2 served again",
              lambda: len([t for t, _ in driver.steps() if t > back_at]) >= STEPS_AFTER_BACK)
-        stop.touch()
         stopped = time.time()
-        try:
-            train.wait(max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the driver did not stop in {RUN_TIMEOUT_S:.0f} s of the "
-                                 f"run's start:\n{driver.text()}") from None
+        driver.stop(deadline, driver.text, within_s=RUN_TIMEOUT_S)
     finally:
         if cut is not None and healed is None:
             stack.heal_pair("infer", "infer2")
-        if train.poll() is None:
-            os.killpg(train.pid, 9)
+        driver.kill()
         if watch is not None:
             stop_session(watch)
         driver.thread.join(10)
-    assert train.returncode == 0, f"the driver exited {train.returncode}:\n{driver.text()}\n" \
+    assert driver.proc.returncode == 0, \
+        f"the driver exited {driver.proc.returncode}:\n{driver.text()}\n" \
         + stack.tails(["infer", "infer2", "trainer"])
-    assert run_id_of(driver.text()) == run_id
+    assert run_id_of(driver.text()) == driver.run_id
     done = driver.steps()
     steps = len(done)
     assert [s for _, s in done] == list(range(1, steps + 1))
 
     # every group trained once and whole: no call was lost for good
-    state = run_state(stack, run_id, steps)
+    state = run_state(stack, driver.run_id, steps)
     assert state["run"].get("status") == "finished", state["run"]
     assert_trained_once_and_whole(state, steps, per_step=2, n=4)
-    rows = metrics_rows(stack, run_id)
+    rows = metrics_rows(stack, driver.run_id)
     assert sum(r["training/async/n_dropped_groups"] for r in rows) == 0, rows
 
     # the calls moved: rollouts ranked to infer2 had calls answered by the first server

@@ -15,7 +15,6 @@ import datetime
 import json
 import os
 import re
-import secrets
 import statistics
 import subprocess
 import time
@@ -35,8 +34,8 @@ from tests.multihost import (
     probe_answer,
     run_id_of,
     run_state,
+    start_driver,
 )
-from tests.multihost import DRIVER as _DRIVER
 from tests.multihost import Lines as _Lines
 from tests.multihost import stop_session as _stop_session
 
@@ -90,14 +89,7 @@ while time.monotonic() < deadline:
 
 def test_rollout_host_partitioned_then_healed(multihost, record_property):  # noqa: F811
     python = str(BIN / "python")
-    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-    stop = multihost.host_dir("trainer") / "stop-run"
-    stop.unlink(missing_ok=True)
-    train = multihost.popen("trainer", [python, "-c", _DRIVER, str(stop), run_id,
-                                        f"trainer.total_steps={MAX_STEPS}", *SMALL_RUN],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert train.stdout is not None
-    driver = _Lines(train.stdout)
+    driver = start_driver(multihost, f"trainer.total_steps={MAX_STEPS}", *SMALL_RUN)
     probe_log = multihost.log("trainer", "cut-probe")
     attempts_log = multihost.log("trainer", "attempts")
     procs: list[subprocess.Popen] = []
@@ -119,7 +111,7 @@ def test_rollout_host_partitioned_then_healed(multihost, record_property):  # no
         procs.append(probe)
         probe_answer(probe, None, ("ready",))
         while len(steps_done()) < CUT_AFTER_STEP:
-            assert train.poll() is None, f"the run ended early:\n{output()}"
+            assert driver.proc.poll() is None, f"the run ended early:\n{output()}"
             assert time.monotonic() < deadline, f"no step {CUT_AFTER_STEP}:\n{output()}"
             time.sleep(0.2)
         # cut while roll1 runs siblings, and again should every one it held have ended
@@ -139,7 +131,7 @@ def test_rollout_host_partitioned_then_healed(multihost, record_property):  # no
         try:
             assert held, f"roll1 held no unacknowledged task at any of {CUT_TRIES} cuts"
             while time.monotonic() - cut_at < PARTITION_S:
-                assert train.poll() is None, f"the run ended in the partition:\n{output()}"
+                assert driver.proc.poll() is None, f"the run ended in the partition:\n{output()}"
                 time.sleep(0.5)
         finally:
             multihost.heal("roll1")
@@ -164,7 +156,7 @@ def test_rollout_host_partitioned_then_healed(multihost, record_property):  # no
         # roll1 runs siblings again: the run goes on until one it started after the heal
         # is seen, and STEPS_AFTER_HEAL steps more
         with open(attempts_log, "ab") as errors:
-            watch = multihost.popen("trainer", [python, "-c", _ATTEMPTS, run_id, "roll1",
+            watch = multihost.popen("trainer", [python, "-c", _ATTEMPTS, driver.run_id, "roll1",
                                                 str(healed_epoch),
                                                 str(max(deadline - time.monotonic(), 1))],
                                     stdout=subprocess.PIPE, stderr=errors, text=True)
@@ -174,28 +166,23 @@ def test_rollout_host_partitioned_then_healed(multihost, record_property):  # no
         while not roll1_attempts.lines or len(
                 [t for t, _ in steps_done() if t > roll1_attempts.lines[0][0]]) \
                 < STEPS_AFTER_HEAL:
-            assert train.poll() is None, f"the run ended:\n{output()}"
+            assert driver.proc.poll() is None, f"the run ended:\n{output()}"
             assert time.monotonic() < deadline, (
                 f"in {RUN_TIMEOUT_S:.0f} s of the start, roll1 ran "
                 f"{len(roll1_attempts.lines)} siblings after the heal and the run did not "
                 f"go {STEPS_AFTER_HEAL} steps past the first:\n{output()}\n"
                 + multihost.tails(["roll1"]))
             time.sleep(0.5)
-        stop.touch()
-        try:
-            train.wait(max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the driver did not stop in {RUN_TIMEOUT_S:.0f} s of the "
-                                 f"run's start:\n{output()}") from None
+        driver.stop(deadline, output, within_s=RUN_TIMEOUT_S)
     finally:
-        if train.poll() is None:
-            os.killpg(train.pid, 9)
+        driver.kill()
         for proc in procs:
             _stop_session(proc)
         driver.thread.join(10)
-    assert train.returncode == 0, f"the driver exited {train.returncode}:\n{output()}\n" \
+    assert driver.proc.returncode == 0, \
+        f"the driver exited {driver.proc.returncode}:\n{output()}\n" \
         + multihost.tails(["roll1", "roll2", "trainer"])
-    assert run_id_of(output()) == run_id
+    assert run_id_of(output()) == driver.run_id
     done = steps_done()
     steps = len(done)
     assert [s for _, s in done] == list(range(1, steps + 1))
@@ -203,10 +190,10 @@ def test_rollout_host_partitioned_then_healed(multihost, record_property):  # no
     after_heal = [s for t, s in done if t > healed_at]
     assert len(after_heal) >= STEPS_AFTER_HEAL, output()
 
-    state = run_state(multihost, run_id, steps)
+    state = run_state(multihost, driver.run_id, steps)
     assert state["run"].get("status") == "finished", state["run"]
     assert_trained_once_and_whole(state, steps, per_step=2, n=4)
-    rows = metrics_rows(multihost, run_id)
+    rows = metrics_rows(multihost, driver.run_id)
     assert [r["step"] for r in rows] == list(range(steps))
     assert sum(r["training/async/n_dropped_groups"] for r in rows) == 0, rows
     # a sibling roll1 ran after the heal belongs to a group trained whole

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import re
-import secrets
 import statistics
 import subprocess
 import time
@@ -24,16 +22,15 @@ import pytest
 from bench.multihost import BIN, Cluster
 from tests.multihost import (
     CUT_PROBE,
-    DRIVER,
     RUN_TIMEOUT_S,
     SMALL_RUN,
     TEST_TIMEOUT_S,
-    Lines,
     metrics_rows,
     multihost,  # noqa: F401 - fixture
     probe_answer,
     run_id_of,
     run_state,
+    start_driver,
     stop_session,
 )
 
@@ -62,14 +59,7 @@ def _requeues(cluster: Cluster) -> list[datetime.datetime]:
 
 def test_rollout_host_partitioned_for_good(multihost, record_property):  # noqa: F811
     python = str(BIN / "python")
-    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-    stop = multihost.host_dir("trainer") / "stop-run"
-    stop.unlink(missing_ok=True)
-    train = multihost.popen("trainer", [python, "-c", DRIVER, str(stop), run_id,
-                                        f"trainer.total_steps={MAX_STEPS}", *SMALL_RUN],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert train.stdout is not None
-    driver = Lines(train.stdout)
+    driver = start_driver(multihost, f"trainer.total_steps={MAX_STEPS}", *SMALL_RUN)
     probe: subprocess.Popen | None = None
     requeued_at: float | None = None
     try:
@@ -81,7 +71,7 @@ def test_rollout_host_partitioned_for_good(multihost, record_property):  # noqa:
                                     stderr=errors, text=True)
         probe_answer(probe, None, ("ready",))
         while len(driver.steps()) < CUT_AFTER_STEP:
-            assert train.poll() is None, f"the run ended early:\n{driver.text()}"
+            assert driver.proc.poll() is None, f"the run ended early:\n{driver.text()}"
             assert time.monotonic() < deadline, f"no step {CUT_AFTER_STEP}:\n{driver.text()}"
             time.sleep(0.2)
         # cut while roll1 runs siblings; should every one it held have ended in the instant
@@ -103,7 +93,7 @@ def test_rollout_host_partitioned_for_good(multihost, record_property):  # noqa:
         # the run goes on: roll2 requeues roll1's siblings, and STEPS_AFTER_REQUEUE steps on
         while requeued_at is None or len(
                 [t for t, _ in driver.steps() if t > requeued_at]) < STEPS_AFTER_REQUEUE:
-            assert train.poll() is None, f"the run ended:\n{driver.text()}"
+            assert driver.proc.poll() is None, f"the run ended:\n{driver.text()}"
             assert time.monotonic() < deadline, (
                 f"in {RUN_TIMEOUT_S:.0f} s of the start, "
                 + ("roll2 requeued none of roll1's tasks" if requeued_at is None else
@@ -112,27 +102,22 @@ def test_rollout_host_partitioned_for_good(multihost, record_property):  # noqa:
             if requeued_at is None and _requeues(multihost):
                 requeued_at = time.monotonic()
             time.sleep(0.5)
-        stop.touch()
-        try:
-            train.wait(max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the driver did not stop in {RUN_TIMEOUT_S:.0f} s of the "
-                                 f"run's start:\n{driver.text()}") from None
+        driver.stop(deadline, driver.text, within_s=RUN_TIMEOUT_S)
     finally:
-        if train.poll() is None:
-            os.killpg(train.pid, 9)
+        driver.kill()
         if probe is not None:
             stop_session(probe)
         driver.thread.join(10)
     assert multihost.link_up("roll1") is False, "roll1 was let back in"
-    assert train.returncode == 0, f"the driver exited {train.returncode}:\n{driver.text()}\n" \
+    assert driver.proc.returncode == 0, \
+        f"the driver exited {driver.proc.returncode}:\n{driver.text()}\n" \
         + multihost.tails(["roll2", "trainer"])
-    assert run_id_of(driver.text()) == run_id
+    assert run_id_of(driver.text()) == driver.run_id
     done = driver.steps()
     steps = len(done)
     assert [s for _, s in done] == list(range(1, steps + 1))
 
-    state = run_state(multihost, run_id, steps, gone={"rollout@roll1", "groups@roll1"})
+    state = run_state(multihost, driver.run_id, steps, gone={"rollout@roll1", "groups@roll1"})
     assert state["run"].get("status") == "finished", state["run"]
     trained = [g for s in range(steps) for g in state["steps"][str(s)]]
     assert [len(state["steps"][str(s)]) for s in range(steps)] == [2] * steps, state["steps"]
@@ -142,7 +127,7 @@ def test_rollout_host_partitioned_for_good(multihost, record_property):  # noqa:
             group = state["groups"][gid]
             assert group["trained"] == str(step), (gid, step, group)
             assert len(group["results"]) == 4 and set(group["results"]) == {"ok"}, (gid, group)
-    rows = metrics_rows(multihost, run_id)
+    rows = metrics_rows(multihost, driver.run_id)
     assert [r["step"] for r in rows] == list(range(steps))
     assert sum(r["training/async/n_dropped_groups"] for r in rows) == 0, rows
     # what roll1 held was redone elsewhere: each sibling's group trained whole

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import re
-import secrets
 import subprocess
 import time
 
@@ -24,7 +23,6 @@ import pytest
 
 from bench.multihost import BIN
 from tests.multihost import (
-    DRIVER,
     RUN_TIMEOUT_S,
     SMALL_RUN,
     TEST_TIMEOUT_S,
@@ -35,6 +33,7 @@ from tests.multihost import (
     run_id_of,
     run_state,
     stall,
+    start_driver,
     stop_session,
     warm_inference,
 )
@@ -112,17 +111,10 @@ def _say(proc: subprocess.Popen, command: str) -> None:
 
 def test_trainer_cut_from_redis_in_its_update(multihost, record_property):  # noqa: F811
     python = str(BIN / "python")
-    run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-    stop = multihost.host_dir("trainer") / "stop-run"
-    stop.unlink(missing_ok=True)
     warm_inference(multihost)
     trainer_log = multihost.log("trainer", "trainer")
     log_at_start = trainer_log.stat().st_size
-    train = multihost.popen("trainer", [python, "-c", DRIVER, str(stop), run_id,
-                                        f"trainer.total_steps={MAX_STEPS}", *OVERRIDES],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    assert train.stdout is not None
-    driver = Lines(train.stdout)
+    driver = start_driver(multihost, f"trainer.total_steps={MAX_STEPS}", *OVERRIDES)
     with open(multihost.log("infer", "pause-watch"), "ab") as errors:
         watcher = multihost.popen("infer", [python, "-c", _PAUSE_WATCH, str(PAUSE_WAIT_S)],
                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -135,7 +127,7 @@ def test_trainer_cut_from_redis_in_its_update(multihost, record_property):  # no
 
     def wait_steps(n: int, deadline: float) -> None:
         while len(driver.steps()) < n:
-            assert train.poll() is None, f"the run ended early:\n{output()}"
+            assert driver.proc.poll() is None, f"the run ended early:\n{output()}"
             assert time.monotonic() < deadline, f"no step {n}:\n{output()}"
             time.sleep(0.2)
 
@@ -173,38 +165,34 @@ def test_trainer_cut_from_redis_in_its_update(multihost, record_property):  # no
             # calls while the trainer is still cut
             calls_at_gone = calls()
             while time.monotonic() - cut_at < PARTITION_S:
-                assert train.poll() is None, f"the driver exited in the partition:\n{output()}"
+                assert driver.proc.poll() is None, \
+                    f"the driver exited in the partition:\n{output()}"
                 time.sleep(0.5)
             calls_at_heal = calls()
         finally:
             multihost.heal_pair("trainer", "redis")
         healed_at = time.monotonic()
         while len([t for t, _ in driver.steps() if t > healed_at]) < STEPS_AFTER_HEAL:
-            assert train.poll() is None, f"the run ended after the heal:\n{output()}"
+            assert driver.proc.poll() is None, f"the run ended after the heal:\n{output()}"
             assert time.monotonic() < deadline, (
                 f"the run did not go {STEPS_AFTER_HEAL} steps past the heal in "
                 f"{RUN_TIMEOUT_S:.0f} s of its start:\n{output()}")
             time.sleep(0.5)
-        stop.touch()
-        try:
-            train.wait(max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"the driver did not stop:\n{output()}") from None
+        driver.stop(deadline, output)
     finally:
         multihost.heal_pair("trainer", "redis")
-        if train.poll() is None:
-            os.killpg(train.pid, 9)
+        driver.kill()
         stop_session(watcher)
         driver.thread.join(10)
-    assert train.returncode == 0, f"the driver exited {train.returncode}:\n{output()}"
-    assert run_id_of(driver.text()) == run_id
+    assert driver.proc.returncode == 0, f"the driver exited {driver.proc.returncode}:\n{output()}"
+    assert run_id_of(driver.text()) == driver.run_id
     done = driver.steps()
     steps = len(done)
     assert [s for _, s in done] == list(range(1, steps + 1)), output()
-    state = run_state(multihost, run_id, steps)
+    state = run_state(multihost, driver.run_id, steps)
     assert state["run"].get("status") == "finished", state["run"]
     assert_trained_once_and_whole(state, steps, per_step=2, n=4)
-    rows = metrics_rows(multihost, run_id)
+    rows = metrics_rows(multihost, driver.run_id)
     assert [r["step"] for r in rows] == list(range(steps))
     assert sum(r["training/async/n_dropped_groups"] for r in rows) == 0, rows
     # the pause was a lease: it ended within heartbeat_s (10 s) of its last extension, while
