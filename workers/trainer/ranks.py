@@ -463,7 +463,7 @@ class SpawnedRanks:
             self.procs.append(proc)
         self._gather("start")
 
-    def _gather(self, what: str) -> list[Any]:
+    def _gather(self, what: str) -> list[object]:
         out, errors = [], []
         for rank, conn in enumerate(self.conns):
             try:
