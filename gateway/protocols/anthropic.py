@@ -27,11 +27,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import cast
 
 import orjson
 
+from gateway.bodies import Answer, Choice, Message, NamedToolChoice, Request, Tool, ToolCall
 from gateway.errors import CONTEXT_LENGTH_EXCEEDED, GatewayError, bad_request
 from gateway.protocols import (
     Protocol,
@@ -45,23 +46,38 @@ from gateway.protocols import (
     template_kwargs,
     text_of,
 )
+from gateway.protocols.anthropic_bodies import (
+    ContentBlock,
+    ErrorBody,
+    Event,
+    MessageBody,
+    MessageUsage,
+)
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 REFUSED_FIELDS = ("mcp_servers", "container")
+SAMPLING = ("temperature", "top_p", "top_k")
 
 
-def _tool(tool: object, i: int) -> dict[str, Any]:
-    if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+class ChatRequest(Request, total=False):
+    """The chat body this protocol builds: the stop sequences go on as vLLM's ``stop``."""
+
+    stop: list[str]
+
+
+def _tool(tool: object, i: int) -> Tool:
+    name = tool.get("name") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict) or not isinstance(name, str):
         raise bad_request(f"tools[{i}] must be an object with a string 'name'",
                           param=f"tools[{i}]")
     kind = tool.get("type")
     if kind not in (None, "custom"):
         raise bad_request(f"tools[{i}]: server tool {kind!r} is not supported by this gateway "
                           f"(custom tools with an input_schema only)", param=f"tools[{i}].type")
-    return function_tool(tool, "input_schema")
+    return function_tool(name, tool, "input_schema")
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: object) -> str | NamedToolChoice | None:
     if choice is None:
         return None
     kind = choice.get("type") if isinstance(choice, dict) else None
@@ -71,13 +87,14 @@ def _tool_choice(choice: Any) -> Any:
         return "required"
     if kind == "none":
         return "none"
-    if kind == "tool" and isinstance(choice.get("name"), str):
-        return named_function(choice["name"])
+    name = choice.get("name") if isinstance(choice, dict) else None
+    if kind == "tool" and isinstance(name, str):
+        return named_function(name)
     raise bad_request("tool_choice must be {'type': 'auto' | 'any' | 'none'} or "
                       "{'type': 'tool', 'name': ...}", param="tool_choice")
 
 
-def _message(m: object, i: int) -> list[dict[str, Any]]:
+def _message(m: object, i: int) -> list[Message]:
     where = f"messages[{i}]"
     if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
         raise bad_request(f"{where}.role must be 'user' or 'assistant'", param=f"{where}.role")
@@ -87,9 +104,9 @@ def _message(m: object, i: int) -> list[dict[str, Any]]:
     if not isinstance(content, list):
         raise bad_request(f"{where}.content must be a string or an array of content blocks",
                           param=f"{where}.content")
-    out: list[dict[str, Any]] = []
+    out: list[Message] = []
     texts: list[str] = []
-    calls: list[dict[str, Any]] = []
+    calls: list[ToolCall] = []
     for j, block in enumerate(content):
         kind = block.get("type") if isinstance(block, dict) else None
         at = f"{where}.content[{j}]"
@@ -107,7 +124,7 @@ def _message(m: object, i: int) -> list[dict[str, Any]]:
                               f"{role} message (text, tool_use, tool_result)",
                               param=f"{at}.type")
     if role == "assistant":
-        msg: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+        msg: Message = {"role": "assistant", "content": "\n".join(texts)}
         if calls:
             msg["tool_calls"] = calls
         out.append(msg)
@@ -116,7 +133,7 @@ def _message(m: object, i: int) -> list[dict[str, Any]]:
     return out
 
 
-def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
+def _output_schema(body: Mapping[str, object]) -> dict[str, object] | None:
     """The JSON schema structured outputs ask the answer to follow (``output_config.format``,
     or the earlier beta's top-level ``output_format``), else None. Served as the chat
     route's ``response_format`` (constrained decoding, captured as such)."""
@@ -138,19 +155,17 @@ def _output_schema(body: dict[str, Any]) -> dict[str, Any] | None:
 class Messages(Protocol):
     name = "anthropic"
 
-    def to_chat(self, body: Any, tools: ToolGrammar = ToolGrammar()) -> dict[str, Any]:
-        if not isinstance(body, dict):
-            raise bad_request("request body must be a JSON object")
+    def to_chat(self, body: dict[str, object], tools: ToolGrammar = ToolGrammar()) -> Request:
         max_tokens = _refuse_unsupported(body)
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise bad_request("messages: a non-empty array is required", param="messages")
-        chat_msgs: list[dict[str, Any]] = []
+        chat_msgs: list[Message] = []
         if body.get("system"):
             chat_msgs.append({"role": "system", "content": text_of(body["system"], "system")})
         for i, m in enumerate(msgs):
             chat_msgs.extend(_message(m, i))
-        chat: dict[str, Any] = {"messages": chat_msgs, "max_tokens": max_tokens}
+        chat: ChatRequest = {"messages": chat_msgs, "max_tokens": max_tokens}
         _add_sampling(body, chat)
         _add_tools(body, chat)
         last = chat_msgs[-1]
@@ -159,7 +174,8 @@ class Messages(Protocol):
             chat["continue_final_message"] = True
             chat["add_generation_prompt"] = False
         _add_output_format(body, chat, tools)
-        reasoning_effort((body.get("output_config") or {}).get("effort"),
+        config = body.get("output_config")  # an object or None: _output_schema checked it
+        reasoning_effort(config.get("effort") if isinstance(config, dict) else None,
                          "output_config.effort", chat)
         template_kwargs(body, chat)
         if body.get("stream"):
@@ -179,12 +195,13 @@ class Messages(Protocol):
                        "`max_tokens` and try again")
         return GatewayError(400, message, code=CONTEXT_LENGTH_EXCEEDED)
 
-    def answer(self, chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, chat: Answer, request: dict[str, object]) -> MessageBody:
         choice = (chat.get("choices") or [{}])[0]
         msg = choice.get("message") or {}
-        content: list[dict[str, Any]] = []
-        if msg.get("content"):
-            content.append({"type": "text", "text": msg["content"]})
+        content: list[ContentBlock] = []
+        text = msg.get("content")
+        if text:
+            content.append({"type": "text", "text": text})
         for call in msg.get("tool_calls") or []:
             fn = call.get("function") or {}
             content.append({"type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
@@ -197,11 +214,11 @@ class Messages(Protocol):
                 "usage": {"input_tokens": usage.get("prompt_tokens", 0),
                           "output_tokens": usage.get("completion_tokens", 0)}}
 
-    def stream(self, request: dict[str, Any]) -> StreamTranslator:
+    def stream(self, request: dict[str, object]) -> StreamTranslator:
         return MessagesStream(request)
 
 
-def _arguments(raw: str | dict[str, Any] | None) -> dict[str, Any]:
+def _arguments(raw: str | dict[str, object] | None) -> dict[str, object]:
     if isinstance(raw, dict):
         return raw
     try:
@@ -211,12 +228,12 @@ def _arguments(raw: str | dict[str, Any] | None) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"arguments": value}
 
 
-def _message_id(chat: dict[str, Any]) -> str:
+def _message_id(chat: Answer) -> str:
     raw = str(chat.get("id") or f"{time.time_ns():x}")
     return "msg_" + raw.removeprefix("chatcmpl-")
 
 
-def _stop(choice: dict[str, Any], request: dict[str, Any],
+def _stop(choice: Choice, request: Mapping[str, object],
           tool_called: bool) -> tuple[str | None, str | None]:
     finish = choice.get("finish_reason")
     if finish is None or finish == "abort":
@@ -225,7 +242,8 @@ def _stop(choice: dict[str, Any], request: dict[str, Any],
         # Messages route reports it, rather than a normal end
         return None, None
     matched = choice.get("stop_reason")  # vLLM: the stop string that ended the text
-    if isinstance(matched, str) and matched in (request.get("stop_sequences") or []):
+    stops = request.get("stop_sequences")  # an array of strings or None: to_chat checked it
+    if isinstance(matched, str) and isinstance(stops, list) and matched in stops:
         return "stop_sequence", matched
     if finish == "length":  # a tool call cut off is not one to run
         return "max_tokens", None
@@ -234,9 +252,8 @@ def _stop(choice: dict[str, Any], request: dict[str, Any],
     return STOP_REASONS.get(finish, "end_turn"), None
 
 
-def _event(kind: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) \
-        + b"\n\n"
+def _event(event: Event) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + orjson.dumps(event) + b"\n\n"
 
 
 class MessagesStream(StreamTranslator):
@@ -247,42 +264,42 @@ class MessagesStream(StreamTranslator):
     JSON string or not JSON at all, which streamed piece by piece the SDK would take as
     another input than the unstreamed answer has, or fail to parse."""
 
-    def __init__(self, request: dict[str, Any]) -> None:
+    def __init__(self, request: Mapping[str, object]) -> None:
         self.request = request
         self.started = False
         self.block: str | None = None   # the open block's kind: "text" or "tool_use"
         self.index = -1
         self.tool_calls: dict[int, int] = {}  # chat tool-call index -> block index
         self.arguments: dict[int, str] = {}   # the open tool call's arguments so far
-        self.finish: dict[str, Any] = {}
+        self.finish: Choice = {}
         self.tool_called = False
-        self.usage = {"input_tokens": 0, "output_tokens": 0}
+        self.usage: MessageUsage = {"input_tokens": 0, "output_tokens": 0}
 
-    def _start(self, chunk: dict[str, Any]) -> Iterator[bytes]:
+    def _start(self, chunk: Answer) -> Iterator[bytes]:
         self.started = True
-        yield _event("message_start", {"message": {
+        yield _event({"type": "message_start", "message": {
             "id": _message_id(chunk), "type": "message", "role": "assistant",
             "model": chunk.get("model"), "content": [], "stop_reason": None,
-            "stop_sequence": None, "usage": dict(self.usage)}})
+            "stop_sequence": None, "usage": self.usage.copy()}})
 
-    def _open(self, kind: str, block: dict[str, Any]) -> Iterator[bytes]:
+    def _open(self, block: ContentBlock) -> Iterator[bytes]:
         yield from self._close()
         self.index += 1
-        self.block = kind
-        yield _event("content_block_start", {"index": self.index, "content_block": block})
+        self.block = block["type"]
+        yield _event({"type": "content_block_start", "index": self.index,
+                      "content_block": block})
 
     def _close(self) -> Iterator[bytes]:
         if self.block is not None:
             for raw in self.arguments.values():
-                yield _event("content_block_delta", {
-                    "index": self.index, "delta": {
-                        "type": "input_json_delta",
-                        "partial_json": json.dumps(_arguments(raw), ensure_ascii=False)}})
+                yield _event({"type": "content_block_delta", "index": self.index, "delta": {
+                    "type": "input_json_delta",
+                    "partial_json": json.dumps(_arguments(raw), ensure_ascii=False)}})
             self.arguments = {}
-            yield _event("content_block_stop", {"index": self.index})
+            yield _event({"type": "content_block_stop", "index": self.index})
             self.block = None
 
-    def chunk(self, chunk: dict[str, Any]) -> Iterator[bytes]:
+    def chunk(self, chunk: Answer) -> Iterator[bytes]:
         usage = chunk.get("usage")
         if usage:
             self.usage = {"input_tokens": usage.get("prompt_tokens", 0),
@@ -299,21 +316,21 @@ class MessagesStream(StreamTranslator):
             # back would send text the model never wrote in that place
             if text and not self.tool_calls:
                 if self.block != "text":
-                    yield from self._open("text", {"type": "text", "text": ""})
-                yield _event("content_block_delta", {
-                    "index": self.index, "delta": {"type": "text_delta", "text": text}})
+                    yield from self._open({"type": "text", "text": ""})
+                yield _event({"type": "content_block_delta", "index": self.index,
+                              "delta": {"type": "text_delta", "text": text}})
             for call in delta.get("tool_calls") or []:
                 k = call.get("index", 0)
                 fn = call.get("function") or {}
                 if k not in self.tool_calls:
                     self.tool_called = True
-                    yield from self._open("tool_use", {
-                        "type": "tool_use", "id": call.get("id"), "name": fn.get("name"),
-                        "input": {}})
+                    yield from self._open({"type": "tool_use", "id": call.get("id"),
+                                           "name": fn.get("name"), "input": {}})
                     self.tool_calls[k] = self.index
                     self.arguments[k] = ""
-                if fn.get("arguments") and k in self.arguments:
-                    self.arguments[k] += fn["arguments"]
+                arguments = fn.get("arguments")
+                if arguments and k in self.arguments:
+                    self.arguments[k] += arguments
             if choice.get("finish_reason"):
                 self.finish = choice
 
@@ -323,13 +340,13 @@ class MessagesStream(StreamTranslator):
         yield from self._close()
         reason, sequence = _stop(self.finish or {"finish_reason": "stop"}, self.request,
                                  self.tool_called)
-        yield _event("message_delta", {"delta": {"stop_reason": reason,
-                                                 "stop_sequence": sequence},
-                                       "usage": {"output_tokens": self.usage["output_tokens"]}})
-        yield _event("message_stop", {})
+        yield _event({"type": "message_delta",
+                      "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                      "usage": {"output_tokens": self.usage["output_tokens"]}})
+        yield _event({"type": "message_stop"})
 
     def error(self, err: GatewayError) -> bytes:
-        return _event("error", {"error": error_body(err)["error"]})
+        return _event(error_body(err))
 
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
@@ -338,7 +355,7 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                529: "overloaded_error"}
 
 
-def error_body(err: GatewayError) -> dict[str, Any]:
+def error_body(err: GatewayError) -> ErrorBody:
     """Anthropic's error shape; the gateway's code leads the message so it is not lost."""
     kind = ERROR_TYPES.get(err.status, "api_error" if err.status >= 500
                            else "invalid_request_error")
@@ -346,7 +363,7 @@ def error_body(err: GatewayError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
-def _refuse_unsupported(body: dict[str, Any]) -> int:
+def _refuse_unsupported(body: Mapping[str, object]) -> int:
     """``max_tokens`` (required by the Messages API); what this gateway cannot serve is
     refused with a 400 naming the field."""
     max_tokens = body.get("max_tokens")
@@ -365,10 +382,11 @@ def _refuse_unsupported(body: dict[str, Any]) -> int:
     return max_tokens
 
 
-def _add_sampling(body: dict[str, Any], chat: dict[str, Any]) -> None:
-    for name in ("temperature", "top_p", "top_k"):
-        if body.get(name) is not None:
-            chat[name] = body[name]
+def _add_sampling(body: Mapping[str, object], chat: ChatRequest) -> None:
+    # as the agent sent them: the chat body's check and gateway.sampling judge them next, as
+    # on the chat route
+    chat.update(cast(Request, {name: body[name] for name in SAMPLING
+                               if body.get(name) is not None}))
     stops = body.get("stop_sequences")
     if stops is not None and (not isinstance(stops, list)
                               or not all(isinstance(x, str) for x in stops)):
@@ -378,19 +396,21 @@ def _add_sampling(body: dict[str, Any], chat: dict[str, Any]) -> None:
         chat["stop"] = list(stops)
 
 
-def _add_tools(body: dict[str, Any], chat: dict[str, Any]) -> None:
-    if body.get("tools"):
-        if not isinstance(body["tools"], list):
+def _add_tools(body: Mapping[str, object], chat: Request) -> None:
+    tools = body.get("tools")
+    if tools:
+        if not isinstance(tools, list):
             raise bad_request("tools must be an array", param="tools")
-        chat["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
-    choice = _tool_choice(body.get("tool_choice"))
-    if choice is not None and body.get("tools"):
+        chat["tools"] = [_tool(t, i) for i, t in enumerate(tools)]
+    raw = body.get("tool_choice")
+    choice = _tool_choice(raw)
+    if choice is not None and tools:
         chat["tool_choice"] = choice
-        if body["tool_choice"].get("disable_parallel_tool_use"):
+        if isinstance(raw, dict) and raw.get("disable_parallel_tool_use"):
             chat["parallel_tool_calls"] = False
 
 
-def _add_output_format(body: dict[str, Any], chat: dict[str, Any], tools: ToolGrammar
+def _add_output_format(body: Mapping[str, object], chat: Request, tools: ToolGrammar
                        ) -> None:
     """Structured outputs (``output_config.format`` or ``output_format``) as a JSON schema
     the answer must follow."""

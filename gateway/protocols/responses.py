@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import cast
 
 import orjson
 
+from gateway.bodies import Answer, Message, NamedToolChoice, Request, Tool, ToolCall, Usage
 from gateway.body import check_int
 from gateway.errors import GatewayError, bad_request, overflow_error
 from gateway.protocols import (
@@ -40,6 +41,12 @@ from gateway.protocols import (
     template_kwargs,
     text_of,
 )
+from gateway.protocols.responses_bodies import (
+    FunctionCallItem,
+    MessageItem,
+    OutputItem,
+    ResponseBody,
+)
 
 REFUSED_FIELDS = {
     "previous_response_id": "the gateway keeps no responses: send the whole input",
@@ -47,34 +54,39 @@ REFUSED_FIELDS = {
     "background": "background responses are not supported by this gateway",
     "prompt": "stored prompts are not supported by this gateway",
 }
+SAMPLING = ("temperature", "top_p")
 
 
-def _tool(tool: Any, i: int) -> dict[str, Any]:
+def _tool(tool: object, i: int) -> Tool:
     kind = tool.get("type") if isinstance(tool, dict) else None
-    if kind != "function" or not isinstance(tool.get("name"), str):
+    name = tool.get("name") if isinstance(tool, dict) else None
+    if kind != "function" or not isinstance(tool, dict) or not isinstance(name, str):
         raise bad_request(f"tools[{i}]: tool type {kind!r} is not supported by this gateway "
                           f"(function tools only)", param=f"tools[{i}].type")
-    return function_tool(tool, "parameters")
+    return function_tool(name, tool, "parameters")
 
 
-def _tool_choice(choice: Any) -> Any:
-    if choice is None or choice in ("auto", "none", "required"):
+def _tool_choice(choice: object) -> str | NamedToolChoice | None:
+    if choice is None:
+        return None
+    if isinstance(choice, str) and choice in ("auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function" \
-            and isinstance(choice.get("name"), str):
-        return named_function(choice["name"])
+    name = choice.get("name") if isinstance(choice, dict) else None
+    if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(name, str):
+        return named_function(name)
     raise bad_request("tool_choice must be 'auto', 'none', 'required' or "
                       "{'type': 'function', 'name': ...}", param="tool_choice")
 
 
-def _response_format(text: object) -> dict[str, Any] | None:
+def _response_format(text: object) -> dict[str, object] | None:
     fmt = text.get("format") if isinstance(text, dict) else None
     if not isinstance(fmt, dict) or fmt.get("type") in (None, "text"):
         return None
     if fmt["type"] == "json_object":
         return {"type": "json_object"}
     if fmt["type"] == "json_schema":
-        spec = {"name": fmt.get("name") or "output", "schema": fmt.get("schema") or {}}
+        spec: dict[str, object] = {"name": fmt.get("name") or "output",
+                                   "schema": fmt.get("schema") or {}}
         if fmt.get("strict") is not None:
             spec["strict"] = fmt["strict"]
         return {"type": "json_schema", "json_schema": spec}
@@ -82,13 +94,13 @@ def _response_format(text: object) -> dict[str, Any] | None:
                       param="text.format.type")
 
 
-def _messages(items: object) -> list[dict[str, Any]]:
+def _messages(items: object) -> list[Message]:
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise bad_request("input must be a string or a non-empty array of items",
                           param="input")
-    out: list[dict[str, Any]] = []
+    out: list[Message] = []
     for i, item in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(item, dict):
@@ -96,7 +108,8 @@ def _messages(items: object) -> list[dict[str, Any]]:
         kind = item.get("type", "message")
         if kind == "message":
             role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
+            if not isinstance(role, str) or role not in ("user", "assistant", "system",
+                                                         "developer"):
                 raise bad_request(f"{where}.role must be user, assistant, system or "
                                   f"developer", param=f"{where}.role")
             # a developer message goes on as one: vLLM makes it a system message for a
@@ -109,11 +122,12 @@ def _messages(items: object) -> list[dict[str, Any]]:
             if arguments is not None and not isinstance(arguments, str):
                 raise bad_request(f"{where}.arguments must be a string (the call's JSON)",
                                   param=f"{where}.arguments")
-            call = {"id": required_string(item, "call_id", where), "type": "function", "function": {
-                "name": required_string(item, "name", where), "arguments": arguments or "{}"}}
+            call: ToolCall = {"id": required_string(item, "call_id", where), "type": "function",
+                              "function": {"name": required_string(item, "name", where),
+                                           "arguments": arguments or "{}"}}
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
-                last.setdefault("tool_calls", []).append(call)  # one turn, several calls
+            if last is not None and last["role"] == "assistant":  # one turn, several calls
+                last["tool_calls"] = [*(last.get("tool_calls") or []), call]
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
         elif kind == "function_call_output":
@@ -133,9 +147,7 @@ def _messages(items: object) -> list[dict[str, Any]]:
 class Responses(Protocol):
     name = "responses"
 
-    def to_chat(self, body: Any, tools: ToolGrammar = ToolGrammar()) -> dict[str, Any]:
-        if not isinstance(body, dict):
-            raise bad_request("request body must be a JSON object")
+    def to_chat(self, body: dict[str, object], tools: ToolGrammar = ToolGrammar()) -> Request:
         for name, why in REFUSED_FIELDS.items():
             if body.get(name):
                 raise bad_request(f"{name}: {why}", param=name)
@@ -145,17 +157,20 @@ class Responses(Protocol):
             raise bad_request("instructions must be a string", param="instructions")
         if instructions:
             msgs.insert(0, {"role": "system", "content": instructions})
-        chat: dict[str, Any] = {"messages": msgs}
+        chat: Request = {"messages": msgs}
         check_int(body, "max_output_tokens", 1)
-        if body.get("max_output_tokens") is not None:
-            chat["max_tokens"] = body["max_output_tokens"]
-        for name in ("temperature", "top_p"):
-            if body.get(name) is not None:
-                chat[name] = body[name]
-        if body.get("tools"):
-            if not isinstance(body["tools"], list):
+        max_output_tokens = body.get("max_output_tokens")
+        if isinstance(max_output_tokens, int):  # or None: check_int refused anything else
+            chat["max_tokens"] = max_output_tokens
+        # as the agent sent them: the chat body's check and gateway.sampling judge them next,
+        # as on the chat route
+        chat.update(cast(Request, {name: body[name] for name in SAMPLING
+                                   if body.get(name) is not None}))
+        tools_given = body.get("tools")
+        if tools_given:
+            if not isinstance(tools_given, list):
                 raise bad_request("tools must be an array", param="tools")
-            chat["tools"] = [_tool(t, i) for i, t in enumerate(body["tools"])]
+            chat["tools"] = [_tool(t, i) for i, t in enumerate(tools_given)]
             choice = _tool_choice(body.get("tool_choice"))
             if choice is not None:
                 chat["tool_choice"] = choice
@@ -167,7 +182,8 @@ class Responses(Protocol):
         reasoning = body.get("reasoning")
         if reasoning is not None and not isinstance(reasoning, dict):
             raise bad_request("reasoning must be an object", param="reasoning")
-        reasoning_effort((reasoning or {}).get("effort"), "reasoning.effort", chat)
+        reasoning_effort(reasoning.get("effort") if isinstance(reasoning, dict) else None,
+                         "reasoning.effort", chat)
         template_kwargs(body, chat)
         if body.get("stream"):
             chat["stream"] = True
@@ -179,12 +195,13 @@ class Responses(Protocol):
         return overflow_error(prompt_tokens, max_tokens, max_model_len, "input",
                               "max_output_tokens")
 
-    def answer(self, chat: dict[str, Any], request: dict[str, Any]) -> dict[str, Any]:
+    def answer(self, chat: Answer, request: dict[str, object]) -> ResponseBody:
         choice = (chat.get("choices") or [{}])[0]
         msg = choice.get("message") or {}
-        output: list[dict[str, Any]] = []
-        if msg.get("content"):
-            output.append(_message_item(_item_id("msg"), msg["content"]))
+        output: list[OutputItem] = []
+        text = msg.get("content")
+        if text:
+            output.append(_message_item(_item_id("msg"), text))
         for call in msg.get("tool_calls") or []:
             fn = call.get("function") or {}
             output.append(_call_item(_item_id("fc"), str(call.get("id")), fn.get("name"),
@@ -192,7 +209,7 @@ class Responses(Protocol):
         return _response(request, chat.get("model"), output, choice.get("finish_reason"),
                          chat.get("usage"), "completed")
 
-    def stream(self, request: dict[str, Any]) -> StreamTranslator:
+    def stream(self, request: dict[str, object]) -> StreamTranslator:
         return ResponsesStream(request)
 
 
@@ -204,21 +221,21 @@ def _item_id(prefix: str) -> str:
 CUT = {"length": "incomplete", "abort": "cancelled"}
 
 
-def _message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+def _message_item(item_id: str, text: str, status: str = "completed") -> MessageItem:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [],
                          "logprobs": []}]}
 
 
 def _call_item(item_id: str, call_id: str, name: str | None, arguments: str,
-               status: str = "completed") -> dict[str, Any]:
+               status: str = "completed") -> FunctionCallItem:
     return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
             "arguments": arguments, "status": status}
 
 
-def _response(request: dict[str, Any], model: str | None, output: list[dict[str, Any]],
-              finish: str | None, usage: dict[str, Any] | None, status: str,
-              response_id: str | None = None, created: int | None = None) -> dict[str, Any]:
+def _response(request: Mapping[str, object], model: str | None, output: list[OutputItem],
+              finish: str | None, usage: Usage | None, status: str,
+              response_id: str | None = None, created: int | None = None) -> ResponseBody:
     if status == "completed" and finish in CUT:
         # the last item is the one cut (those before it ended); an answer cut by an engine
         # pause the gateway did not carry on is "cancelled", as vLLM's own route has it
@@ -251,17 +268,17 @@ def _response(request: dict[str, Any], model: str | None, output: list[dict[str,
 class ResponsesStream(StreamTranslator):
     """Chat chunks to Responses events, numbered by ``sequence_number``."""
 
-    def __init__(self, request: dict[str, Any]) -> None:
+    def __init__(self, request: Mapping[str, object]) -> None:
         self.request = request
         self.id = _item_id("resp")
         self.created = int(time.time())
-        self.model: Any = None
+        self.model: str | None = None
         self.seq = 0
-        self.items: list[dict[str, Any]] = []   # output items so far, in order
-        self.open: dict[str, Any] | None = None  # the item receiving deltas
-        self.calls: dict[int, dict[str, Any]] = {}  # chat tool-call index -> item
+        self.items: list[OutputItem] = []   # output items so far, in order
+        self.open: OutputItem | None = None  # the item receiving deltas
+        self.calls: dict[int, FunctionCallItem] = {}  # chat tool-call index -> item
         self.finish: str | None = None
-        self.usage: dict[str, Any] | None = None
+        self.usage: Usage | None = None
         self.started = False
 
     def _event(self, kind: str, **data: object) -> bytes:
@@ -269,7 +286,7 @@ class ResponsesStream(StreamTranslator):
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
             {"type": kind, "sequence_number": self.seq - 1, **data}) + b"\n\n"
 
-    def _snapshot(self, status: str) -> dict[str, Any]:
+    def _snapshot(self, status: str) -> ResponseBody:
         return _response(self.request, self.model, self.items, self.finish, self.usage,
                          status, self.id, self.created)
 
@@ -293,13 +310,14 @@ class ResponsesStream(StreamTranslator):
                               arguments=item["arguments"])
         yield self._event("response.output_item.done", output_index=index, item=item)
 
-    def _add(self, item: dict[str, Any]) -> Iterator[bytes]:
+    def _add(self, item: OutputItem) -> Iterator[bytes]:
         yield from self._close()
         self.items.append(item)
         self.open = item
         index = len(self.items) - 1
-        added = {**item, "status": "in_progress"}
-        if item["type"] == "message":
+        added = item.copy()
+        added["status"] = "in_progress"
+        if added["type"] == "message":
             added["content"] = []
         yield self._event("response.output_item.added", output_index=index, item=added)
         if item["type"] == "message":
@@ -307,9 +325,10 @@ class ResponsesStream(StreamTranslator):
                               output_index=index, content_index=0,
                               part={"type": "output_text", "text": "", "annotations": []})
 
-    def chunk(self, chunk: dict[str, Any]) -> Iterator[bytes]:
-        if chunk.get("usage"):
-            self.usage = chunk["usage"]
+    def chunk(self, chunk: Answer) -> Iterator[bytes]:
+        usage = chunk.get("usage")
+        if usage:
+            self.usage = usage
         self.model = chunk.get("model", self.model)
         if not self.started:
             self.started = True
@@ -325,12 +344,13 @@ class ResponsesStream(StreamTranslator):
             # tool parser passes on a newline between calls, which would become a message
             # item between them and, echoed back, split the turn in two)
             if text and not self.calls:
-                if self.open is None or self.open["type"] != "message":
-                    yield from self._add(_message_item(_item_id("msg"), "", "in_progress"))
-                assert self.open is not None
-                self.open["content"][0]["text"] += text
-                yield self._event("response.output_text.delta", item_id=self.open["id"],
-                                  output_index=self.items.index(self.open), content_index=0,
+                message = self.open
+                if message is None or message["type"] != "message":
+                    message = _message_item(_item_id("msg"), "", "in_progress")
+                    yield from self._add(message)
+                message["content"][0]["text"] += text
+                yield self._event("response.output_text.delta", item_id=message["id"],
+                                  output_index=self.items.index(message), content_index=0,
                                   delta=text, logprobs=[])
             for call in delta.get("tool_calls") or []:
                 k = call.get("index", 0)
@@ -341,14 +361,16 @@ class ResponsesStream(StreamTranslator):
                     yield from self._add(item)
                     self.calls[k] = item
                 item = self.calls[k]
-                if fn.get("arguments"):
-                    item["arguments"] += fn["arguments"]
+                arguments = fn.get("arguments")
+                if arguments:
+                    item["arguments"] += arguments
                     yield self._event("response.function_call_arguments.delta",
                                       item_id=item["id"],
                                       output_index=self.items.index(item),
-                                      delta=fn["arguments"])
-            if choice.get("finish_reason"):
-                self.finish = choice["finish_reason"]
+                                      delta=arguments)
+            finish = choice.get("finish_reason")
+            if finish:
+                self.finish = finish
 
     def done(self) -> Iterator[bytes]:
         if not self.started:
