@@ -159,6 +159,7 @@ class Request(TypedDict, total=False):
     echo: bool
     max_tokens: int | None
     max_completion_tokens: int | None
+    stop: str | list[str] | None
     temperature: float | None
     # the sampling fields gateway.sampling holds to what the trainer models
     top_p: float

@@ -59,12 +59,6 @@ REFUSED_FIELDS = ("mcp_servers", "container")
 SAMPLING = ("temperature", "top_p", "top_k")
 
 
-class ChatRequest(Request, total=False):
-    """The chat body this protocol builds: the stop sequences go on as vLLM's ``stop``."""
-
-    stop: list[str]
-
-
 def _tool(tool: object, i: int) -> Tool:
     name = tool.get("name") if isinstance(tool, dict) else None
     if not isinstance(tool, dict) or not isinstance(name, str):
@@ -165,7 +159,7 @@ class Messages(Protocol):
             chat_msgs.append({"role": "system", "content": text_of(body["system"], "system")})
         for i, m in enumerate(msgs):
             chat_msgs.extend(_message(m, i))
-        chat: ChatRequest = {"messages": chat_msgs, "max_tokens": max_tokens}
+        chat: Request = {"messages": chat_msgs, "max_tokens": max_tokens}
         _add_sampling(body, chat)
         _add_tools(body, chat)
         last = chat_msgs[-1]
@@ -382,7 +376,7 @@ def _refuse_unsupported(body: Mapping[str, object]) -> int:
     return max_tokens
 
 
-def _add_sampling(body: Mapping[str, object], chat: ChatRequest) -> None:
+def _add_sampling(body: Mapping[str, object], chat: Request) -> None:
     # as the agent sent them: the chat body's check and gateway.sampling judge them next, as
     # on the chat route
     chat.update(cast(Request, {name: body[name] for name in SAMPLING

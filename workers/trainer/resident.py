@@ -250,10 +250,11 @@ def serve_resident(client: redis.Redis, settings: TrainerSettings, resident: Res
 
 
 def take_over(client: redis.Redis, settings: TrainerSettings, resident: Resident,
-              beats: Beats, step: int) -> Metrics:
+              beats: Beats, step: int) -> tuple[int, Metrics]:
     """This process took up a run mid-way (its previous trainer worker died, or a resumed
     driver's worker reloaded the checkpoint): bring every inference server back to the
-    weights it restored before training on; -> the rollback's metrics."""
+    weights it restored before training on; -> (the policy version they serve, the
+    rollback's metrics)."""
     restored = resident.restored_step or 0  # updates the checkpoint holds (0: none)
     lost = max(step - restored, 0)
     log.warning("trainer worker took up run %s at step %d: restored %s, so %d update(s) "
@@ -263,9 +264,9 @@ def take_over(client: redis.Redis, settings: TrainerSettings, resident: Resident
                 is None else f"the checkpoint of step {resident.restored_step}", lost,
                 settings.save_freq)
     version = serve_resident(client, settings, resident, beats, {})
-    return {"trainer/restored_from_step": resident.restored_step,
-            "trainer/restored_policy_version": version,
-            "trainer/rolled_back_updates": lost}
+    return version, {"trainer/restored_from_step": resident.restored_step,
+                     "trainer/restored_policy_version": version,
+                     "trainer/rolled_back_updates": lost}
 
 
 def init_run(client: redis.Redis, run_id: str) -> Metrics:
@@ -299,9 +300,9 @@ def init_run(client: redis.Redis, run_id: str) -> Metrics:
         if resident is not kept and recorded > (resident.restored_step or 0):
             # the checkpoint lacks updates the run recorded: served as a take-over in a step
             # is, and the next step's metrics report them (the driver warns with them)
-            resident.rollback = take_over(client, settings, resident, beats, recorded)
+            version, resident.rollback = take_over(client, settings, resident, beats,
+                                                   recorded)
             metrics.update(resident.rollback)
-            version = resident.rollback["trainer/restored_policy_version"]
         else:
             version = serve_resident(client, settings, resident, beats, metrics)
         if resident is kept:
@@ -345,10 +346,11 @@ def restore_servers(client: redis.Redis, run_id: str) -> Metrics:
         take_back_orphans(client, settings)
         resident = resident_trainer(run_id, cfg, settings,
                                     recorded=recorded_steps(client, run_id, step))
+        metrics: Metrics
         if resident.published:  # the trainer is here: only the servers lost its weights
             metrics = {"trainer/restored_policy_version":
                        serve_resident(client, settings, resident, beats, {})}
         else:
-            metrics = take_over(client, settings, resident, beats, step)
+            _, metrics = take_over(client, settings, resident, beats, step)
             resident.rollback = metrics
     return metrics

@@ -83,7 +83,7 @@ def _train_step(client: redis.Redis, run_id: str, step: int, cfg: Config,
         metrics["timing/trainer_wait_for_checkpoint_seconds"] = resident.saves.wait()
         metrics["timing/trainer_background_checkpoint_seconds"] = resident.saves.last_write_s
     if not resident.published and not redo:
-        metrics.update(take_over(client, settings, resident, beats, step))
+        metrics.update(take_over(client, settings, resident, beats, step)[1])
     metrics.update(resident.rollback)
     group_ids, samples, stats = claim(client, run_id, step, settings)
     collocated = settings.collocated(resident.trainer.device)

@@ -15,7 +15,7 @@ import requests
 from app.config.settings import adapter_name
 from workers.trainer import weights
 from workers.trainer.settings import TrainerSettings
-from workers.trainer.weight_sync.base import Loader, LoadOutcome, Metrics, Sender
+from workers.trainer.weight_sync.base import Loader, LoadOutcome, Metrics, Sender, add_count
 from workers.trainer.weight_sync.disk import DiskSync
 
 if TYPE_CHECKING:
@@ -56,8 +56,8 @@ def adapter_loader(path: Path, settings: TrainerSettings, version: int, frozen_c
             try:  # the load stands whatever this does
                 for old in weights.served_adapters(url, inf.served_model_name):
                     if old not in keep:
-                        metrics["weight_sync/unloaded_adapters"] += \
-                            weights.unload_adapter(url, old, timeout)
+                        add_count(metrics, "weight_sync/unloaded_adapters",
+                                  weights.unload_adapter(url, old, timeout))
             except requests.RequestException as exc:
                 log.warning("%s: older adapters not unloaded (%s); the next load tries again",
                             url, exc)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from workers.trainer import weights
 from workers.trainer.settings import TrainerSettings
@@ -21,7 +21,13 @@ from workers.trainer.settings import TrainerSettings
 if TYPE_CHECKING:
     from workers.trainer.resident import Resident
 
-Metrics = dict[str, Any]
+Metrics = dict[str, object]
+
+
+def add_count(metrics: Metrics, key: str, n: int) -> None:
+    """``metrics[key] += n`` for a count (absent: 0)."""
+    before = metrics.get(key, 0)
+    metrics[key] = (before if isinstance(before, int) else 0) + n
 
 
 class NeedsTrainer(weights.WeightSyncError):
