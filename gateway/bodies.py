@@ -95,7 +95,7 @@ class TokenLogprob(TypedDict, total=False):
 class Logprobs(TypedDict, total=False):
     """A choice's log-probs: chat's ``content``, or completions' parallel lists."""
 
-    content: list[TokenLogprob]
+    content: list[TokenLogprob] | None
     tokens: list[str]
     token_logprobs: list[float | None]
     top_logprobs: list[dict[str, float] | None]

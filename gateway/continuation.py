@@ -118,7 +118,9 @@ def resend_body(body: Request, endpoint: str, prompt_ids: list[int],
     key: Literal["max_completion_tokens", "max_tokens"] = (
         "max_completion_tokens" if out.get("max_completion_tokens") is not None
         else "max_tokens")
-    left = int(out.get(key) or 0) - len(so_far)
+    limit = out.get(key)
+    assert limit is not None, "prepare_upstream_body fills max_tokens in"
+    left = int(limit) - len(so_far)
     if left <= 0:
         return None
     out[key] = left

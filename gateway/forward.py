@@ -138,8 +138,10 @@ def forward(rollout_id: str, endpoint: str, protocol: Protocol = OPENAI) -> Resp
         cancel = state.leases.add(lease_id)
         started = time.time()
         resp, data = send(state, rollout_id, lease_id, upstream, endpoint, up_body, stream)
+        sent_temperature = up_body.get("temperature")
+        assert sent_temperature is not None, "prepare_upstream_body fills it in"
         meta = capture.CallMeta(endpoint=endpoint, version=version,
-                                temperature=float(up_body.get("temperature") or 0.0),
+                                temperature=float(sent_temperature),
                                 upstream=upstream, started_at=started,
                                 constrained=capture.constrained_by(
                                     body, s.tool_call_parser, s.tool_strict_level),

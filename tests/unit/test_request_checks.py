@@ -80,6 +80,18 @@ def test_an_upstream_4xx_is_answered_in_openais_shape():
     assert err.type == "invalid_request_error" and err.code == "context_length_exceeded"
 
 
+@pytest.mark.parametrize("body", [b'{"error": null}', b"[1]", b"1", b"true", b'{"error": 3}',
+                                  b"not json"])
+def test_an_upstream_error_body_without_an_error_object_is_answered_by_its_status(body):
+    # a server's error page, or JSON of another shape: the agent gets the status's error
+    # (a 4xx kept, a 5xx as 502), never the gateway's own 500
+    err = upstream_error(400, body)
+    assert (err.status, err.message) == (400, "inference server answered 400")
+    err = upstream_error(503, body)
+    assert (err.status, err.code) == (502, "upstream_error")
+    assert err.message == "inference server error: inference server answered 503"
+
+
 def test_errors_under_the_messages_route_have_anthropics_shape():
     app = Flask(__name__)
     register_error_handlers(app)
