@@ -104,8 +104,8 @@ class Controller:
     def stop(self, rollout_id: str) -> None:
         """Stop an adopted agent that will not be watched (its group was cancelled)."""
 
-    def run(self, sample: dict, llm: LLMEndpoint, timeout_s: float, clock: PauseAwareClock,
-            cancelled: Callable[[], bool],
+    def run(self, sample: dict[str, object], llm: LLMEndpoint, timeout_s: float,
+            clock: PauseAwareClock, cancelled: Callable[[], bool],
             posted_reward: Callable[[], object] = lambda: None, adopted: bool = False) -> float:
         """``posted_reward`` reads a reward the agent POSTed to the gateway (or None);
         ``adopted``: the agent of ``llm.rollout_id`` is already running (see :meth:`adopt`)."""

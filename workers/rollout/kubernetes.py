@@ -115,8 +115,8 @@ def job_labels(run_id: str, group_id: str, index: int, attempt: int | None,
 
 
 def build_job(kcfg: KubernetesConfig, *, command: str, llm: LLMEndpoint, gateway_url: str,
-              sample: dict, settings: dict, run_id: str, group_id: str, index: int, attempt: int,
-              timeout_s: float) -> V1Job:
+              sample: dict[str, object], settings: dict[str, object], run_id: str,
+              group_id: str, index: int, attempt: int, timeout_s: float) -> V1Job:
     """The Job for one attempt, as the client's own models (which check required fields)."""
     from kubernetes import client as k8s
 

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 
 @celery_app.task(name="workers.rollout.tasks.run_rollout")
-def run_rollout(group_id: str, index: int) -> dict:
+def run_rollout(group_id: str, index: int) -> dict[str, object]:
     from dataclasses import asdict
 
     from workers.rollout.episode import run_sibling
@@ -26,7 +26,7 @@ def run_rollout(group_id: str, index: int) -> dict:
 
 
 @celery_app.task(name="workers.rollout.tasks.finish_group")
-def finish_group(results: list, group_id: str) -> str:
+def finish_group(results: list[dict[str, object]], group_id: str) -> str:
     from app.state.completion import finish_group as finish
 
     # ``results`` (what the siblings returned) is not trusted: Redis holds the truth.

@@ -44,7 +44,7 @@ from workers.trainer.algorithms import (
     rollout_correction,
 )
 from workers.trainer.engine_config import EngineSpec, engine_spec
-from workers.trainer.ranks import LocalRanks, RayRanks, SpawnedRanks, TokenBound
+from workers.trainer.ranks import LocalRanks, PerRank, RayRanks, SpawnedRanks, TokenBound
 from workers.trainer.transfer import TransferResult
 from workers.trainer.verl_batch import VerlBatch, to_verl_batch
 
@@ -129,7 +129,7 @@ class _OneCallAtATime:
         self.size = ranks.size
         self.lock = threading.RLock()
 
-    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: object
+    def call(self, method: str, per_rank: PerRank | None = None, **kwargs: object
              ) -> list[Any]:
         with self.lock:
             return self.ranks.call(method, per_rank, **kwargs)

@@ -23,6 +23,7 @@ import os
 import socket
 import tempfile
 import traceback
+from collections.abc import Sequence
 from functools import partial
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -40,6 +41,9 @@ if TYPE_CHECKING:
     from workers.trainer.verl_batch import VerlBatch
 
 log = logging.getLogger(__name__)
+
+# A call's positional arguments, one tuple per rank.
+PerRank = Sequence[tuple[object, ...]]
 
 
 def free_port() -> int:
@@ -400,7 +404,7 @@ class LocalRanks:
         init_process_group(0, 1, free_port(), spec.device, spec.collective_timeout_s)
         self.engine = RankEngine(spec)
 
-    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: object
+    def call(self, method: str, per_rank: PerRank | None = None, **kwargs: object
              ) -> list[Any]:
         args = per_rank[0] if per_rank else ()
         return [getattr(self.engine, method)(*args, **kwargs)]
@@ -477,7 +481,7 @@ class SpawnedRanks:
             raise RankError(f"{what} failed on {len(errors)} rank(s):\n" + "\n".join(errors))
         return out
 
-    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: object
+    def call(self, method: str, per_rank: PerRank | None = None, **kwargs: object
              ) -> list[Any]:
         for rank, conn in enumerate(self.conns):
             conn.send((method, per_rank[rank] if per_rank else (), kwargs))
@@ -523,7 +527,7 @@ class RayRanks:
                                     device_name=spec.device)
         self.size = nnodes * per_node
 
-    def call(self, method: str, per_rank: list[tuple] | None = None, **kwargs: object
+    def call(self, method: str, per_rank: PerRank | None = None, **kwargs: object
              ) -> list[Any]:
         n = self.size
         return self.group.execute_all_sync("run", [method] * n,
@@ -547,7 +551,7 @@ class RayRanks:
         _free_accelerator()
 
 
-def _ray_rank_class() -> type:
+def _ray_rank_class() -> type[object]:
     """A verl ``Worker`` holding one ``RankEngine`` (verl's worker group sets the rendezvous:
     RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT)."""
     from verl.single_controller.base import Worker
@@ -559,7 +563,8 @@ def _ray_rank_class() -> type:
                                spec.device, spec.collective_timeout_s)
             self.engine = RankEngine(spec)
 
-        def run(self, method: str, args: tuple, kwargs: dict[str, object]) -> Any:
+        def run(self, method: str, args: tuple[object, ...], kwargs: dict[str, object]
+                ) -> object:
             return getattr(self.engine, method)(*args, **kwargs)
 
     return RankActor

@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TYPE_CHECKING
 
 from celery.signals import worker_init, worker_ready, worker_shutdown
 
 from app.celery_app import celery_app, task_redis
 from app.state.connection import outage_for
 from app.state.policy import published_here
+
+if TYPE_CHECKING:
+    from workers.trainer.weight_sync.base import Metrics
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +43,7 @@ def _watch_outages() -> None:
 
 
 @celery_app.task(name="workers.trainer.tasks.train_step", acks_late=False)
-def train_step(run_id: str, step: int) -> dict:
+def train_step(run_id: str, step: int) -> Metrics:
     """One update, at most once (``workers.trainer.once``)."""
     from workers.trainer import once
     from workers.trainer.errors import PauseLost
@@ -65,7 +69,7 @@ def train_step(run_id: str, step: int) -> dict:
 
 
 @celery_app.task(name="workers.trainer.tasks.init_run", acks_late=False)
-def init_run(run_id: str) -> dict:
+def init_run(run_id: str) -> Metrics:
     from workers.trainer.resident import init_run as init
 
     _watch_outages()
@@ -73,7 +77,7 @@ def init_run(run_id: str) -> dict:
 
 
 @celery_app.task(name="workers.trainer.tasks.restore_servers", acks_late=False)
-def restore_servers(run_id: str) -> dict:
+def restore_servers(run_id: str) -> Metrics:
     from workers.trainer.resident import restore_servers as restore
 
     _watch_outages()
