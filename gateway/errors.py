@@ -12,9 +12,24 @@ otherwise retry a 409, which here means a rollout that has ended.
 
 from __future__ import annotations
 
+from typing import TypedDict
+
 import redis
-from flask import Flask, jsonify, request
+from flask import Flask, Response, jsonify, request
 from werkzeug.exceptions import HTTPException
+
+
+class ErrorDetail(TypedDict):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(TypedDict):
+    """An OpenAI-style error body."""
+
+    error: ErrorDetail
 
 
 class GatewayError(Exception):
@@ -29,7 +44,7 @@ class GatewayError(Exception):
         self.param = param
         self.retry_after = retry_after
 
-    def body(self) -> dict:
+    def body(self) -> ErrorBody:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
@@ -74,7 +89,7 @@ def anthropic_client() -> bool:
 
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(GatewayError)
-    def _gateway_error(exc: GatewayError):
+    def _gateway_error(exc: GatewayError) -> Response:
         if anthropic_client():
             from gateway.protocols.anthropic import error_body
 
@@ -93,13 +108,13 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(redis.ConnectionError)
     @app.errorhandler(redis.TimeoutError)
-    def _redis_error(exc: redis.RedisError):
+    def _redis_error(exc: redis.RedisError) -> Response:
         if isinstance(exc, redis.AuthenticationError):
             return _unexpected(exc)  # a wrong password is not an outage to retry through
         return _gateway_error(redis_unreachable())
 
     @app.errorhandler(HTTPException)
-    def _http_error(exc: HTTPException):
+    def _http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         kind = "invalid_request_error" if status < 500 else "server_error"
         message = exc.description or exc.name
@@ -109,7 +124,7 @@ def register_error_handlers(app: Flask) -> None:
         return _gateway_error(err)
 
     @app.errorhandler(Exception)
-    def _unexpected(exc: Exception):
+    def _unexpected(exc: Exception) -> Response:
         app.logger.exception("unhandled error")
         return _gateway_error(GatewayError(500, f"internal gateway error: {exc.__class__.__name__}",
                                            type_="server_error", code="internal_error"))

@@ -3,7 +3,7 @@ an agent's token (agents hold per-rollout tokens only)."""
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
 from gateway.auth import require_admin
 from gateway.errors import bad_request
@@ -22,27 +22,27 @@ def _number(name: str, default: float) -> float:
 
 
 @bp.post("/pause")
-def pause():
+def pause() -> Response:
     state = get_state()
     ttl = _number("pause_ttl_s", 900.0)
     return jsonify({"paused": True, "inflight_at_pause": state.pause.pause(ttl)})
 
 
 @bp.post("/drain")
-def drain():
+def drain() -> Response:
     state = get_state()
     result = state.pause.drain(_number("timeout_s", 30.0))
     return jsonify({"drain_seconds": result.seconds, "cancelled": result.cancelled})
 
 
 @bp.post("/resume")
-def resume():
+def resume() -> Response:
     state = get_state()
     return jsonify({"paused": False, "paused_seconds": state.pause.resume()})
 
 
 @bp.get("/state")
-def show_state():
+def show_state() -> Response:
     state = get_state()
     return jsonify({"paused": state.pause.is_paused(),
                     "inflight": state.pause.live_leases(),

@@ -8,7 +8,7 @@ An unmodified ``anthropic`` client (or a Claude-Code-style agent) uses
 
 from __future__ import annotations
 
-from flask import Blueprint
+from flask import Blueprint, Response
 
 from gateway.forward import forward
 from gateway.protocols.anthropic import Messages
@@ -18,5 +18,5 @@ MESSAGES = Messages()
 
 
 @bp.post("/messages")
-def messages(rollout_id: str):
+def messages(rollout_id: str) -> Response:
     return forward(rollout_id, "chat.completions", MESSAGES)

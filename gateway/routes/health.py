@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify
+from flask import Blueprint, Response, jsonify
 
 from gateway.state import get_state
 
@@ -10,7 +10,7 @@ bp = Blueprint("health", __name__)
 
 
 @bp.get("/healthz")
-def healthz():
+def healthz() -> tuple[Response, int]:
     from gateway import __version__
 
     state = get_state()

@@ -7,7 +7,7 @@ call goes through ``gateway.forward``.
 
 from __future__ import annotations
 
-from flask import Blueprint, jsonify
+from flask import Blueprint, Response, jsonify
 
 from gateway.auth import authenticate
 from gateway.errors import GatewayError, anthropic_client
@@ -18,16 +18,16 @@ bp = Blueprint("openai", __name__, url_prefix="/rollout/<rollout_id>/v1")
 
 
 @bp.post("/chat/completions")
-def chat_completions(rollout_id: str):
+def chat_completions(rollout_id: str) -> Response:
     return forward(rollout_id, "chat.completions")
 
 
 @bp.post("/completions")
-def completions(rollout_id: str):
+def completions(rollout_id: str) -> Response:
     return forward(rollout_id, "completions")
 
 
-def _model(model: str) -> dict:
+def _model(model: str) -> dict[str, str | int]:
     if anthropic_client():
         return {"type": "model", "id": model, "display_name": model,
                 "created_at": "1970-01-01T00:00:00Z"}
@@ -35,7 +35,7 @@ def _model(model: str) -> dict:
 
 
 @bp.get("/models")
-def models(rollout_id: str):
+def models(rollout_id: str) -> Response:
     """The served model, in the shape of the SDK that asks (the ``anthropic`` client sends
     ``anthropic-version``, and reads a page of its own)."""
     authenticate(rollout_id)
@@ -47,7 +47,7 @@ def models(rollout_id: str):
 
 
 @bp.get("/models/<path:model_id>")
-def model(rollout_id: str, model_id: str):
+def model(rollout_id: str, model_id: str) -> Response:
     authenticate(rollout_id)
     served = get_state().settings.model
     if model_id != served:

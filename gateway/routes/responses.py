@@ -6,7 +6,7 @@ to chat completions (``gateway.protocols.responses``) and goes through ``gateway
 
 from __future__ import annotations
 
-from flask import Blueprint
+from flask import Blueprint, Response
 
 from gateway.forward import forward
 from gateway.protocols.responses import Responses
@@ -16,5 +16,5 @@ RESPONSES = Responses()
 
 
 @bp.post("/responses")
-def responses(rollout_id: str):
+def responses(rollout_id: str) -> Response:
     return forward(rollout_id, "chat.completions", RESPONSES)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from flask import Blueprint, jsonify
+from flask import Blueprint, Response, jsonify
 
 from app.state import keys
 from app.state.records import MAX_ABS_REWARD, RolloutRecord, checked_reward
@@ -19,7 +19,7 @@ bp = Blueprint("rewards", __name__, url_prefix="/rollout/<rollout_id>")
 
 
 @bp.post("/reward")
-def post_reward(rollout_id: str):
+def post_reward(rollout_id: str) -> Response:
     authenticate(rollout_id)
     body = json_body()
     value = body.get("reward") if isinstance(body, dict) else None
