@@ -11,12 +11,17 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Container, Mapping
+from typing import TYPE_CHECKING
 from urllib.parse import parse_qs, quote, urlsplit
 
 from celery import Celery, signals
 
 from app.config import service_config
 from app.state.connection import resolve_redis_url
+
+if TYPE_CHECKING:
+    import redis
 
 
 def retries_covering(budget_s: float, start: float, step: float, maximum: float) -> int:
@@ -136,7 +141,8 @@ celery_app = make_celery()
 
 
 @signals.celeryd_init.connect
-def rollout_slots(conf: object = None, options: dict | None = None, **_: object) -> None:
+def rollout_slots(conf: object = None, options: Mapping[str, object] | None = None,
+                  **_: object) -> None:
     """A rollout worker started without ``-c`` (the Procfile, ``carryover up``) runs
     ``services.rollout_concurrency`` slots, read from the config like everything else;
     an explicit ``-c`` still wins."""
@@ -144,12 +150,13 @@ def rollout_slots(conf: object = None, options: dict | None = None, **_: object)
     queues = options.get("queues") or []
     if isinstance(queues, str):
         queues = queues.split(",")
-    if options.get("concurrency") is None and "rollout" in queues:
+    if options.get("concurrency") is None and isinstance(queues, Container) \
+            and "rollout" in queues:
         conf.worker_concurrency = service_config().services.rollout_concurrency  # type: ignore[attr-defined]
 
 
 @functools.cache
-def task_redis():
+def task_redis() -> redis.Redis:
     """The Redis client tasks use (the broker's server), one pool per worker process."""
     from app.state.connection import connect
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any
+from collections.abc import Mapping
 
 import requests
 from tenacity import (
@@ -90,7 +90,7 @@ class GatewayClient:
         self.session.headers["Authorization"] = f"Bearer {api_key}"
         self.retries = 0
 
-    def _once(self, path: str, body: dict) -> dict:
+    def _once(self, path: str, body: Mapping[str, object]) -> dict[str, object]:
         try:
             resp = self.session.post(self.base_url + path, json=body, timeout=self.timeout_s)
         except requests.ConnectionError as exc:
@@ -102,7 +102,7 @@ class GatewayClient:
             raise RetryableResponse(resp.status_code, after, resp.text)
         if resp.status_code >= 400:
             try:
-                body_out: Any = resp.json()
+                body_out: object = resp.json()
             except ValueError:
                 body_out = resp.text
             err = GatewayHTTPError(resp.status_code, body_out)
@@ -111,7 +111,7 @@ class GatewayClient:
             raise err
         return resp.json()
 
-    def post(self, path: str, body: dict) -> dict:
+    def post(self, path: str, body: Mapping[str, object]) -> dict[str, object]:
         for attempt in Retrying(retry=retry_if_exception_type(RetryableResponse),
                                 wait=_wait, stop=stop_after_delay(self.max_wait_s),
                                 reraise=True):
@@ -121,8 +121,8 @@ class GatewayClient:
                 return self._once(path, body)
         raise AssertionError("unreachable")
 
-    def chat(self, **body: object) -> dict:
+    def chat(self, **body: object) -> dict[str, object]:
         return self.post("/chat/completions", body)
 
-    def completions(self, **body: object) -> dict:
+    def completions(self, **body: object) -> dict[str, object]:
         return self.post("/completions", body)

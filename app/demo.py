@@ -17,12 +17,12 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from app.config import ConfigError, load_config
 from app.config.loader import REPO_ROOT, env_overrides
 from app.config.schema import Config
-from app.driver.metrics import CARRY, console_line, val_line
+from app.driver.metrics import CARRY, Metrics, console_line, val_line
 from app.driver.preflight import preflight
 
 if TYPE_CHECKING:
@@ -31,6 +31,29 @@ if TYPE_CHECKING:
 # the main demo: a long-running agent on a real model; config/demo.yaml is the tiny toy
 DEMO_CONFIG = REPO_ROOT / "config" / "long-agent.yaml"
 log = logging.getLogger(__name__)
+
+
+class DemoRun(TypedDict):
+    """One mode's run: what ``train`` returned (``app.driver.loop.TrainResult``) and what
+    the demo adds to it."""
+
+    run_id: str
+    steps: int
+    run_dir: str
+    jsonl: str
+    wandb_dir: str | None
+    wall_seconds: float
+    rows: list[Metrics]               # each step's metrics, with its step
+    evals: list[dict[str, float]]     # each evaluation's val/* metrics, with its step
+    label: str                        # the mode
+    plot: str                         # the PNG's path
+
+
+def _number(value: object) -> float:
+    """A metric's value as a number (it is one: a sum or a mean of others would fail)."""
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"a metric's value is a {type(value).__name__}, not a number")
+    return value
 
 
 def _overrides(args: argparse.Namespace, sync: bool) -> list[str]:
@@ -51,7 +74,7 @@ def _overrides(args: argparse.Namespace, sync: bool) -> list[str]:
     return out
 
 
-def _train_one(cfg: Config, label: str) -> dict:
+def _train_one(cfg: Config, label: str) -> DemoRun:
     from tqdm import tqdm
 
     from app.driver.loop import run_dir_for, train
@@ -59,16 +82,16 @@ def _train_one(cfg: Config, label: str) -> dict:
     total = int(cfg.trainer.total_steps)
     bar = tqdm(total=total, desc=f"{label} training", unit="step", dynamic_ncols=True,
                file=sys.stderr)
-    rows: list[dict] = []
-    evals: list[dict] = []
+    rows: list[Metrics] = []
+    evals: list[dict[str, float]] = []
 
-    def on_step(step: int, metrics: dict) -> None:
+    def on_step(step: int, metrics: Metrics) -> None:
         rows.append({"step": step, **metrics})
         bar.write(console_line(step, total, metrics))
         bar.set_postfix(reward=f"{metrics.get('reward/mean') or 0:.2f}")
         bar.update(1)
 
-    def on_eval(step: int, metrics: dict) -> None:
+    def on_eval(step: int, metrics: dict[str, float]) -> None:
         evals.append({"step": step, **metrics})
         bar.write(val_line(step, metrics))
 
@@ -77,20 +100,17 @@ def _train_one(cfg: Config, label: str) -> dict:
         result = train(cfg, on_step=on_step, on_eval=on_eval)
     finally:
         bar.close()
-    result["wall_seconds"] = time.monotonic() - started
-    result["rows"] = rows
-    result["evals"] = evals
-    result["label"] = label
-    result["plot"] = str(plot_run(rows, run_dir_for(cfg, result["run_id"]) / "demo.png", label,
-                                  evals))
-    return result
+    return {**result, "wall_seconds": time.monotonic() - started, "rows": rows,
+            "evals": evals, "label": label,
+            "plot": str(plot_run(rows, run_dir_for(cfg, result["run_id"]) / "demo.png", label,
+                                 evals))}
 
 
-def summarize(result: dict) -> dict[str, float]:
+def summarize(result: DemoRun) -> dict[str, float]:
     rows = result["rows"]
-    rewards = [r.get("reward/mean") or 0.0 for r in rows]
-    steps_time = sum(r["timing/step_seconds"] for r in rows)
-    waited = sum(r["timing/wait_for_data_seconds"] for r in rows)
+    rewards = [_number(r.get("reward/mean") or 0.0) for r in rows]
+    steps_time = sum(_number(r["timing/step_seconds"]) for r in rows)
+    waited = sum(_number(r["timing/wait_for_data_seconds"]) for r in rows)
     first = statistics.fmean(rewards[:2]) if rewards else 0.0
     last = statistics.fmean(rewards[-5:]) if rewards else 0.0
     return {
@@ -101,15 +121,15 @@ def summarize(result: dict) -> dict[str, float]:
         "reward_gain": last - first,
         "trainer_idle_fraction": waited / steps_time if steps_time else 0.0,
         "mean_step_seconds": steps_time / len(rows) if rows else 0.0,
-        "carried_over_rollouts_total": sum(r.get(CARRY + "n_new_carry_over_rollouts") or 0
-                                           for r in rows),
-        "mean_drain_seconds": statistics.fmean(r.get(CARRY + "proxy_drain_seconds") or 0
-                                               for r in rows) if rows else 0.0,
+        "carried_over_rollouts_total": sum(
+            _number(r.get(CARRY + "n_new_carry_over_rollouts") or 0) for r in rows),
+        "mean_drain_seconds": statistics.fmean(
+            _number(r.get(CARRY + "proxy_drain_seconds") or 0) for r in rows) if rows else 0.0,
         **_eval_summary(result.get("evals") or []),
     }
 
 
-def _eval_summary(evals: list[dict]) -> dict[str, float]:
+def _eval_summary(evals: list[dict[str, float]]) -> dict[str, float]:
     """Held-out success before training and at the end, when the run evaluates."""
     if not evals:
         return {}
@@ -120,14 +140,14 @@ def _eval_summary(evals: list[dict]) -> dict[str, float]:
             "val_reward_last": last["val/reward_mean"]}
 
 
-def plot_run(rows: list[dict], path: Path, label: str, evals: list[dict] | None = None
-             ) -> Path:
+def plot_run(rows: list[Metrics], path: Path, label: str,
+             evals: list[dict[str, float]] | None = None) -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] + 1 for r in rows]
+    steps = [_number(r["step"]) + 1 for r in rows]
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     fig.suptitle(f"carryover demo ({label})")
     ax = axes[0][0]
@@ -168,7 +188,7 @@ def plot_run(rows: list[dict], path: Path, label: str, evals: list[dict] | None 
     return path
 
 
-def _table(results: list[dict]) -> str:
+def _table(results: list[DemoRun]) -> str:
     sums = [summarize(r) for r in results]
     names = list(sums[0])
     head = "metric".ljust(28) + "".join(r["label"].rjust(14) for r in results)
@@ -179,13 +199,13 @@ def _table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _time_to_accuracy(results: list[dict]) -> str:
+def _time_to_accuracy(results: list[DemoRun]) -> str:
     """Both modes' minutes of training to the held-out threshold, with a plot of both."""
-    from app.accuracy import compare, plot, table
+    from app.accuracy import Runs, compare, plot, table
 
     if not all(r.get("evals") for r in results):
         return "time to accuracy: the config does not evaluate (data.val_files), nothing to compare"
-    runs = {r["label"]: [[*r["rows"], *r["evals"]]] for r in results}
+    runs: Runs = {r["label"]: [[*r["rows"], *r["evals"]]] for r in results}
     result = compare(runs)
     path = Path(results[-1]["plot"]).with_name("time-to-accuracy.png")
     plot(result, path, "held-out success: asynchronous vs synchronous")
@@ -262,7 +282,7 @@ def _roles_kept_up(sup: Supervisor, failing: list[RoleFailing]) -> Iterator[None
         watcher.join(5)
 
 
-def _print_results(results: list[dict], compare: bool) -> None:
+def _print_results(results: list[DemoRun], compare: bool) -> None:
     print()
     print(_table(results))
     if compare:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -50,7 +50,8 @@ class _Loader(yaml.SafeLoader):
     given twice in one mapping is an error (PyYAML keeps the last one silently, and a
     section written twice loses the first one's keys)."""
 
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False
+                          ) -> dict[Hashable, object]:
         seen: dict[str, int] = {}  # a key's text: the line it is first on
         for key_node, _ in node.value:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag.endswith(":merge"):

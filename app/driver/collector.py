@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import redis
@@ -68,7 +69,7 @@ def training_active_groups(cfg: Config) -> int:
 
 class Collector:
     def __init__(self, client: redis.Redis, run_id: str, cfg: Config, n: int | None = None,
-                 samples: list[dict] | None = None) -> None:
+                 samples: list[dict[str, object]] | None = None) -> None:
         self.r = client
         self.run_id = run_id
         self.cfg = cfg
@@ -95,7 +96,7 @@ class Collector:
     # --- run record ----------------------------------------------------------------
 
     @staticmethod
-    def create_run(client: redis.Redis, run_id: str, cfg_plain: dict, mode: str,
+    def create_run(client: redis.Redis, run_id: str, cfg_plain: dict[str, object], mode: str,
                    temperature: float | None = None) -> RunRecord:
         rec = RunRecord(run_id=run_id, config=cfg_plain, mode=mode, created_at=time.time(),
                         temperature=temperature)
@@ -266,8 +267,9 @@ class Collector:
 
     # --- selection -----------------------------------------------------------------
 
-    def wait_ready(self, poll_s: float = 1.0, should_stop=lambda: False,
-                   on_wait=lambda: None, reconcile_every_s: float = 15.0,
+    def wait_ready(self, poll_s: float = 1.0, should_stop: Callable[[], bool] = lambda: False,
+                   on_wait: Callable[[], object] = lambda: None,
+                   reconcile_every_s: float = 15.0,
                    report_every_s: float = 30.0, step: int | None = None) -> float:
         """Block (on the callback's doorbell, no polling of rollouts) until enough groups
         are complete, and (``wait`` age strategy, given ``step``) every overdue group too;

@@ -20,7 +20,7 @@ class DatasetError(ConfigError):
         super().__init__([problem])
 
 
-def load_samples(path: str, key: str = "data.train_files") -> list[dict]:
+def load_samples(path: str, key: str = "data.train_files") -> list[dict[str, object]]:
     """The samples of ``path``; errors name the config ``key`` that gave it."""
     p = Path(path)
     if not p.is_absolute():
@@ -52,7 +52,7 @@ def load_samples(path: str, key: str = "data.train_files") -> list[dict]:
     return samples
 
 
-def _load_parquet(p: Path, key: str) -> list[dict]:
+def _load_parquet(p: Path, key: str) -> list[dict[str, object]]:
     import pyarrow.parquet as pq
 
     if not p.is_file():
@@ -85,7 +85,7 @@ def _json_ok(value: object) -> bool:
     return True
 
 
-def check_files(cfg: Config) -> list[dict]:
+def check_files(cfg: Config) -> list[dict[str, object]]:
     """Read the run's data files as its driver will (``data.train_files``, and
     ``data.val_files`` when set), so that a bad one stops a run before anything is recorded
     or started; the training samples are returned."""

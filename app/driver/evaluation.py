@@ -50,7 +50,7 @@ def eval_temperature(cfg: Config) -> float:
     return float(val.temperature) if val.do_sample else 0.0
 
 
-def eval_config(cfg: Config, n_samples: int) -> dict:
+def eval_config(cfg: Config, n_samples: int) -> dict[str, object]:
     """The training config turned into an evaluation's: the held-out prompts in file order,
     each dispatched once, failures counted as reward 0. (The group size, ``val_kwargs.n``, is
     the collector's: ``rollout.n`` stays the training one, which its rules hold to.)"""

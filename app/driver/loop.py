@@ -18,6 +18,7 @@ import secrets
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypedDict
 
 import redis
 
@@ -26,13 +27,24 @@ from app.config.loader import flat_keys, repo_path
 from app.config.schema import Config
 from app.driver.collector import Collector, Starved
 from app.driver.lease import DriverLease, RunBusy
+from app.driver.metrics import Metrics
 from app.driver.preflight import preflight
 from app.driver.recovery import OutageWatch
-from app.driver.step import Driver, StepHook, TrainingFailed
+from app.driver.step import Driver, EvalHook, StepHook, TrainingFailed
 from app.state.connection import connect, redact, resolve_redis_url
 from app.state.runs import MissingState, read_run, run_config
 
 log = logging.getLogger(__name__)
+
+
+class TrainResult(TypedDict):
+    """What ``train`` returns: the run, its steps done and where its metrics went."""
+
+    run_id: str
+    steps: int
+    run_dir: str
+    jsonl: str
+    wandb_dir: str | None  # None without W&B
 
 
 def _require_gateway_agrees(cfg: Config) -> None:
@@ -74,8 +86,7 @@ def run_dir_for(cfg: Config, run_id: str) -> Path:
 
 
 def run_training(cfg: Config, resume: str | None = None, *, given: Iterable[str] = (),
-                 on_step: Callable[[int, dict], None] | None = None,
-                 run_id: str | None = None) -> int:
+                 on_step: StepHook | None = None, run_id: str | None = None) -> int:
     """Entry point of ``carryover train``; returns an exit code."""
     os.environ["CARRYOVER_ROLE"] = "driver"  # names the process in what it records
     try:
@@ -89,10 +100,10 @@ def run_training(cfg: Config, resume: str | None = None, *, given: Iterable[str]
 
 
 def train(cfg: Config, resume: str | None = None, *, given: Iterable[str] = (),
-          on_step: Callable[[int, dict], None] | None = None,
+          on_step: StepHook | None = None,
           run_id: str | None = None,
-          should_stop: Callable[[int, dict], bool] | None = None,
-          on_eval: Callable[[int, dict], None] | None = None) -> dict:
+          should_stop: Callable[[int, Metrics], bool] | None = None,
+          on_eval: EvalHook | None = None) -> TrainResult:
     """Run (or resume) a run for ``trainer.total_steps``; ``should_stop(step, metrics)``,
     asked after each step, ends it early (a benchmark that reached its steady state).
     ``on_eval(step, metrics)`` gets each evaluation's ``val/*`` metrics (``data.val_files``),
@@ -144,9 +155,9 @@ def train(cfg: Config, resume: str | None = None, *, given: Iterable[str] = (),
 
 
 def _drive(client: redis.Redis, cfg: Config, run_id: str, resume: str | None,
-           lease: DriverLease, watch: OutageWatch, samples: list[dict],
-           on_step: StepHook | None, should_stop: Callable[[int, dict], bool] | None,
-           on_eval: StepHook | None) -> dict:
+           lease: DriverLease, watch: OutageWatch, samples: list[dict[str, object]],
+           on_step: StepHook | None, should_stop: Callable[[int, Metrics], bool] | None,
+           on_eval: EvalHook | None) -> TrainResult:
     """The run, once this driver holds its lease: one ``Driver.run_step`` per update."""
     driver = Driver(client, cfg, run_id, lease, watch, samples, run_dir_for(cfg, run_id),
                     on_step=on_step, on_eval=on_eval)

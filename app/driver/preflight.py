@@ -59,7 +59,7 @@ def check_agent(cfg: Config) -> None:
                            "function the workers can call with (sample, llm, **agent)"])
 
 
-def preflight(cfg: Config) -> list[dict]:
+def preflight(cfg: Config) -> list[dict[str, object]]:
     """Every check above; returns the training samples (``data.train_files``), read once."""
     samples = check_files(cfg)
     check_agent(cfg)

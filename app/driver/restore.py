@@ -20,6 +20,7 @@ import time
 import redis
 
 from app.config.schema import Config
+from app.driver.metrics import Metrics
 from app.driver.trainer_call import call_trainer
 from app.state import keys
 
@@ -35,7 +36,7 @@ class ServerRestore:
         self.client, self.cfg, self.run_id, self.retry_s = client, cfg, run_id, retry_s
         self._next_try = 0.0
 
-    def __call__(self) -> dict | None:
+    def __call__(self) -> Metrics | None:
         """The task's metrics when it ran, else None."""
         why = self.client.get(keys.upstreams_need_weights())
         if why is None or time.monotonic() < self._next_try:

@@ -49,7 +49,8 @@ from app.state.runs import read_run
 
 log = logging.getLogger(__name__)
 
-StepHook = Callable[[int, dict], None]  # (updates done or step index, metrics)
+StepHook = Callable[[int, Metrics], None]  # (updates done or step index, metrics)
+EvalHook = Callable[[int, dict[str, float]], None]  # (updates done, an evaluation's val/*)
 
 
 class TrainingFailed(RuntimeError):
@@ -69,8 +70,8 @@ class Driver:
     steps (the fields an outage's repair and a step's metrics read)."""
 
     def __init__(self, client: redis.Redis, cfg: Config, run_id: str, lease: DriverLease,
-                 watch: OutageWatch, samples: list[dict], run_dir: Path,
-                 on_step: StepHook | None = None, on_eval: StepHook | None = None) -> None:
+                 watch: OutageWatch, samples: list[dict[str, object]], run_dir: Path,
+                 on_step: StepHook | None = None, on_eval: EvalHook | None = None) -> None:
         self.client, self.cfg, self.run_id = client, cfg, run_id
         self.lease, self.watch = lease, watch
         self.on_step, self.on_eval = on_step, on_eval

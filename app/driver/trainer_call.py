@@ -28,6 +28,7 @@ import redis
 from celery.exceptions import TimeoutError as CeleryTimeout
 
 from app.config.schema import Config
+from app.driver.metrics import Metrics
 from app.state import keys
 from app.state.records import RoleExit
 
@@ -104,7 +105,7 @@ class RedisOutageEnded(RuntimeError):
 def _await(client: redis.Redis, result: AsyncResult, heartbeat_key: str, timeout_s: float,
            poll_s: float, outage: OutageWatch | None = None,
            each_poll: Callable[[], object] | None = None,
-           run_heartbeats: str | None = None) -> dict:
+           run_heartbeats: str | None = None) -> Metrics:
     """``run_heartbeats``: a key pattern of every trainer task of the run; while one of them
     beats, a task not yet taken waits behind it (the worker runs one task at a time: a
     resumed driver's ``init_run`` behind the step a dead driver sent) instead of timing
@@ -165,7 +166,7 @@ def call_trainer(client: redis.Redis, cfg: Config, task: str, run_id: str, label
                  while_running: Callable[[], object] | None = None,
                  outage: OutageWatch | None = None,
                  after_outage: Callable[[], object] | None = None,
-                 if_lost: str = "") -> dict:
+                 if_lost: str = "") -> Metrics:
     """Run trainer task ``task`` and return its result, re-sending it when the worker dies.
 
     ``while_running`` is called right after the first send and then at every poll: work the

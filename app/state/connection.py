@@ -223,7 +223,7 @@ class ReconnectRetry(Retry):
         self.budget_s = float(budget_s)
         self.outage = outage
 
-    def __deepcopy__(self, memo: dict) -> ReconnectRetry:
+    def __deepcopy__(self, memo: dict[int, object]) -> ReconnectRetry:
         return self
 
     def __eq__(self, other: object) -> bool:
