@@ -213,7 +213,7 @@ class GroupRecord(_HashRecord):
     group_id: str
     run_id: str
     sample_index: int
-    sample: dict = field(default_factory=dict)
+    sample: dict[str, object] = field(default_factory=dict)
     n: int = 1
     seq: int = 0                 # dispatch order within the run (oldest first selection)
     dispatch_step: int = 0       # optimizer steps done when dispatched
@@ -238,7 +238,7 @@ class RunRecord(_HashRecord):
     """A training run. Writer: driver. Readers: every worker (config), ``--resume``."""
 
     run_id: str
-    config: dict = field(default_factory=dict)
+    config: dict[str, object] = field(default_factory=dict)
     mode: str = "async"          # async | sync | eval (an evaluation: app.driver.evaluation)
     temperature: float | None = None  # eval: the sampling temperature of its rollouts
     step: int = 0                # optimizer steps completed
@@ -264,14 +264,14 @@ class RunRecord(_HashRecord):
     carry_unfinished: int = 0
     # the last selection's figures (``app.driver.collector.Selection``), so that a driver
     # resumed after selecting and before the update ended still reports them for that step
-    last_selection: dict = field(default_factory=dict)
+    last_selection: dict[str, object] = field(default_factory=dict)
     # optimizer steps done at the last evaluation reported (-1: none), so that a driver
     # resumed after reporting one (the final, before ``status`` became finished) does not
     # run and report it again
     evaluated_step: int = -1
     # the counters above (n_dropped ...) as the last step's metrics counted them: a resumed
     # driver counts from there, so what happened while no driver ran is in the next step's
-    counted: dict = field(default_factory=dict)
+    counted: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
