@@ -28,6 +28,7 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, TypedDict, Unpack
 
@@ -63,8 +64,9 @@ class PythonController(Controller):
             raise AgentError(f"controller.agent {ref!r} cannot be loaded: {exc}") from None
         self.settings = settings
 
-    def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None,
-            adopted=False):
+    def run(self, sample: dict[str, object], llm: LLMEndpoint, timeout_s: float,
+            clock: PauseAwareClock, cancelled: Callable[[], bool],
+            posted_reward: Callable[[], object] = lambda: None, adopted: bool = False) -> float:
         box: dict[str, Any] = {}
 
         def target() -> None:

@@ -335,8 +335,9 @@ class KubernetesController(Controller):
     def stop(self, rollout_id: str) -> None:
         self._delete(job_name(rollout_id))
 
-    def run(self, sample, llm, timeout_s, clock, cancelled, posted_reward=lambda: None,
-            adopted=False):
+    def run(self, sample: dict[str, object], llm: LLMEndpoint, timeout_s: float,
+            clock: PauseAwareClock, cancelled: Callable[[], bool],
+            posted_reward: Callable[[], object] = lambda: None, adopted: bool = False) -> float:
         self.attempt += 1
         name = job_name(llm.rollout_id)
         if not adopted:
