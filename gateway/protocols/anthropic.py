@@ -138,11 +138,12 @@ def _output_schema(body: Mapping[str, object]) -> dict[str, object] | None:
                        ("output_format", body.get("output_format"))):
         if fmt is None:
             continue
+        schema = fmt.get("schema") if isinstance(fmt, dict) else None
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" \
-                or not isinstance(fmt.get("schema"), dict):
+                or not isinstance(schema, dict):
             raise bad_request(f"{where}: only {{\"type\": \"json_schema\", \"schema\": {{...}}}} "
                               f"is supported by this gateway", param=where)
-        return fmt["schema"]
+        return schema
     return None
 
 
