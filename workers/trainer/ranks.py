@@ -530,8 +530,10 @@ class RayRanks:
     def call(self, method: str, per_rank: PerRank | None = None, **kwargs: object
              ) -> list[Any]:
         n = self.size
+        # verl splits an argument across the ranks only when it is a list
         return self.group.execute_all_sync("run", [method] * n,
-                                           per_rank if per_rank else [()] * n, [kwargs] * n)
+                                           list(per_rank) if per_rank else [()] * n,
+                                           [kwargs] * n)
 
     def close(self) -> None:
         """Kill the rank actors and give their placement group back: its bundles (every
