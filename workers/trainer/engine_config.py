@@ -11,12 +11,12 @@ set. Nothing ever rounds the master weights to the compute dtype.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypedDict
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 
-from app.config.schema import Config
+from app.config.schema import Config, RolloutCorrectionConfig
 from app.config.settings import launcher
 
 if TYPE_CHECKING:
@@ -29,17 +29,6 @@ def pick_device(setting: str) -> str:
     if setting == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return setting
-
-
-class BypassSettings(TypedDict):
-    """``algorithm.rollout_correction`` as verl's ``RolloutCorrectionConfig`` fields."""
-
-    rollout_is: Literal["token", "sequence"] | None
-    rollout_is_threshold: float | None
-    rollout_rs: str | None
-    rollout_rs_threshold: float | str | None
-    bypass_mode: bool
-    loss_type: Literal["ppo_clip", "reinforce"]
 
 
 class LoraSettings(TypedDict):
@@ -82,7 +71,7 @@ class EngineSpec:
     kl_loss_coef: float
     kl_loss_type: str
     # algorithm.rollout_correction in verl's bypass mode, which the loss applies itself
-    bypass: BypassSettings | None = None
+    bypass: RolloutCorrectionConfig | None = None
     # how long a rank may wait in a collective (collective_timeout_s)
     collective_timeout_s: float = 1800.0
     # LoRA (verl's names, actor_rollout_ref.model): rank 0 trains every weight
@@ -166,15 +155,11 @@ def collective_timeout_s(cfg: Config) -> float:
     return max(1800.0, servers * (3 * float(cfg.trainer.reload_timeout_s) + 180.0) + 600.0)
 
 
-def bypass_settings(cfg: Config) -> BypassSettings | None:
-    """``algorithm.rollout_correction`` as verl's ``RolloutCorrectionConfig`` fields when
+def bypass_settings(cfg: Config) -> RolloutCorrectionConfig | None:
+    """``algorithm.rollout_correction`` (verl's ``RolloutCorrectionConfig`` fields) when
     ``bypass_mode`` is on, else None."""
     rc = cfg.algorithm.rollout_correction
-    if not rc.bypass_mode:
-        return None
-    return {"rollout_is": rc.rollout_is, "rollout_is_threshold": rc.rollout_is_threshold,
-            "rollout_rs": rc.rollout_rs, "rollout_rs_threshold": rc.rollout_rs_threshold,
-            "bypass_mode": True, "loss_type": rc.loss_type}
+    return rc if rc.bypass_mode else None
 
 
 def lora_settings(cfg: Config) -> LoraSettings:
@@ -229,7 +214,7 @@ def worker_config(spec: EngineSpec, forward_only: bool) -> TrainingWorkerConfig:
 def actor_config(spec: EngineSpec) -> ActorConfig:
     """verl's ``ActorConfig`` as its ``ppo_loss`` reads it. The batch-size fields are verl's
     validation inputs only: mini- and micro-batches are cut by the controller."""
-    from verl.trainer.config.algorithm import RolloutCorrectionConfig
+    from verl.trainer.config.algorithm import RolloutCorrectionConfig as VerlCorrection
     from verl.workers.config import ActorConfig, PolicyLossConfig
 
     clip = spec.clip_ratio
@@ -237,7 +222,7 @@ def actor_config(spec: EngineSpec) -> ActorConfig:
     # verl's apply_bypass_mode sets it up)
     policy_loss = PolicyLossConfig(loss_mode=spec.loss_mode) if spec.bypass is None else \
         PolicyLossConfig(loss_mode="bypass_mode",
-                         rollout_correction=RolloutCorrectionConfig(**spec.bypass))
+                         rollout_correction=VerlCorrection(**asdict(spec.bypass)))
     return ActorConfig(
         strategy="fsdp", clip_ratio=clip, clip_ratio_low=clip, clip_ratio_high=clip,
         loss_agg_mode=spec.loss_agg_mode, rollout_n=1, ppo_mini_batch_size=1,
