@@ -58,14 +58,15 @@ def wait_for(pred, timeout: float, what: str, poll: float = 0.01, detail=None) -
     return time.monotonic() - start
 
 
-def train_in_thread(run_cfg, run_id: str) -> tuple[threading.Thread, dict]:
+def train_in_thread(run_cfg, run_id: str, on_step=None) -> tuple[threading.Thread, dict]:
     from app.driver.loop import train
 
     out: dict = {}
 
     def target() -> None:
         try:
-            out["result"] = train(run_cfg, run_id=run_id, on_step=lambda s, m: None)
+            out["result"] = train(run_cfg, run_id=run_id,
+                                  on_step=on_step or (lambda s, m: None))
         except BaseException as exc:  # noqa: BLE001 - reported by the test
             out["error"] = exc
 
@@ -208,18 +209,30 @@ def test_a_step_that_kills_every_trainer_fails_the_run_saying_why(stack, tmp_pat
     watcher = threading.Thread(target=celery_workers.watch_forever,
                                kwargs={"every_s": 0.2, "stop": stop.is_set}, daemon=True)
     watcher.start()
-    thread, out = train_in_thread(run_cfg, run_id)
+    adm = Admission(stack)
+    held: list[tuple] = []
+
+    def hold_a_call(step: int, metrics: dict) -> None:
+        # a call held in flight: step 1's drain waits for it, under the pause. Taken here,
+        # before the driver sends step 1 (its groups are often ready by then, and its
+        # update on the tiny model lasts a few tens of ms: too short to catch by polling)
+        if step == 0:
+            held.append(adm.admit(f"{run_id}-inflight-0"))
+
+    thread, out = train_in_thread(run_cfg, run_id, on_step=hold_a_call)
     step_1 = keys.trainer_heartbeat(run_id, "1")
     killed: list[int] = []
     try:
         wait_for(lambda: stack.llen(keys.run_metrics(run_id)) >= 1, 120, "step 0",
                  detail=lambda: _state(stack, celery_workers, run_id))
-        adm = Admission(stack)
         for attempt in range(2):  # trainer.step_retries 1
-            wait_for(lambda: not stack.exists(step_1) and not stack.exists(keys.paused()),
-                     30, "the dead worker's heartbeat and pause to expire")
-            # a call held in flight: the update's drain waits for it, under the pause
-            status, lease, _ = adm.admit(f"{run_id}-inflight-{attempt}")
+            if attempt:
+                wait_for(lambda: not stack.exists(step_1) and not stack.exists(keys.paused()),
+                         30, "the dead worker's heartbeat and pause to expire")
+                status, lease, _ = adm.admit(f"{run_id}-inflight-{attempt}")
+            else:
+                wait_for(lambda: bool(held), 30, "the call held before step 1")
+                status, lease, _ = held[0]
             wait_for(lambda: stack.exists(step_1) and stack.exists(keys.paused()), 180,
                      f"attempt {attempt + 1} at step 1's update", poll=0.002,
                      detail=lambda: _state(stack, celery_workers, run_id))
