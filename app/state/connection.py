@@ -98,11 +98,10 @@ class Outage:
         self.first_error = ""
         self.outages = 0
         self.listeners: list[Callable[[float, float], None]] = []
-        # The server's run_id, to tell a restart from a connection that was merely closed
-        # when a command's only retry was the immediate one (nobody waited through it).
+        # The run_id of the server the last connection connected to (new at each server
+        # start), to tell a restart from a connection that was merely closed when a command's
+        # only retry was the immediate one (nobody waited through it).
         self.server_run_id: str | None = None
-        self._checking = False
-        self._check_server_soon(baseline=True)
 
     def down(self, at: float, error: BaseException, budget_s: float) -> None:
         with self._lock:
@@ -119,46 +118,27 @@ class Outage:
                 return
             began, self.down_since = self.down_since, None
             self.outages += 1
-            # the server's new run_id is a baseline, not a second restart to report
-            self.server_run_id = None
             listeners = list(self.listeners)
         ended = time.time()
         log.warning("Redis at %s back after %.1f s", self.shown, ended - began)
-        self._check_server_soon(baseline=True)  # the restarted server's run_id
         threading.Thread(target=self._record, args=(began, ended), daemon=True,
                          name="redis-outage-record").start()
         for listener in listeners:
             listener(began, ended)
 
-    def reconnected(self) -> None:
-        """A command lost its connection and the immediate retry worked: an idle connection
-        closed, or a restart nobody was waiting through. Checked in the background."""
-        self._check_server_soon()
-
-    def _check_server_soon(self, baseline: bool = False) -> None:
-        with self._lock:
-            if self._checking:
-                return
-            self._checking = True
-        threading.Thread(target=self._check_server, args=(baseline,), daemon=True,
-                         name="redis-restart-check").start()
-
-    def _check_server(self, baseline: bool) -> None:
-        try:
-            client = redis.Redis.from_url(self.url, socket_timeout=5, socket_connect_timeout=5)
-            run_id = str(client.info("server").get("run_id", ""))
-            client.close()
-        except Exception:  # noqa: BLE001 - best effort; a real outage is seen by commands
+    def connected(self, run_id: str | None) -> None:
+        """A connection connected to the server ``run_id`` (None: unknown). A run_id other than
+        the last one seen is a restart: while an outage is in progress its end reports it
+        (``up``); otherwise nobody waited through it (an idle connection closed, or a
+        command's immediate retry worked) and the listeners hear of it here. Read as each
+        connection connects, so no restart falls between two looks at the server."""
+        if not run_id:
             return
-        finally:
-            with self._lock:
-                self._checking = False
         with self._lock:
             before, self.server_run_id = self.server_run_id, run_id
+            if before is None or before == run_id or self.down_since is not None:
+                return
             listeners = list(self.listeners)
-            reported = self.down_since is not None  # an outage in progress reports itself
-        if baseline or before is None or before == run_id or reported:
-            return
         now = time.time()
         log.warning("Redis at %s was restarted (its run_id changed) while no command waited "
                     "for it", self.shown)
@@ -268,8 +248,6 @@ class ReconnectRetry(Retry):
             else:
                 if failures > 1:
                     self.outage.up()
-                elif failures == 1:
-                    self.outage.reconnected()
                 return result
 
 
@@ -298,16 +276,29 @@ def reconnect_options(url: str, reconnect_s: float | None = None) -> ReconnectOp
 
 
 def _connect_hook(outage: Outage) -> Callable[[AbstractConnection], None]:
-    """redis-py's handshake, then a note when a connection connects again: the pool quietly
+    """redis-py's handshake, then the server's run_id for the outage: the pool quietly
     replaces a connection the server closed when it is next taken, so a restart that no
     command waited through shows only there."""
     def on_connect(conn: AbstractConnection) -> None:
         conn.on_connect_check_health(check_health=True)
-        if getattr(conn, "_carryover_connected", False):
-            outage.reconnected()
-        conn._carryover_connected = True
+        outage.connected(_server_run_id(conn))
 
     return on_connect
+
+
+def _server_run_id(conn: AbstractConnection) -> str | None:
+    """The run_id of the server ``conn`` has just connected to; None where INFO is refused
+    (an ACL user without @dangerous), which leaves quick restarts unheard."""
+    conn.send_command("INFO", "server")
+    try:
+        reply = conn.read_response()
+    except redis.ResponseError:
+        return None
+    text = reply.decode() if isinstance(reply, bytes) else str(reply)
+    for line in text.splitlines():
+        if line.startswith("run_id:"):
+            return line.split(":", 1)[1].strip()
+    return None
 
 
 def connect(url: str, max_connections: int = 512, single_connection: bool = False,
