@@ -73,7 +73,8 @@ class GatewayState:
         outage_for(settings.redis_url).listeners.append(self._after_outage)
 
     def _after_outage(self, began: float, ended: float) -> None:
-        # in a thread of its own: the listener runs inside the command that found Redis back
+        # in a thread of its own: the listener runs inside the command (or the connect) that
+        # found Redis back
         threading.Thread(target=self._check_captures, args=(began, ended), daemon=True,
                          name="lost-captures").start()
 

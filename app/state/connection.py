@@ -98,10 +98,11 @@ class Outage:
         self.first_error = ""
         self.outages = 0
         self.listeners: list[Callable[[float, float], None]] = []
-        # The run_id of the server the last connection connected to (new at each server
-        # start), to tell a restart from a connection that was merely closed when a command's
-        # only retry was the immediate one (nobody waited through it).
+        # The run_ids of the servers connections connected to (new at each server start), to
+        # tell a restart from a connection that was merely closed when a command's only
+        # retry was the immediate one (nobody waited through it); the last one seen apart.
         self.server_run_id: str | None = None
+        self._servers: set[str] = set()
 
     def down(self, at: float, error: BaseException, budget_s: float) -> None:
         with self._lock:
@@ -123,27 +124,29 @@ class Outage:
         log.warning("Redis at %s back after %.1f s", self.shown, ended - began)
         threading.Thread(target=self._record, args=(began, ended), daemon=True,
                          name="redis-outage-record").start()
-        for listener in listeners:
-            listener(began, ended)
+        _tell(listeners, began, ended)
 
     def connected(self, run_id: str | None) -> None:
-        """A connection connected to the server ``run_id`` (None: unknown). A run_id other than
-        the last one seen is a restart: while an outage is in progress its end reports it
-        (``up``); otherwise nobody waited through it (an idle connection closed, or a
-        command's immediate retry worked) and the listeners hear of it here. Read as each
-        connection connects, so no restart falls between two looks at the server."""
+        """A connection connected to the server ``run_id`` (None: unknown). A run_id not seen
+        before, after another, is a restart: while an outage is in progress (or one a
+        command gave up on) its end reports it (``up``); otherwise nobody waited through it
+        (an idle connection closed, or a command's immediate retry worked) and the
+        listeners hear of it here, once. Read as each connection connects, so no restart
+        falls between two looks at the server."""
         if not run_id:
             return
         with self._lock:
-            before, self.server_run_id = self.server_run_id, run_id
-            if before is None or before == run_id or self.down_since is not None:
+            self.server_run_id = run_id
+            new = run_id not in self._servers
+            first = not self._servers
+            self._servers.add(run_id)
+            if not new or first or self.down_since is not None:
                 return
             listeners = list(self.listeners)
         now = time.time()
         log.warning("Redis at %s was restarted (its run_id changed) while no command waited "
                     "for it", self.shown)
-        for listener in listeners:
-            listener(now, now)
+        _tell(listeners, now, now)
 
     def gave_up(self, budget_s: float) -> None:
         log.error("Redis at %s still unreachable after %.0f s (redis.reconnect_s): giving up",
@@ -167,6 +170,16 @@ class Outage:
             client.close()
         except Exception as exc:  # noqa: BLE001 - a record must never break the client
             log.info("could not record the Redis outage: %s", exc)
+
+
+def _tell(listeners: list[Callable[[float, float], None]], began: float, ended: float) -> None:
+    """Each listener in turn; one that raises is logged and fails neither the others nor the
+    command (or connect) that found Redis back, which they run inside."""
+    for listener in listeners:
+        try:
+            listener(began, ended)
+        except Exception:  # noqa: BLE001 - a listener's bug must not fail a Redis command
+            log.exception("a Redis outage listener failed")
 
 
 OUTAGES_KEPT = 100  # outage records kept in Redis (one per process and outage)
@@ -246,7 +259,8 @@ class ReconnectRetry(Retry):
                 if failures > 1:
                     time.sleep(min(self._backoff.compute(failures - 1), left))
             else:
-                if failures > 1:
+                # an outage a command gave up on ends with the next command that works
+                if failures > 1 or self.outage.down_since is not None:
                     self.outage.up()
                 return result
 
@@ -288,8 +302,12 @@ def _connect_hook(outage: Outage) -> Callable[[AbstractConnection], None]:
 
 def _server_run_id(conn: AbstractConnection) -> str | None:
     """The run_id of the server ``conn`` has just connected to; None where INFO is refused
-    (an ACL user without @dangerous), which leaves quick restarts unheard."""
-    conn.send_command("INFO", "server")
+    (an ACL user without @dangerous), which leaves quick restarts unheard. A PING goes
+    first, in the same round trip: a server still loading its AOF answers INFO but not
+    PING, and its LOADING error takes the command's outage path, which reports the restart
+    once, when the server is ready."""
+    conn.send_packed_command(conn.pack_commands([("PING",), ("INFO", "server")]))
+    conn.read_response()  # BusyLoadingError while loading: redis-py drops the connection
     try:
         reply = conn.read_response()
     except redis.ResponseError:

@@ -98,7 +98,8 @@ class PublishedVersion:
 
     def check_soon(self, client: redis.Redis) -> None:
         """From an outage listener: in a thread of its own, since the listener runs inside
-        the command that found Redis back (and may hold its only connection)."""
+        the command (or the connect) that found Redis back, and may hold its only
+        connection."""
         def run() -> None:
             try:
                 self.check(client)

@@ -202,7 +202,7 @@ def test_a_restart_no_command_waited_through_is_heard(server):
     assert len(heard) == 1
 
 
-def test_a_restart_is_heard_when_the_process_first_looked_while_redis_was_down(server):
+def test_a_quick_restart_is_heard_when_the_process_started_before_its_redis(server):
     """A process that starts before its Redis (honcho starts everything at once) and meets a
     quick restart later still hears it: the server a connection talks to is read as the
     connection connects, not by a look that may have come too early or too late."""
@@ -221,6 +221,58 @@ def test_a_restart_is_heard_when_the_process_first_looked_while_redis_was_down(s
     while not heard:
         assert time.monotonic() < deadline, "the restart went unnoticed"
         time.sleep(0.1)
+
+
+def test_an_outage_given_up_on_still_ends_and_later_restarts_are_heard(server):
+    """A command that gave up (its budget spent) leaves the outage open; the next command
+    that works ends it, so its listeners hear of it and of the restarts after it."""
+    from app.state.connection import outage_for
+
+    client = connect(server.url, reconnect_s=1)
+    client.ping()
+    heard: list[tuple[float, float]] = []
+    outage_for(server.url).listeners.append(lambda began, ended: heard.append((began, ended)))
+    server.kill()
+    with pytest.raises(redis.ConnectionError):
+        client.get("k")
+    server.start()
+    assert client.get("k") is None  # a new connection: the command itself meets no failure
+    assert len(heard) == 1 and outage_for(server.url).down_since is None
+    restart_after(server, 0.2)
+    client.set("after", "1")
+    assert len(heard) == 2
+
+
+def test_a_restart_is_heard_once_whatever_order_connections_report_servers_in():
+    """Connections to the old server and the new one may connect in any order (one that
+    reached the old server just before the crash reports after one that reached the new)."""
+    from app.state.connection import Outage
+
+    outage = Outage("redis://127.0.0.1:1/0")
+    heard: list[float] = []
+    outage.listeners.append(lambda began, ended: heard.append(began))
+    for run_id in ["first", "second", "first", "second", None, "second"]:
+        outage.connected(run_id)
+    assert len(heard) == 1
+
+
+def test_a_listener_that_raises_fails_neither_the_command_nor_the_other_listeners(caplog):
+    from app.state.connection import Outage
+
+    outage = Outage("redis://127.0.0.1:1/0")
+    heard: list[float] = []
+
+    def broken(began: float, ended: float) -> None:
+        raise RuntimeError("a broken listener")
+
+    outage.listeners += [broken, lambda began, ended: heard.append(began)]
+    caplog.set_level(logging.ERROR, logger="app.state.connection")
+    outage.connected("first")
+    outage.connected("second")  # a restart nobody waited through
+    outage.down(time.time(), redis.ConnectionError("refused"), 5.0)
+    outage.up()  # an outage a command waited through
+    assert len(heard) == 2
+    assert sum("a broken listener" in r.getMessage() + str(r.exc_info) for r in caplog.records) == 2
 
 
 def test_a_connection_closed_while_idle_is_not_an_outage(server, caplog):
