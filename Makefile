@@ -7,11 +7,12 @@ setup:
 demo: setup
 	@.venv/bin/carryover demo $(ARGS)
 
+# two workers: the multi-host tests beside the rest (tests/conftest.py says why)
 test: setup
-	@.venv/bin/python -m pytest $(ARGS)
+	@.venv/bin/python -m pytest -n 2 --dist loadgroup $(ARGS)
 
 test-fast: setup
-	@.venv/bin/python -m pytest --fast $(ARGS)
+	@.venv/bin/python -m pytest -n 2 --dist loadgroup --fast $(ARGS)
 
 up: setup
 	@PATH="$(CURDIR)/.venv/bin:$$PATH" .venv/bin/honcho start
