@@ -68,11 +68,42 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt(f"signal {signum}")
 
 
+def _interrupt_once(signum: int, frame: object) -> None:
+    """A pytest-xdist worker: the first SIGTERM or SIGINT stops its tests; later ones (the
+    controller passes its own on, and a terminal's Ctrl-C reaches every process of the
+    group) are ignored, so that the teardown stops every service the fixtures started."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _pass_on(signum: int, frame: object) -> None:
+    """The pytest-xdist controller: interrupted itself, it gives its workers 10 s and then
+    kills them, mid-teardown (a stack's roles get 20 s each to stop). So the first signal
+    goes to the workers instead, and the run ends when they have torn down; a second one
+    interrupts the controller at once."""
+    import psutil
+
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for worker in psutil.Process().children():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            worker.send_signal(signal.SIGTERM)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # The stacks the fixtures start run in their own sessions. A pytest stopped with SIGTERM
     # (``timeout``, a CI runner) would exit without fixture teardown and leave them running;
     # as a KeyboardInterrupt, pytest still tears its fixtures down.
-    signal.signal(signal.SIGTERM, _interrupt)
+    if hasattr(config, "workerinput"):
+        signal.signal(signal.SIGTERM, _interrupt_once)
+        signal.signal(signal.SIGINT, _interrupt_once)
+    elif getattr(config.option, "dist", "no") != "no" and getattr(
+            config.option, "numprocesses", None):
+        signal.signal(signal.SIGTERM, _pass_on)
+        signal.signal(signal.SIGINT, _pass_on)
+    else:
+        signal.signal(signal.SIGTERM, _interrupt)
     _TMP.mkdir(mode=0o700)
 
 
@@ -100,7 +131,9 @@ _KEPT: list[str] = []  # the log directories this run keeps (its workers' too)
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node: object, error: object) -> None:
-    _KEPT.extend(getattr(node, "workeroutput", {}).get("carryover_kept_logs", []))
+    # heard twice for a worker that was interrupted (finished, then reported down)
+    _KEPT.extend(kept for kept in getattr(node, "workeroutput", {}).get(
+        "carryover_kept_logs", []) if kept not in _KEPT)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -123,15 +156,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # ``make test`` runs two pytest-xdist workers (``-n 2 --dist loadgroup``) and two groups of
-# tests, one per worker, each in collection order. The second worker takes the multi-host
-# tests, which spend most of their time waiting out partitions in network namespaces of their
-# own, then the unit tests and the benchmarks' smoke tests, so that both end at about the same
-# time; the first takes every other test. (The serial suite kept 2 cores busy 40% of its
-# wall time; with the multi-host tests alone on the second worker, the first ran 10 minutes
-# past it.) The groups are set here by path: pytest-xdist's own ``xdist_group`` mark renames
-# ``item._nodeid``, which pytest 9 no longer reads, so its groups never form.
-SECOND_WORKER = re.compile(
-    r"^tests/((faults|integration)/test_multihost|unit/|integration/test_bench\.py)")
+# tests, one per worker, each in collection order: the multi-host tests, which spend most of
+# their time waiting out partitions in network namespaces of their own, then the unit tests;
+# and every other test. The serial suite kept 2 cores busy 40% of its wall time; with the
+# multi-host tests alone in their group, the other group ran 10 minutes longer. The groups
+# are set here by path: pytest-xdist's own ``xdist_group`` mark renames ``item._nodeid``,
+# which pytest 9 no longer reads, so its groups never form. Each worker sends its whole
+# group at once, so ``-x`` stops only the worker that failed.
+SECOND_GROUP = re.compile(r"^tests/((faults|integration)/test_multihost|unit/)")
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -142,7 +174,7 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
 
     class TwoGroups(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return "second" if SECOND_WORKER.match(nodeid) else "first"
+            return "second" if SECOND_GROUP.match(nodeid) else "first"
 
     return TwoGroups(config, log)
 

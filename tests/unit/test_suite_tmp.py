@@ -66,3 +66,68 @@ def test_a_process_that_only_imports_the_conftest_leaves_nothing(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert _left(tmp_path) == []
+
+
+# one small test file in each of make test's two worker groups (tests/conftest.py), each
+# starting Redis: the second group takes the unit tests, the first the integration ones
+TWO_GROUPS = ["tests/unit/test_step_memo.py", "tests/integration/test_carry_counts.py"]
+
+
+def test_under_two_workers_a_failing_run_names_each_workers_kept_logs(tmp_path):
+    (tmp_path / "fail_every_test.py").write_text(FAIL_EVERY_TEST)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+           "TMPDIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                          "-p", "fail_every_test", "-n", "2", "--dist", "loadgroup",
+                          *TWO_GROUPS], cwd=REPO, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 1, out.stdout + out.stderr
+    kept = [p for p in _left(tmp_path) if (p / "logs" / "redis.log").is_file()]
+    assert len(kept) == 2, (_left(tmp_path), out.stdout)  # one per worker
+    for directory in kept:
+        assert f"services' logs kept in {directory / 'logs'}" in out.stdout
+
+
+# Each test waits to be stopped; each worker's session ends with a teardown longer than the
+# 10 s pytest-xdist gives an interrupted worker before it kills it.
+SLOW_TEARDOWN = """
+import os, time
+from pathlib import Path
+import pytest
+
+OUT = Path(os.environ["PROBE_OUT"])
+
+@pytest.fixture(autouse=True, scope="session")
+def _slow_teardown():
+    yield
+    time.sleep(15)
+    (OUT / f"torn-down-{os.getpid()}").write_text("")
+
+def pytest_runtest_call(item):
+    (OUT / f"running-{os.getpid()}").write_text("")
+    time.sleep(300)
+"""
+
+
+def test_a_terminated_two_worker_run_lets_each_worker_tear_down(tmp_path):
+    import signal
+    import time
+
+    (tmp_path / "slow_teardown.py").write_text(SLOW_TEARDOWN)
+    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+           "TMPDIR": str(tmp_path), "PYTHONPATH": str(tmp_path), "PROBE_OUT": str(tmp_path)}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                             "-p", "slow_teardown", "-n", "2", "--dist", "loadgroup",
+                             *TWO_GROUPS], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("running-*"))) < 2:
+            assert time.monotonic() < deadline and proc.poll() is None, "the tests never ran"
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)  # as `timeout` or a CI runner stops a run
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert len(list(tmp_path.glob("torn-down-*"))) == 2, out
+    assert proc.returncode != 0
