@@ -7,7 +7,7 @@ setup:
 demo: setup
 	@.venv/bin/carryover demo $(ARGS)
 
-# two workers: the multi-host tests beside the rest (tests/conftest.py says why)
+# two workers, each with its group of tests (tests/conftest.py says which and why)
 test: setup
 	@.venv/bin/python -m pytest -n 2 --dist loadgroup $(ARGS)
 

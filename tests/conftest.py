@@ -107,6 +107,9 @@ def pytest_configure(config: pytest.Config) -> None:
     _TMP.mkdir(mode=0o700)
 
 
+_KEPT: list[str] = []  # the log directories this run keeps (its workers' too)
+
+
 @pytest.hookimpl(trylast=True)  # after the session fixtures' teardown stopped the services
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # A passing run leaves nothing in the temp directory (its Redis data and service logs
@@ -124,9 +127,6 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     else:
         for kept in _KEPT:
             session.config.get_terminal_writer().line(f"\nservices' logs kept in {kept}")
-
-
-_KEPT: list[str] = []  # the log directories this run keeps (its workers' too)
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -161,8 +161,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # and every other test. The serial suite kept 2 cores busy 40% of its wall time; with the
 # multi-host tests alone in their group, the other group ran 10 minutes longer. The groups
 # are set here by path: pytest-xdist's own ``xdist_group`` mark renames ``item._nodeid``,
-# which pytest 9 no longer reads, so its groups never form. Each worker sends its whole
-# group at once, so ``-x`` stops only the worker that failed.
+# which pytest 9 no longer reads, so its groups never form. pytest-xdist sends each worker
+# its whole group at once, so ``-x`` stops only the worker that failed.
 SECOND_GROUP = re.compile(r"^tests/((faults|integration)/test_multihost|unit/)")
 
 

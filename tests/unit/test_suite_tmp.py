@@ -16,15 +16,28 @@ NO_SERVICE = "tests/unit/test_free_port.py"
 FAIL_EVERY_TEST = "def pytest_runtest_call(item):\n    raise AssertionError('made to fail')\n"
 
 
-def _pytest(tmp_path: Path, target: str, fail: bool = False) -> subprocess.CompletedProcess:
+# make test's two workers, one per group of tests (tests/conftest.py)
+TWO_WORKERS = ("-n", "2", "--dist", "loadgroup")
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    """The environment of a pytest run inside this test: its temp directory under
+    ``tmp_path``, plugins importable from there, and not the options of the pytest running
+    this test (a report file it writes, say)."""
+    return {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
+            "TMPDIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}
+
+
+def _command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args]
+
+
+def _pytest(tmp_path: Path, *targets: str, fail: bool = False,
+            options: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     (tmp_path / "fail_every_test.py").write_text(FAIL_EVERY_TEST)
-    # not the options of the pytest running this test (a report file it writes, say)
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
-           "TMPDIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}
     plugin = ["-p", "fail_every_test"] if fail else []
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          *plugin, target], cwd=REPO, env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(_command(*plugin, *options, *targets), cwd=REPO, env=_env(tmp_path),
+                         capture_output=True, text=True, timeout=300)
     assert out.returncode == (1 if fail else 0), out.stdout + out.stderr
     return out
 
@@ -74,14 +87,7 @@ TWO_GROUPS = ["tests/unit/test_step_memo.py", "tests/integration/test_carry_coun
 
 
 def test_under_two_workers_a_failing_run_names_each_workers_kept_logs(tmp_path):
-    (tmp_path / "fail_every_test.py").write_text(FAIL_EVERY_TEST)
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
-           "TMPDIR": str(tmp_path), "PYTHONPATH": str(tmp_path)}
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          "-p", "fail_every_test", "-n", "2", "--dist", "loadgroup",
-                          *TWO_GROUPS], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 1, out.stdout + out.stderr
+    out = _pytest(tmp_path, *TWO_GROUPS, fail=True, options=TWO_WORKERS)
     kept = [p for p in _left(tmp_path) if (p / "logs" / "redis.log").is_file()]
     assert len(kept) == 2, (_left(tmp_path), out.stdout)  # one per worker
     for directory in kept:
@@ -114,12 +120,9 @@ def test_a_terminated_two_worker_run_lets_each_worker_tear_down(tmp_path):
     import time
 
     (tmp_path / "slow_teardown.py").write_text(SLOW_TEARDOWN)
-    env = {**{k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"},
-           "TMPDIR": str(tmp_path), "PYTHONPATH": str(tmp_path), "PROBE_OUT": str(tmp_path)}
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                             "-p", "slow_teardown", "-n", "2", "--dist", "loadgroup",
-                             *TWO_GROUPS], cwd=REPO, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(_command("-p", "slow_teardown", *TWO_WORKERS, *TWO_GROUPS),
+                            cwd=REPO, env={**_env(tmp_path), "PROBE_OUT": str(tmp_path)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
         while len(list(tmp_path.glob("running-*"))) < 2:
